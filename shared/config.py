@@ -1,0 +1,133 @@
+"""The model's hyperparameters, shared by every port and stored in the weights file.
+
+Defaults are the seed's TinyModel (GPT-2-shaped: LayerNorm, learned positions,
+exact-erf GELU, untied head, biases everywhere). The other fields describe the
+families the same code also runs: GPT-2 (tanh GELU, tied head), Llama (RMSNorm,
+RoPE, SwiGLU, GQA/MQA, no biases) and Mistral (Llama plus a sliding window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from shared.errors import UserError
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rope")
+DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 500
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 2
+    max_seq_len: int = 512
+    n_kv_heads: Optional[int] = None  # None: = n_heads (MHA); 1: MQA; between: GQA
+    activation: str = "gelu"  # exact erf GELU, as the seed's nn.GELU()
+    ffn_hidden: Optional[int] = None  # None: 4 * d_model
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    positions: str = "learned"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    attn_bias: bool = True  # bias on qkv and proj
+    ffn_bias: bool = True
+    sliding_window: Optional[int] = None  # None: full causal attention
+    dropout: float = 0.0  # training-only; generation always runs in eval mode
+
+    # Derived sizes, so no port recomputes them its own way.
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        return 4 * self.d_model if self.ffn_hidden is None else self.ffn_hidden
+
+    @property
+    def qkv_dim(self) -> int:
+        # q, then k, then v, fused along the output dim as in the seed's qkv Linear.
+        return (self.n_heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def family(self) -> str:
+        if self.positions == "learned":
+            return "gpt2" if self.activation == "gelu_tanh" and self.tie_embeddings else "seed-gpt"
+        return "mistral" if self.sliding_window is not None else "llama"
+
+    def validate(self) -> "ModelConfig":
+        def positive_int(name: str, value: Any) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"config field {name}={value!r} must be an integer >= 1")
+
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len"):
+            positive_int(name, getattr(self, name))
+        if self.d_model % self.n_heads:
+            raise UserError(f"config d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_kv_heads is not None:
+            positive_int("n_kv_heads", self.n_kv_heads)
+            if self.n_heads % self.n_kv_heads:
+                raise UserError(f"config n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.ffn_hidden is not None:
+            positive_int("ffn_hidden", self.ffn_hidden)
+        if self.sliding_window is not None:
+            positive_int("sliding_window", self.sliding_window)
+        for name, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("positions", POSITIONS)):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"config {name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise UserError(f"config head_dim={self.head_dim} must be even for rope positions")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise UserError(f"config field {name}={value!r} must be a number > 0")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"config field dropout={self.dropout!r} must be in [0, 1)")
+        for name in ("tie_embeddings", "attn_bias", "ffn_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"config field {name}={getattr(self, name)!r} must be true or false")
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"config metadata is not valid JSON ({exc})") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise UserError(f"config metadata must be a JSON object, got {type(data).__name__}")
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UserError(f"config metadata has unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        # Absent fields take the seed's values, so older files stay valid.
+        return cls(**data).validate()
+
+
+def cache_slots(config: ModelConfig, total_len: int) -> int:
+    """How many positions the KV cache holds: all of them, or a ring of `sliding_window`."""
+    if config.sliding_window is not None:
+        return min(config.sliding_window, total_len)
+    return total_len
+
+
+def kv_cache_bytes(config: ModelConfig, batch: int, total_len: int, itemsize: int) -> int:
+    """Bytes of the k and v buffers (the slot-position vector is negligible and not counted)."""
+    return 2 * config.n_layers * batch * config.kv_heads * cache_slots(config, total_len) * config.head_dim * itemsize

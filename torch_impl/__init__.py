@@ -1,0 +1,1 @@
+"""The PyTorch port: the reference the other two are checked against."""

@@ -1,0 +1,236 @@
+"""The reference port: the seed's TinyModel in PyTorch, with a preallocated KV cache.
+
+Read it beside jax_impl/model.py and numpy_impl/model.py: the same names in the
+same order; only what the framework forces differs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shared.config import ModelConfig
+from shared.config import cache_slots
+
+
+@dataclass
+class KVCache:
+    # Written in place by position; PyTorch lets us mutate the buffers we preallocated.
+    keys: torch.Tensor  # [L, B, Hkv, S, Dh], S = slots (prompt + new tokens, or the window)
+    values: torch.Tensor  # [L, B, Hkv, S, Dh]
+    slot_positions: torch.Tensor  # [S] int64: the position each slot holds, -1 while empty
+    length: int  # tokens seen so far = the position of the next token
+
+
+def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: torch.dtype) -> KVCache:
+    slots = cache_slots(config, total_len)
+    shape = (config.n_layers, batch, config.kv_heads, slots, config.head_dim)
+    return KVCache(
+        keys=torch.zeros(shape, dtype=dtype),
+        values=torch.zeros(shape, dtype=dtype),
+        slot_positions=torch.full((slots,), -1, dtype=torch.int64),
+        length=0,
+    )
+
+
+def token_positions(start: int, length: int) -> torch.Tensor:
+    # Pitfall 1: in cache mode the new tokens' positions start at the cache length, not 0.
+    return torch.arange(start, start + length)  # [T]
+
+
+def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    # Built from positions, not indices: the same rule serves a full prompt, a cached step
+    # and a ring buffer. With keys 0..S-1 and queries S-T..S-1 it is the seed's
+    # triu(ones(T, S), diagonal=S - T + 1), inverted (True here means visible).
+    visible = (key_positions[None, :] <= query_positions[:, None]) & (key_positions[None, :] >= 0)  # [T, S]
+    if window is not None:
+        visible = visible & (key_positions[None, :] > query_positions[:, None] - window)  # [T, S]
+    return visible
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [Dh/2]
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, Dh/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [T, Dh]
+    return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Half-split rotation, the layout Hugging Face's Llama checkpoints use.
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [B, H, T, Dh]
+    return x * cos + rotated * sin  # [B, H, T, Dh]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight  # [B, T, D]
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+
+
+class FeedForward(nn.Module):
+    """Seed: Sequential(Linear(d, 4d), GELU(), Linear(4d, d)); `0` and `2` keep its names.
+    SwiGLU fuses gate and up into `0` (gate first), as qkv fuses q, k and v."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.activation = config.activation
+        gated = 2 if config.activation == "swiglu" else 1
+        self.add_module("0", nn.Linear(config.d_model, gated * config.hidden, bias=config.ffn_bias))
+        self.add_module("2", nn.Linear(config.hidden, config.d_model, bias=config.ffn_bias))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = getattr(self, "0")(x)  # [B, T, hidden] (swiglu: [B, T, 2 * hidden])
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)  # [B, T, hidden] each
+            h = F.silu(gate) * up
+        elif self.activation == "gelu_tanh":
+            h = F.gelu(h, approximate="tanh")
+        else:
+            h = F.gelu(h)  # exact erf form, as the seed's nn.GELU()
+        return getattr(self, "2")(h)  # [B, T, D]
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        # Construction order is the seed's: it fixes which random numbers each weight gets.
+        self.ln1, self.ln2 = make_norm(config), make_norm(config)
+        self.qkv = nn.Linear(config.d_model, config.qkv_dim, bias=config.attn_bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.attn_bias)
+        self.ffn = FeedForward(config)
+        self.dropout = nn.Dropout(config.dropout)  # pitfall 3: active only in train mode
+
+    def attention(self, x, positions, rope, cache: Optional[KVCache], layer: int) -> torch.Tensor:
+        config = self.config
+        B, T, D = x.shape
+        H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
+        q, k, v = self.qkv(x).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+        q = q.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
+        k = k.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
+        v = v.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is None:
+            keys, values, key_positions = k, v, positions  # [B, Hkv, T, Dh], [T]
+        else:
+            # Attend over the slots as they were plus this chunk, then write the chunk:
+            # a ring buffer may overwrite slots that this chunk's first queries still need.
+            keys = torch.cat([cache.keys[layer], k], dim=2)  # [B, Hkv, S + T, Dh]
+            values = torch.cat([cache.values[layer], v], dim=2)  # [B, Hkv, S + T, Dh]
+            key_positions = torch.cat([cache.slot_positions, positions])  # [S + T]
+            write_cache(cache, layer, k, v, positions)
+        visible = attention_mask(positions, key_positions, config.sliding_window)  # [T, S']
+        # GQA: each group of H / Hkv query heads shares one k/v head; grouping avoids a copy.
+        q = q.view(B, Hkv, H // Hkv, T, Dh)  # [B, Hkv, G, T, Dh]
+        scores = q @ keys.unsqueeze(2).transpose(-2, -1) / math.sqrt(Dh)  # [B, Hkv, G, T, S']
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)  # [B, Hkv, G, T, S']
+        out = probs @ values.unsqueeze(2)  # [B, Hkv, G, T, Dh]
+        out = out.reshape(B, H, T, Dh).transpose(1, 2).reshape(B, T, D)  # [B, T, D]
+        return self.proj(out)  # [B, T, D]
+
+    def forward(self, x, positions, rope, cache: Optional[KVCache], layer: int) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.ln1(x), positions, rope, cache, layer))  # [B, T, D]
+        return x + self.dropout(self.ffn(self.ln2(x)))  # [B, T, D]
+
+
+def write_cache(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    slots = cache.keys.shape[3]
+    keep = min(k.shape[2], slots)  # a chunk longer than a ring keeps only its newest tokens
+    slot_index = positions[-keep:] % slots  # [keep]; without a window, slot == position
+    cache.keys[layer][:, :, slot_index] = k[:, :, -keep:]
+    cache.values[layer][:, :, slot_index] = v[:, :, -keep:]
+
+
+class TinyModel(nn.Module):
+    def __init__(self, config: ModelConfig = ModelConfig()):
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab_size, config.d_model)
+        if config.positions == "learned":
+            self.pos = nn.Embedding(config.max_seq_len, config.d_model)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layers)])
+        self.ln = make_norm(config)
+        if not config.tie_embeddings:
+            self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.forward_calls = 0  # counted so a test can see prefill is one call
+
+    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None):
+        self.forward_calls += 1
+        config = self.config
+        B, T = tokens.shape
+        start = 0 if cache is None else cache.length
+        positions = token_positions(start, T)  # [T]
+        x = self.emb(tokens)  # [B, T, D]
+        rope = None
+        if config.positions == "learned":
+            x = x + self.pos.weight[positions]  # [B, T, D]
+        else:
+            rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [T, Dh]
+        for layer, block in enumerate(self.blocks):
+            x = block(x, positions, rope, cache, layer)  # [B, T, D]
+        if cache is not None:
+            # Slot positions change only after every layer has read the old ones.
+            slots = cache.slot_positions.shape[0]
+            keep = min(T, slots)
+            cache.slot_positions[positions[-keep:] % slots] = positions[-keep:]
+            cache.length = start + T
+        x = self.ln(x)  # [B, T, D]
+        head_weight = self.emb.weight if config.tie_embeddings else self.head.weight  # [V, D]
+        return x @ head_weight.T, cache  # [B, T, V]
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)  # [B, V] -> [B]
+
+
+@torch.inference_mode()
+def generate_naive(model: TinyModel, prompt: torch.Tensor, new_tokens: int, return_logits: bool = False):
+    """Recompute the whole history every step: O(n^2) work per token."""
+    model.eval()  # pitfall 3: dropout off, or the two paths disagree
+    tokens = prompt  # [B, P]
+    step_logits = []
+    for _ in range(new_tokens):
+        logits, _ = model(tokens)  # [B, t, V]
+        step_logits.append(logits[:, -1])
+        tokens = torch.cat([tokens, greedy(logits[:, -1])[:, None]], dim=1)  # [B, t + 1]
+    return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
+
+
+@torch.inference_mode()
+def generate_cached(model: TinyModel, prompt: torch.Tensor, new_tokens: int, return_logits: bool = False, prefill: bool = True):
+    """Prefill the prompt in one forward, then one token per step against the cache.
+    prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
+    model.eval()  # pitfall 3: dropout off, or the two paths disagree
+    B, P = prompt.shape
+    cache = init_cache(model.config, B, P + new_tokens, model.emb.weight.dtype)
+    if prefill:
+        logits, cache = model(prompt, cache)  # [B, P, V]
+    else:
+        for i in range(P):
+            logits, cache = model(prompt[:, i : i + 1], cache)  # [B, 1, V]
+    tokens = torch.empty((B, P + new_tokens), dtype=prompt.dtype)  # [B, P + N]
+    tokens[:, :P] = prompt
+    step_logits = []
+    for step in range(new_tokens):
+        if step > 0:
+            logits, cache = model(tokens[:, P + step - 1 : P + step], cache)  # [B, 1, V]
+        step_logits.append(logits[:, -1])
+        tokens[:, P + step] = greedy(logits[:, -1])
+    return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
