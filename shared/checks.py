@@ -1,0 +1,63 @@
+"""Input checks that run before any framework code.
+
+JAX clamps an out-of-range gather or cache write without a word and NumPy wraps a
+negative index, so a bad id would give plausible, wrong tokens. Every check lives
+here, once, and every port gets the same message.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import numpy as np
+
+from shared.config import ModelConfig
+from shared.errors import UserError
+
+SEED_PROMPT = (160, 248, 104, 209, 394)
+
+
+def parse_prompt(text: str) -> List[int]:
+    """'1,2,3' -> [1, 2, 3]; anything but comma-separated integers is refused."""
+    parts = [part.strip() for part in text.split(",")]
+    if parts == [""]:
+        raise UserError("empty prompt: give at least one token id")
+    ids = []
+    for part in parts:
+        if part == "":
+            raise UserError(f"prompt {text!r} has an empty token id (stray comma?)")
+        try:
+            ids.append(int(part, 10))
+        except ValueError:
+            raise UserError(f"prompt token {part!r} is not an integer") from None
+    return ids
+
+
+def check_new_tokens(new_tokens: object) -> int:
+    if not isinstance(new_tokens, (int, np.integer)) or isinstance(new_tokens, bool):
+        raise UserError(f"new tokens {new_tokens!r} is not an integer")
+    if new_tokens < 1:
+        raise UserError(f"new tokens {new_tokens} is below 1")
+    return int(new_tokens)
+
+
+def check_prompts(prompts: Sequence[Sequence[object]], config: ModelConfig, new_tokens: object) -> np.ndarray:
+    """The prompts as one int64 batch [B, P], or a UserError naming the value and the limit."""
+    new_tokens = check_new_tokens(new_tokens)
+    if len(prompts) == 0:
+        raise UserError("no prompt given")
+    for index, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise UserError(f"prompt {index} is empty: give at least one token id")
+        for token in prompt:
+            if not isinstance(token, (int, np.integer)) or isinstance(token, bool):
+                raise UserError(f"token id {token!r} in prompt {index} is not an integer")
+            if not 0 <= token < config.vocab_size:
+                raise UserError(f"token id {token} in prompt {index} is outside [0, {config.vocab_size}) (vocab_size {config.vocab_size})")
+    lengths = sorted({len(prompt) for prompt in prompts})
+    if len(lengths) > 1:
+        raise UserError(f"prompts have unequal lengths {lengths}; a batch needs equal lengths")
+    total = lengths[0] + new_tokens
+    if total > config.max_seq_len:
+        raise UserError(f"prompt length {lengths[0]} + new tokens {new_tokens} = {total} exceeds max_seq_len {config.max_seq_len}")
+    return np.asarray([[int(token) for token in prompt] for prompt in prompts], dtype=np.int64)  # [B, P]

@@ -1,0 +1,40 @@
+"""Ports are imported by name, lazily: an install without JAX (or torch) still runs
+the others and reports the missing one as unavailable."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Dict, Optional
+
+PORTS = ("torch", "jax", "numpy")
+REFERENCE = "torch"
+MODULES = {"torch": "torch_impl.port", "jax": "jax_impl.port", "numpy": "numpy_impl.port"}
+
+
+class PortUnavailable(RuntimeError):
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"framework {name!r} is not available ({reason})")
+        self.name = name
+        self.reason = reason
+
+
+_loaded: Dict[str, ModuleType] = {}
+
+
+def load_port(name: str) -> ModuleType:
+    if name not in MODULES:
+        raise PortUnavailable(name, f"known frameworks: {', '.join(PORTS)}")
+    if name not in _loaded:
+        try:
+            _loaded[name] = importlib.import_module(MODULES[name])
+        except ImportError as exc:
+            raise PortUnavailable(name, str(exc)) from None
+    return _loaded[name]
+
+
+def available_port(name: str) -> Optional[ModuleType]:
+    try:
+        return load_port(name)
+    except PortUnavailable:
+        return None
