@@ -1,0 +1,27 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create the
+# virtualenv first. torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-fast bench plots clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[all]'
+	touch $@
+
+demo: setup
+	$(BIN)/kvports compare
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
