@@ -1,0 +1,1 @@
+"""The NumPy port: plain arrays on the CPU, checked against the PyTorch reference."""
