@@ -27,7 +27,7 @@ def test_generate_json_is_one_object_with_the_contract_fields(capsys, framework,
                             "--prompt", "160,248,104,209,394", "--prompt", "1,2,3,4,5", "--new-tokens", "6"], capsys)
     assert code == 0
     result = json.loads(out)
-    assert set(result) == {"framework", "mode", "dtype", "tokens", "seconds"}
+    assert {"framework", "mode", "dtype", "tokens", "seconds"} <= set(result)
     assert (result["framework"], result["mode"], result["dtype"]) == (framework, mode, dtype)
     assert result["seconds"] > 0
     assert [len(row) for row in result["tokens"]] == [11, 11]
