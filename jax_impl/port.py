@@ -1,0 +1,103 @@
+"""What the command line, the tests and the benchmark call: NumPy in, NumPy out.
+The same five names in every port; only the framework calls differ."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+from flax import nnx
+
+from shared.config import ModelConfig
+from jax_impl.model import TinyModel, generate_cached, generate_naive
+
+NAME = "jax"
+JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64}
+
+
+def versions() -> Dict[str, str]:
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__}
+
+
+def resolve_device(device: str) -> jax.Device:
+    # model.py already pins float32 matmuls to "highest" precision: no TF32 on a GPU.
+    if device == "gpu":
+        try:
+            return jax.devices("gpu")[0]
+        except RuntimeError:
+            raise RuntimeError("no GPU visible to JAX") from None
+    return jax.devices("cpu")[0]
+
+
+def parameter_slots(model: TinyModel) -> Dict[str, Tuple[nnx.Variable, bool]]:
+    """Every torch state_dict name -> (the nnx parameter it fills, transpose?).
+    nnx.Linear keeps its kernel (in, out), the transpose of torch's (out, in) weight;
+    nnx.LayerNorm calls its weight `scale`."""
+    config = model.config
+    slots: Dict[str, Tuple[nnx.Variable, bool]] = {"emb.weight": (model.emb.embedding, False)}
+    if config.positions == "learned":
+        slots["pos.weight"] = (model.pos.embedding, False)
+
+    def norm(prefix: str, module: nnx.Module) -> None:
+        if config.norm == "layernorm":
+            slots[f"{prefix}.weight"] = (module.scale, False)
+            slots[f"{prefix}.bias"] = (module.bias, False)
+        else:
+            slots[f"{prefix}.weight"] = (module.weight, False)
+
+    def linear(prefix: str, module: nnx.Linear) -> None:
+        slots[f"{prefix}.weight"] = (module.kernel, True)
+        if module.bias is not None:
+            slots[f"{prefix}.bias"] = (module.bias, False)
+
+    for i, block in enumerate(model.blocks):
+        norm(f"blocks.{i}.ln1", block.ln1)
+        norm(f"blocks.{i}.ln2", block.ln2)
+        linear(f"blocks.{i}.qkv", block.qkv)
+        linear(f"blocks.{i}.proj", block.proj)
+        linear(f"blocks.{i}.ffn.0", getattr(block.ffn, "0"))
+        linear(f"blocks.{i}.ffn.2", getattr(block.ffn, "2"))
+    norm("ln", model.ln)
+    if not config.tie_embeddings:
+        linear("head", model.head)
+    return slots
+
+
+def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu") -> TinyModel:
+    target = resolve_device(device)
+    with jax.default_device(target):
+        model = TinyModel(config, dtype=JAX_DTYPES[dtype], rngs=nnx.Rngs(0))  # every parameter is overwritten below
+    slots = parameter_slots(model)
+    assert set(slots) == set(tensors), f"names differ: {sorted(set(slots) ^ set(tensors))}"
+    for name, (variable, transpose) in slots.items():
+        array = tensors[name].T if transpose else tensors[name]
+        assert tuple(variable.shape) == array.shape, f"{name}: file {array.shape}, model {tuple(variable.shape)}"
+        variable.set_value(jax.device_put(np.ascontiguousarray(array, dtype=np.dtype(dtype)), target))
+    n_params = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n_params == len(slots), f"model has {n_params} parameters, the file fills {len(slots)}"
+    model.eval()  # nnx's eval() sets dropout off in place and returns None
+    return model
+
+
+def model_device(model: TinyModel) -> jax.Device:
+    return next(iter(model.emb.embedding[...].devices()))
+
+
+def generate(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str,
+             return_logits: bool = False) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), model_device(model))  # [B, P]
+    run = generate_cached if mode == "cached" else generate_naive
+    # Always the logits-returning program, so one compile serves both kinds of call;
+    # the unused logits never leave the device.
+    tokens, logits = run(model, prompt, new_tokens, return_logits=True)
+    return np.asarray(tokens, dtype=np.int64), np.asarray(logits) if return_logits else None  # [B, P + N], [B, N, V]
+
+
+def synchronize(model: TinyModel) -> None:
+    # JAX dispatches asynchronously and has no device-wide barrier: wait on every live array
+    # on the model's platform, which includes the outputs of anything still running.
+    jax.block_until_ready(jax.live_arrays(model_device(model).platform))
