@@ -3,7 +3,7 @@ The same five names in every port; only the framework calls differ."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import flax
 import jax
@@ -13,7 +13,8 @@ import numpy as np
 from flax import nnx
 
 from shared.config import ModelConfig
-from jax_impl.model import TinyModel, generate_cached, generate_naive
+from jax_impl.model import TinyModel, generate_cached, generate_naive, init_cache
+from jax_impl.model import prefill as prefill_step
 
 NAME = "jax"
 JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64}
@@ -88,13 +89,37 @@ def model_device(model: TinyModel) -> jax.Device:
 
 
 def generate(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str,
-             return_logits: bool = False) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+             return_logits: bool = False, prefill: bool = True) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), model_device(model))  # [B, P]
-    run = generate_cached if mode == "cached" else generate_naive
     # Always the logits-returning program, so one compile serves both kinds of call;
     # the unused logits never leave the device.
-    tokens, logits = run(model, prompt, new_tokens, return_logits=True)
+    if mode == "cached":
+        tokens, logits = generate_cached(model, prompt, int(new_tokens), return_logits=True, prefill=prefill)
+    else:
+        tokens, logits = generate_naive(model, prompt, int(new_tokens), return_logits=True)
     return np.asarray(tokens, dtype=np.int64), np.asarray(logits) if return_logits else None  # [B, P + N], [B, N, V]
+
+
+def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
+    """Feed tokens [B, T] into one cache in chunks of the given sizes; the logits [B, T, V]."""
+    tokens = jax.device_put(np.asarray(tokens, dtype=np.int32), model_device(model))  # [B, T]
+    with jax.default_device(model_device(model)):
+        cache = init_cache(model.config, tokens.shape[0], tokens.shape[1], model.emb.embedding.dtype)
+    pieces, start = [], 0
+    for size in chunk_sizes:
+        logits, cache = prefill_step(model, tokens[:, start : start + size], cache)  # [B, size, V]
+        pieces.append(np.asarray(logits))
+        start += size
+    return np.concatenate(pieces, axis=1)  # [B, T, V]
+
+
+def forward_calls(model: TinyModel) -> int:
+    return model.forward_calls
+
+
+def clear_compiled() -> None:
+    """Forget every compiled program, so the next call traces again (tests that patch a helper)."""
+    jax.clear_caches()
 
 
 def synchronize(model: TinyModel) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+import numpy as np
 import pytest
 
 from tests.conftest import SEED_PROMPT
@@ -68,12 +69,22 @@ def test_generation_runs_with_dropout_off_even_from_train_mode(port, seed_weight
     naive_equals_cached(port, model, SEED_PROMPT)
 
 
+def full_forward_equals_token_by_token(port, model, tokens):
+    T = tokens.shape[1]
+    full = port.forward_chunks(model, tokens, [T])  # [B, T, V]: the whole history at once, as naive does
+    step_by_step = port.forward_chunks(model, tokens, [1] * T)  # [B, T, V]: one token at a time, as cached does
+    np.testing.assert_allclose(step_by_step, full, atol=1e-5, rtol=0)
+
+
 def test_dropout_left_active_breaks_naive_equals_cached(port, seed_weights, monkeypatch):
     config, tensors = seed_weights
     model = port.load_model(dataclasses.replace(config, dropout=0.5), tensors, "float32")
+    full_forward_equals_token_by_token(port, model, SEED_PROMPT)
     model.train()
-    monkeypatch.setattr(type(model), "eval", lambda self: self)  # the broken variant: never switch to eval
+    # The broken variant: forward calls that never switch to eval. (A compiled JAX decode
+    # loop cannot even draw dropout noise, so the check runs on the forward calls themselves.)
+    monkeypatch.setattr(type(model), "eval", lambda self: self)
     fresh_compilations(port)
     with pytest.raises(AssertionError):
-        naive_equals_cached(port, model, SEED_PROMPT)
+        full_forward_equals_token_by_token(port, model, SEED_PROMPT)
     fresh_compilations(port)
