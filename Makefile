@@ -23,5 +23,14 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# docs/BENCH.md. On a machine shared with other work, OMP_NUM_THREADS=1 make bench.
+bench: setup
+	$(BIN)/kvports bench --preset seed
+
+# The tables and the PNGs in docs/img, regenerated.
+plots: setup
+	$(BIN)/kvports bench --preset seed --new-tokens 500 --plot docs/img
+	$(BIN)/kvports bench --preset gpt2-small --new-tokens 32 --plot docs/img
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -3,7 +3,8 @@ The same five names in every port; only the framework calls differ."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import flax
 import jax
@@ -11,9 +12,10 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from shared.config import ModelConfig
-from jax_impl.model import TinyModel, generate_cached, generate_naive, init_cache
+from jax_impl.model import TinyModel, decode_step, generate_cached, generate_naive, greedy, init_cache
 from jax_impl.model import prefill as prefill_step
 
 NAME = "jax"
@@ -126,3 +128,63 @@ def synchronize(model: TinyModel) -> None:
     # JAX dispatches asynchronously and has no device-wide barrier: wait on every live array
     # on the model's platform, which includes the outputs of anything still running.
     jax.block_until_ready(jax.live_arrays(model_device(model).platform))
+
+
+@jax.jit
+def _next_token(logits: jax.Array) -> jax.Array:
+    return greedy(logits[:, -1])[:, None]  # [B, T, V] -> [B, 1]
+
+
+@jax.jit
+def _naive_next_token(model: TinyModel, tokens: jax.Array, last: jax.Array) -> jax.Array:
+    model.eval()  # inside jit: the traced copy
+    logits, _ = model(tokens)  # [B, T, V]
+    return greedy(lax.dynamic_index_in_dim(logits, last, axis=1, keepdims=False))[:, None]  # [B, 1]
+
+
+def generate_stream(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str,
+                    on_token: Callable[[np.ndarray], None]) -> np.ndarray:
+    """generate(), calling on_token(token [B]) as each new token reaches the host, so the
+    benchmark can time every step; the first call comes after the prefill.
+    One compiled call per step instead of generate's single compiled loop. Naive steps run
+    over the history padded to the next power of two: a compile per length bucket, not per
+    length, and a cost that still grows with the history (causal masking keeps the padding
+    out of the real positions)."""
+    device = model_device(model)
+    prompt = np.asarray(prompts, dtype=np.int32)  # [B, P]
+    B, P = prompt.shape
+    tokens = np.zeros((B, P + new_tokens), dtype=np.int32)  # [B, P + N], on the host: each token is streamed
+    tokens[:, :P] = prompt
+    if mode == "cached":
+        with jax.default_device(device):
+            cache = init_cache(model.config, B, P + new_tokens, model.emb.embedding.dtype)
+        logits, cache = prefill_step(model, jax.device_put(prompt, device), cache)  # [B, P, V]
+    for step in range(new_tokens):
+        if mode == "cached":
+            if step > 0:
+                logits, cache = decode_step(model, token, cache)  # [B, 1, V]
+            token = _next_token(logits)  # [B, 1]
+        else:
+            length = P + step
+            bucket = min(P + new_tokens, 1 << (length - 1).bit_length())
+            token = _naive_next_token(model, jax.device_put(tokens[:, :bucket], device), length - 1)  # [B, 1]
+        tokens[:, P + step] = np.asarray(token)[:, 0]
+        on_token(tokens[:, P + step].astype(np.int64))  # [B]
+    return tokens.astype(np.int64)  # [B, P + N]
+
+
+def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> List[float]:
+    """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
+    call (which also compiles): the matrix's bytes over this time is the streaming bandwidth
+    a roofline divides by."""
+    target = resolve_device(device)
+    with jax.default_device(target):
+        matrix = jnp.ones((rows, cols), dtype=jnp.float32)  # [rows, cols]
+        vector = jnp.ones(cols, dtype=jnp.float32)  # [cols]
+    product = jax.jit(jnp.matmul)
+    seconds = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        product(matrix, vector).block_until_ready()  # [rows]
+        seconds.append(time.perf_counter() - start)
+    return seconds[1:]

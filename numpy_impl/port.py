@@ -3,12 +3,12 @@ The same five names in every port; only the framework calls differ."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from shared.config import ModelConfig
-from numpy_impl.model import TinyModel, generate_cached, generate_naive, init_cache
+from numpy_impl.model import TinyModel, generate_cached, generate_naive, greedy, init_cache
 
 NAME = "numpy"
 NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -63,3 +63,34 @@ def forward_calls(model: TinyModel) -> int:
 
 def synchronize(model: TinyModel) -> None:
     pass  # NumPy returns only when the work is done: nothing to wait for
+
+
+def generate_stream(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str,
+                    on_token: Callable[[np.ndarray], None]) -> np.ndarray:
+    """generate(), calling on_token(token [B]) as each new token reaches the host, so the
+    benchmark can time every step; the first call comes after the prefill."""
+    prompt = np.asarray(prompts, dtype=np.int64)  # [B, P]
+    B, P = prompt.shape
+    tokens = np.empty((B, P + new_tokens), dtype=np.int64)  # [B, P + N]
+    tokens[:, :P] = prompt
+    model.eval()
+    cache = init_cache(model.config, B, P + new_tokens, model.emb.weight.dtype) if mode == "cached" else None
+    for step in range(new_tokens):
+        if cache is None:
+            logits, _ = model(tokens[:, : P + step])  # [B, P + step, V]: the whole history again
+        elif step == 0:
+            logits, cache = model(prompt, cache)  # [B, P, V]: the prefill
+        else:
+            logits, cache = model(tokens[:, P + step - 1 : P + step], cache)  # [B, 1, V]
+        tokens[:, P + step] = greedy(logits[:, -1])
+        on_token(tokens[:, P + step].copy())  # [B]
+    return tokens  # [B, P + N]
+
+
+def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> List[float]:
+    """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
+    call: the matrix's bytes over this time is the streaming bandwidth a roofline divides by."""
+    from shared.bench import numpy_matvec_seconds  # the bench's own NumPy measurement
+
+    resolve_device(device)
+    return numpy_matvec_seconds(rows, cols, repeats)

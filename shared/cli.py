@@ -176,7 +176,7 @@ def cmd_init_weights(args: argparse.Namespace) -> int:
 
 # Further subcommands live in their own NumPy-only modules, each with HELP,
 # add_arguments(parser) and run(args); heavy imports happen inside run().
-SUBCOMMAND_MODULES: tuple = ()
+SUBCOMMAND_MODULES: tuple = ("shared.bench",)
 
 
 def extra_subcommands() -> List[tuple]:

@@ -3,13 +3,15 @@ The same five names in every port; only the framework calls differ."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+import contextlib
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from shared.config import ModelConfig
-from torch_impl.model import TinyModel, generate_cached, generate_naive, init_cache
+from torch_impl.model import TinyModel, generate_cached, generate_naive, greedy, init_cache
 
 NAME = "torch"
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -29,6 +31,13 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cpu")
 
 
+def _on_device(device: torch.device):
+    # The model makes its cache, positions and masks with factory calls on the default
+    # device; on a GPU this context puts them beside the weights. It costs Python time on
+    # every op, so the CPU goes without.
+    return device if device.type != "cpu" else contextlib.nullcontext()
+
+
 def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu") -> TinyModel:
     with torch.device("meta"):
         model = TinyModel(config)  # no random init: every tensor comes from the file
@@ -41,10 +50,11 @@ def generate(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str,
              return_logits: bool = False, prefill: bool = True) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     device = model.emb.weight.device
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(device)  # [B, P]
-    if mode == "cached":
-        result = generate_cached(model, prompt, new_tokens, return_logits=return_logits, prefill=prefill)
-    else:
-        result = generate_naive(model, prompt, new_tokens, return_logits=return_logits)
+    with _on_device(device):
+        if mode == "cached":
+            result = generate_cached(model, prompt, new_tokens, return_logits=return_logits, prefill=prefill)
+        else:
+            result = generate_naive(model, prompt, new_tokens, return_logits=return_logits)
     if not return_logits:
         return result.cpu().numpy(), None
     tokens, logits = result
@@ -72,6 +82,48 @@ def forward_calls(model: TinyModel) -> int:
 def synchronize(model: TinyModel) -> None:
     if model.emb.weight.device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def generate_stream(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str,
+                    on_token: Callable[[np.ndarray], None]) -> np.ndarray:
+    """generate(), calling on_token(token [B]) as each new token reaches the host, so the
+    benchmark can time every step; the first call comes after the prefill."""
+    device = model.emb.weight.device
+    model.eval()
+    with torch.inference_mode(), _on_device(device):  # inference tensors throughout, as generate's loops
+        prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(device)  # [B, P]
+        B, P = prompt.shape
+        tokens = torch.empty((B, P + new_tokens), dtype=torch.int64, device=device)  # [B, P + N]
+        tokens[:, :P] = prompt
+        cache = init_cache(model.config, B, P + new_tokens, model.emb.weight.dtype) if mode == "cached" else None
+        for step in range(new_tokens):
+            if cache is None:
+                logits, _ = model(tokens[:, : P + step])  # [B, P + step, V]: the whole history again
+            elif step == 0:
+                logits, cache = model(prompt, cache)  # [B, P, V]: the prefill
+            else:
+                logits, cache = model(tokens[:, P + step - 1 : P + step], cache)  # [B, 1, V]
+            tokens[:, P + step] = greedy(logits[:, -1])
+            on_token(tokens[:, P + step].cpu().numpy())  # [B]
+    return tokens.cpu().numpy()  # [B, P + N]
+
+
+def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> List[float]:
+    """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
+    call: the matrix's bytes over this time is the streaming bandwidth a roofline divides by."""
+    target = resolve_device(device)
+    matrix = torch.ones((rows, cols), dtype=torch.float32, device=target)  # [rows, cols]
+    vector = torch.ones(cols, dtype=torch.float32, device=target)  # [cols]
+    seconds = []
+    for _ in range(repeats + 1):
+        if target.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.mv(matrix, vector)  # [rows]
+        if target.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return seconds[1:]
 
 
 def init_weights(config: ModelConfig, seed: int) -> Dict[str, np.ndarray]:
