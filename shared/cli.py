@@ -18,6 +18,7 @@ import numpy as np
 from shared.checks import SEED_PROMPT, check_prompts, parse_prompt
 from shared.config import DTYPES, ModelConfig
 from shared.errors import UserError
+from shared.families import describe
 from shared.ports import PORTS, REFERENCE, PortUnavailable, available_port, load_port
 from shared.weights import DEFAULT_WEIGHTS, load_weights, save_weights
 
@@ -43,12 +44,40 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
+def add_text_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--text", action="append", default=None,
+                        help="prompt text, encoded with --tokenizer; repeat for a batch (equal token counts)")
+    parser.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                        help="folder holding tokenizer.json (e.g. the Hugging Face directory converted with --from-hf)")
+
+
 def load_inputs(args: argparse.Namespace):
     """Weights and prompts, checked: everything a port needs, before any port is imported."""
     config, tensors = load_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS)
-    texts = args.prompt if args.prompt else [",".join(map(str, SEED_PROMPT))]
-    prompts = check_prompts([parse_prompt(text) for text in texts], config, args.new_tokens)
+    if getattr(args, "text", None) is not None:
+        from shared.text import encode
+
+        if args.prompt:
+            raise UserError("give --prompt (token ids) or --text, not both")
+        ids = encode(load_text_tokenizer(args), args.text)
+        prompts = check_prompts(ids, config, args.new_tokens)
+    else:
+        texts = args.prompt if args.prompt else [",".join(map(str, SEED_PROMPT))]
+        prompts = check_prompts([parse_prompt(text) for text in texts], config, args.new_tokens)
     return config, tensors, prompts
+
+
+def load_text_tokenizer(args: argparse.Namespace):
+    """The tokenizer --text and decoded output need; None when neither was asked for."""
+    if getattr(args, "tokenizer", None) is None:
+        if getattr(args, "text", None) is not None:
+            raise UserError("--text needs --tokenizer DIR (a folder holding tokenizer.json)")
+        return None
+    if not hasattr(args, "_tokenizer"):
+        from shared.text import load_tokenizer
+
+        args._tokenizer = load_tokenizer(args.tokenizer)
+    return args._tokenizer
 
 
 def timed_generate(port, model, prompts: np.ndarray, new_tokens: int, mode: str, return_logits: bool):
@@ -60,21 +89,32 @@ def timed_generate(port, model, prompts: np.ndarray, new_tokens: int, mode: str,
 
 def cmd_generate(args: argparse.Namespace) -> int:
     config, tensors, prompts = load_inputs(args)
+    tokenizer = load_text_tokenizer(args)
     try:
         port = load_port(args.framework)
     except PortUnavailable as exc:
         raise UserError(str(exc)) from None
     model = port.load_model(config, tensors, args.dtype)
     tokens, _, seconds = timed_generate(port, model, prompts, args.new_tokens, args.mode, False)
+    texts = None
+    if tokenizer is not None:
+        from shared.text import decode
+
+        texts = [decode(tokenizer, row) for row in tokens]
     if args.json:
-        print(json.dumps({"framework": args.framework, "mode": args.mode, "dtype": args.dtype,
-                          "tokens": tokens.tolist(), "seconds": seconds}))
+        result = {"framework": args.framework, "mode": args.mode, "dtype": args.dtype, "family": config.family,
+                  "tokens": tokens.tolist(), "seconds": seconds}
+        if texts is not None:
+            result["text"] = texts
+        print(json.dumps(result))
         return 0
     P = prompts.shape[1]
-    print(f"{args.framework} {args.mode} {args.dtype}, {config.family} model, {args.new_tokens} new tokens in {seconds:.3f} s")
-    for row, prompt in zip(tokens, prompts):
+    print(f"{args.framework} {args.mode} {args.dtype}, {describe(config)}, {args.new_tokens} new tokens in {seconds:.3f} s")
+    for index, (row, prompt) in enumerate(zip(tokens, prompts)):
         print(f"  prompt    {' '.join(map(str, prompt))}")
         print(f"  generated {' '.join(map(str, row[P:]))}")
+        if texts is not None:
+            print(f"  text      {texts[index]}")
     return 0
 
 
@@ -139,7 +179,7 @@ def print_compare_table(rows: List[dict], reference: str, config: ModelConfig, a
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kvports compare: {config.family} model, {prompts.shape[0]} x {prompts.shape[1]}-token prompt, "
+    table = Table(title=f"kvports compare: {describe(config)}, {prompts.shape[0]} x {prompts.shape[1]}-token prompt, "
                         f"{args.new_tokens} new tokens, {args.dtype}; reference: {reference} naive")
     for column in ("framework", "mode", f"vs {reference}", "first divergent step", "top-2 margin there", "seconds", "cached speedup"):
         table.add_column(column, justify="left" if column in ("framework", "mode") else "right")
@@ -176,7 +216,7 @@ def cmd_init_weights(args: argparse.Namespace) -> int:
 
 # Further subcommands live in their own NumPy-only modules, each with HELP,
 # add_arguments(parser) and run(args); heavy imports happen inside run().
-SUBCOMMAND_MODULES: tuple = ("shared.bench",)
+SUBCOMMAND_MODULES: tuple = ("shared.convert", "shared.bench")
 
 
 def extra_subcommands() -> List[tuple]:
@@ -197,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--framework", choices=PORTS, required=True)
     generate.add_argument("--mode", choices=("naive", "cached"), required=True)
     add_input_arguments(generate)
+    add_text_arguments(generate)
     generate.set_defaults(run=cmd_generate)
 
     compare = sub.add_parser("compare", help="every framework x mode against the torch reference, in one table")
