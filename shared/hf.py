@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -23,6 +22,7 @@ import numpy as np
 
 from shared.config import DTYPES, ModelConfig
 from shared.errors import UserError
+from shared.files import write_atomic
 from shared.weights import check_tensors, expected_shapes, read_header
 
 MODEL_TYPES = ("gpt2", "llama", "mistral")
@@ -470,23 +470,6 @@ def gpt2_hf_tensors(config: ModelConfig, tensors: Dict[str, np.ndarray]) -> Dict
     if not config.tie_embeddings:
         out["lm_head.weight"] = tensors["head.weight"]
     return {name: np.ascontiguousarray(array) for name, array in out.items()}
-
-
-def write_atomic(path: Path, payload: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def export_gpt2(config: ModelConfig, tensors: Dict[str, np.ndarray], directory: os.PathLike) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Dict, Tuple
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from shared.config import DTYPES, ModelConfig
 from shared.errors import UserError
+from shared.files import write_atomic
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64"}
 DEFAULT_WEIGHTS = Path(__file__).parent / "data" / "seed_model.safetensors"
@@ -56,29 +56,14 @@ def expected_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
 
 
 def save_weights(path: os.PathLike, tensors: Dict[str, np.ndarray], config: ModelConfig) -> None:
-    """Write atomically: a temp file in the same folder, then rename over the target."""
+    """Write atomically: a reader never sees a half-written file."""
     from safetensors.numpy import save
 
     config.validate()
     check_tensors(tensors, config, source=str(path))
     payload = save({name: np.ascontiguousarray(tensors[name]) for name in expected_shapes(config)},
                    metadata={"config": config.to_json()})
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
+    write_atomic(path, payload)
 
 def read_header(path: Path) -> Tuple[dict, int]:
     """The safetensors JSON header and the file's data size, checked for truncation."""
