@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import numpy as np
 from shared.checks import SEED_PROMPT, check_prompts
 from shared.config import DTYPES, ModelConfig, kv_cache_bytes
 from shared.errors import UserError
+from shared.files import write_atomic
 from shared.weights import DEFAULT_WEIGHTS, expected_shapes, load_weights
 
 HELP = "time every framework x mode against the seed's cache and transformers: table, JSON, CSV, plots"
@@ -490,22 +490,6 @@ def targets(rows: List[dict], settings: dict) -> List[dict]:
 
 
 # ---------------------------------------------------------------- output
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """A temp file in the target's folder, then a rename: a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
 
 CSV_FIELDS = ("framework", "variant", "mode", "available", "device", "dtype", "ttft_ms", "decode_ms_per_token",
               "decode_ms_p90", "tokens_per_s", "total_s", "compile_s", "kv_cache_bytes", "roofline_ms", "roofline_ratio",
