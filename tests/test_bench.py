@@ -184,8 +184,8 @@ def test_baseline_reproduces_the_seed_golden_tokens(seed_weights, name):
 def test_gpt2_mapping_names_every_parameter_once(seed_weights):
     hf_gpt2 = baseline_or_skip("hf_gpt2")
     config, tensors = seed_weights
-    state = hf_gpt2.gpt2_state_dict(tensors, config)
-    model = hf_gpt2.GPT2LMHeadModel(hf_gpt2.gpt2_config(config))
+    state = hf_gpt2.gpt2_hf_tensors(config, tensors)
+    model = hf_gpt2.GPT2LMHeadModel(hf_gpt2.gpt2_config(config, "float32"))
     assert set(state) == {name for name, _ in model.named_parameters()}
     assert tuple(state["transformer.h.0.attn.c_attn.weight"].shape) == (config.d_model, 3 * config.d_model)  # (in, out)
 
