@@ -233,3 +233,13 @@ def generate_cached(model: TinyModel, prompt: np.ndarray, new_tokens: int, retur
         step_logits.append(logits[:, -1])
         tokens[:, P + step] = greedy(logits[:, -1])
     return (tokens, np.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
+
+
+# The two halves of generate_cached as separate calls, so a benchmark can time one step
+# at a time (in JAX these are the compiled, cache-donating twins).
+def prefill(model: TinyModel, prompt: np.ndarray, cache: KVCache):
+    return model(prompt, cache)  # [B, P, V], cache
+
+
+def decode_step(model: TinyModel, token: np.ndarray, cache: KVCache):
+    return model(token, cache)  # token [B, 1] -> [B, 1, V], cache

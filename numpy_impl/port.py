@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from shared.config import ModelConfig
-from numpy_impl.model import TinyModel, generate_cached, generate_naive, greedy, init_cache
+from numpy_impl.model import TinyModel, decode_step, generate_cached, generate_naive, greedy, init_cache, prefill
 
 NAME = "numpy"
 NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -79,9 +79,9 @@ def generate_stream(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode
         if cache is None:
             logits, _ = model(tokens[:, : P + step])  # [B, P + step, V]: the whole history again
         elif step == 0:
-            logits, cache = model(prompt, cache)  # [B, P, V]: the prefill
+            logits, cache = prefill(model, prompt, cache)  # [B, P, V]
         else:
-            logits, cache = model(tokens[:, P + step - 1 : P + step], cache)  # [B, 1, V]
+            logits, cache = decode_step(model, tokens[:, P + step - 1 : P + step], cache)  # [B, 1, V]
         tokens[:, P + step] = greedy(logits[:, -1])
         on_token(tokens[:, P + step].copy())  # [B]
     return tokens  # [B, P + N]
@@ -94,3 +94,7 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> L
 
     resolve_device(device)
     return numpy_matvec_seconds(rows, cols, repeats)
+
+
+def clear_compiled() -> None:
+    """Nothing is compiled here; JAX's twin forgets its compiled programs."""

@@ -27,9 +27,7 @@ def naive_equals_cached(port, model, prompts):
 
 def fresh_compilations(port):
     # JAX reuses a compiled program for shapes it has seen; a patched helper must be retraced.
-    clear = getattr(port, "clear_compiled", None)
-    if clear is not None:
-        clear()
+    port.clear_compiled()
 
 
 def test_position_offset_from_cache_length_is_required(port, seed_weights, monkeypatch):

@@ -234,3 +234,15 @@ def generate_cached(model: TinyModel, prompt: torch.Tensor, new_tokens: int, ret
         step_logits.append(logits[:, -1])
         tokens[:, P + step] = greedy(logits[:, -1])
     return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
+
+
+# The two halves of generate_cached as separate calls, so a benchmark can time one step
+# at a time (in JAX these are the compiled, cache-donating twins).
+@torch.inference_mode()
+def prefill(model: TinyModel, prompt: torch.Tensor, cache: KVCache):
+    return model(prompt, cache)  # [B, P, V], cache
+
+
+@torch.inference_mode()
+def decode_step(model: TinyModel, token: torch.Tensor, cache: KVCache):
+    return model(token, cache)  # token [B, 1] -> [B, 1, V], cache

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from shared.config import ModelConfig
-from torch_impl.model import TinyModel, generate_cached, generate_naive, greedy, init_cache
+from torch_impl.model import TinyModel, decode_step, generate_cached, generate_naive, greedy, init_cache, prefill
 
 NAME = "torch"
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -100,9 +100,9 @@ def generate_stream(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode
             if cache is None:
                 logits, _ = model(tokens[:, : P + step])  # [B, P + step, V]: the whole history again
             elif step == 0:
-                logits, cache = model(prompt, cache)  # [B, P, V]: the prefill
+                logits, cache = prefill(model, prompt, cache)  # [B, P, V]
             else:
-                logits, cache = model(tokens[:, P + step - 1 : P + step], cache)  # [B, 1, V]
+                logits, cache = decode_step(model, tokens[:, P + step - 1 : P + step], cache)  # [B, 1, V]
             tokens[:, P + step] = greedy(logits[:, -1])
             on_token(tokens[:, P + step].cpu().numpy())  # [B]
     return tokens.cpu().numpy()  # [B, P + N]
@@ -131,3 +131,7 @@ def init_weights(config: ModelConfig, seed: int) -> Dict[str, np.ndarray]:
     torch.manual_seed(seed)
     model = TinyModel(config)
     return {name: tensor.detach().numpy().copy() for name, tensor in model.state_dict().items()}
+
+
+def clear_compiled() -> None:
+    """Nothing is compiled here; JAX's twin forgets its compiled programs."""
