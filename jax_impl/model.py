@@ -154,9 +154,10 @@ class Block(nnx.Module):
         else:
             # Attend over the slots as they were plus this chunk, then write the chunk:
             # a ring buffer may overwrite slots that this chunk's first queries still need.
-            keys = jnp.concatenate([cache.keys[layer], k], axis=2)  # [B, Hkv, S + T, Dh]
-            values = jnp.concatenate([cache.values[layer], v], axis=2)  # [B, Hkv, S + T, Dh]
-            key_positions = jnp.concatenate([cache.slot_positions, positions])  # [S + T]
+            filled = cache.keys.shape[3]  # every slot: shapes must be static under jit; empty ones are masked
+            keys = jnp.concatenate([cache.keys[layer][:, :, :filled], k], axis=2)  # [B, Hkv, F + T, Dh]
+            values = jnp.concatenate([cache.values[layer][:, :, :filled], v], axis=2)  # [B, Hkv, F + T, Dh]
+            key_positions = jnp.concatenate([cache.slot_positions[:filled], positions])  # [F + T]
             cache = write_cache(cache, layer, k, v, positions)
         visible = attention_mask(positions, key_positions, config.sliding_window)  # [T, S']
         # GQA: each group of H / Hkv query heads shares one k/v head; grouping avoids a copy.

@@ -74,13 +74,15 @@ RUNNERS = (
 COMPILED_RUNNER = Runner("torch", "baselines.torch_compile", ("cached",), variant="torch.compile", compiles=True)
 FRAMEWORKS = tuple(runner.framework for runner in RUNNERS)
 
-PREALLOCATED = ("attends over all P + N preallocated slots (copied beside each step's k and v), masked: its per-step "
-                "cost is flat in the position and set by P + N")
+PREALLOCATED = ("writes a cache preallocated for P + N positions and attends over the slots filled so far "
+                "(copied beside each step's k and v)")
+STATIC_SLOTS = ("attends over all P + N preallocated slots (static shapes under jit), the empty ones masked: its "
+                "per-step cost is set by P + N, not the position")
 NOTES = {
     ("jax", "naive"): "per-step times are jitted forwards over the history padded to the next power of two (one compile "
                       "per length bucket, in warm-up), so they grow in steps; total_s is generate()'s compiled loop, "
                       "which recomputes the whole [B, P + N] buffer at every step",
-    ("jax", "cached"): PREALLOCATED + "; per-step times are the jitted prefill and decode_step, one call each; total_s "
+    ("jax", "cached"): STATIC_SLOTS + "; per-step times are the jitted prefill and decode_step, one call each; total_s "
                        "is the compiled loop (steady state); compile_s = first call minus steady state",
     ("torch", "cached"): PREALLOCATED,
     ("numpy", "cached"): PREALLOCATED,

@@ -132,9 +132,10 @@ class Block(nn.Module):
         else:
             # Attend over the slots as they were plus this chunk, then write the chunk:
             # a ring buffer may overwrite slots that this chunk's first queries still need.
-            keys = torch.cat([cache.keys[layer], k], dim=2)  # [B, Hkv, S + T, Dh]
-            values = torch.cat([cache.values[layer], v], dim=2)  # [B, Hkv, S + T, Dh]
-            key_positions = torch.cat([cache.slot_positions, positions])  # [S + T]
+            filled = min(cache.length, cache.keys.shape[3])  # slots written so far: a shape that grows is free here
+            keys = torch.cat([cache.keys[layer][:, :, :filled], k], dim=2)  # [B, Hkv, F + T, Dh]
+            values = torch.cat([cache.values[layer][:, :, :filled], v], dim=2)  # [B, Hkv, F + T, Dh]
+            key_positions = torch.cat([cache.slot_positions[:filled], positions])  # [F + T]
             write_cache(cache, layer, k, v, positions)
         visible = attention_mask(positions, key_positions, config.sliding_window)  # [T, S']
         # GQA: each group of H / Hkv query heads shares one k/v head; grouping avoids a copy.
