@@ -36,7 +36,7 @@ def resolve_device(device: str) -> jax.Device:
     return jax.devices("cpu")[0]
 
 
-def parameter_slots(model: TinyModel) -> Dict[str, Tuple[nnx.Variable, bool]]:
+def _parameter_slots(model: TinyModel) -> Dict[str, Tuple[nnx.Variable, bool]]:
     """Every torch state_dict name -> (the nnx parameter it fills, transpose?).
     nnx.Linear keeps its kernel (in, out), the transpose of torch's (out, in) weight;
     nnx.LayerNorm calls its weight `scale`."""
@@ -74,7 +74,7 @@ def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str =
     target = resolve_device(device)
     with jax.default_device(target):
         model = TinyModel(config, dtype=JAX_DTYPES[dtype], rngs=nnx.Rngs(0))  # every parameter is overwritten below
-    slots = parameter_slots(model)
+    slots = _parameter_slots(model)
     assert set(slots) == set(tensors), f"names differ: {sorted(set(slots) ^ set(tensors))}"
     for name, (variable, transpose) in slots.items():
         array = tensors[name].T if transpose else tensors[name]
@@ -86,13 +86,13 @@ def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str =
     return model
 
 
-def model_device(model: TinyModel) -> jax.Device:
+def _model_device(model: TinyModel) -> jax.Device:
     return next(iter(model.emb.embedding[...].devices()))
 
 
 def generate(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str,
              return_logits: bool = False, prefill: bool = True) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), model_device(model))  # [B, P]
+    prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), _model_device(model))  # [B, P]
     # Always the logits-returning program, so one compile serves both kinds of call;
     # the unused logits never leave the device.
     if mode == "cached":
@@ -104,8 +104,8 @@ def generate(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str,
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
     """Feed tokens [B, T] into one cache in chunks of the given sizes; the logits [B, T, V]."""
-    tokens = jax.device_put(np.asarray(tokens, dtype=np.int32), model_device(model))  # [B, T]
-    with jax.default_device(model_device(model)):
+    tokens = jax.device_put(np.asarray(tokens, dtype=np.int32), _model_device(model))  # [B, T]
+    with jax.default_device(_model_device(model)):
         cache = init_cache(model.config, tokens.shape[0], tokens.shape[1], model.emb.embedding.dtype)
     pieces, start = [], 0
     for size in chunk_sizes:
@@ -127,7 +127,7 @@ def clear_compiled() -> None:
 def synchronize(model: TinyModel) -> None:
     # JAX dispatches asynchronously and has no device-wide barrier: wait on every live array
     # on the model's platform, which includes the outputs of anything still running.
-    jax.block_until_ready(jax.live_arrays(model_device(model).platform))
+    jax.block_until_ready(jax.live_arrays(_model_device(model).platform))
 
 
 @jax.jit
@@ -150,7 +150,7 @@ def generate_stream(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode
     over the history padded to the next power of two: a compile per length bucket, not per
     length, and a cost that still grows with the history (causal masking keeps the padding
     out of the real positions)."""
-    device = model_device(model)
+    device = _model_device(model)
     prompt = np.asarray(prompts, dtype=np.int32)  # [B, P]
     B, P = prompt.shape
     tokens = np.zeros((B, P + new_tokens), dtype=np.int32)  # [B, P + N], on the host: each token is streamed
