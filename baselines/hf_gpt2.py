@@ -14,10 +14,10 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.generation.streamers import BaseStreamer
 
-from baselines.seed_concat import check_seed_shaped
-from shared.config import ModelConfig
-from shared.hf import gpt2_hf_config, gpt2_hf_tensors
-from torch_impl import port as torch_port
+from kvports.baselines.seed_concat import check_seed_shaped
+from kvports.shared.config import ModelConfig
+from kvports.shared.hf import gpt2_hf_config, gpt2_hf_tensors
+from kvports.torch_impl import port as torch_port
 
 NAME = "transformers"
 MODES = ("cached",)

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from shared.config import ModelConfig
-from torch_impl import port as torch_port
+from kvports.shared.config import ModelConfig
+from kvports.torch_impl import port as torch_port
 
 NAME = "seed-concat"
 MODES = ("cached",)  # the seed's naive loop is the torch port's naive row

@@ -11,9 +11,9 @@ from typing import Dict
 
 import numpy as np
 
-from shared.config import ModelConfig
-from torch_impl import port as torch_port
-from torch_impl.model import TinyModel
+from kvports.shared.config import ModelConfig
+from kvports.torch_impl import port as torch_port
+from kvports.torch_impl.model import TinyModel
 
 NAME = "torch"
 MODES = ("cached",)

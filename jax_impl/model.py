@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from shared.config import ModelConfig
-from shared.config import cache_slots
+from kvports.shared.config import ModelConfig
+from kvports.shared.config import cache_slots
 
 # float64 must be real float64 (JAX silently truncates to float32 otherwise), and a GPU
 # must compute float32 matmuls in float32, not TF32. Every dtype below is pinned.

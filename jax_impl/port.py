@@ -14,9 +14,9 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from shared.config import ModelConfig
-from jax_impl.model import TinyModel, decode_step, generate_cached, generate_naive, greedy, init_cache
-from jax_impl.model import prefill as prefill_step
+from kvports.shared.config import ModelConfig
+from kvports.jax_impl.model import TinyModel, decode_step, generate_cached, generate_naive, greedy, init_cache
+from kvports.jax_impl.model import prefill as prefill_step
 
 NAME = "jax"
 JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64}

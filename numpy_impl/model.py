@@ -14,10 +14,10 @@ from typing import Optional
 
 import numpy as np
 
-import numpy_impl.functional as F
-import numpy_impl.nn as nn
-from shared.config import ModelConfig
-from shared.config import cache_slots
+import kvports.numpy_impl.functional as F
+import kvports.numpy_impl.nn as nn
+from kvports.shared.config import ModelConfig
+from kvports.shared.config import cache_slots
 
 
 @dataclass

@@ -7,8 +7,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from shared.config import ModelConfig
-from numpy_impl.model import TinyModel, decode_step, generate_cached, generate_naive, greedy, init_cache, prefill
+from kvports.shared.config import ModelConfig
+from kvports.numpy_impl.model import TinyModel, decode_step, generate_cached, generate_naive, greedy, init_cache, prefill
 
 NAME = "numpy"
 NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -90,7 +90,7 @@ def generate_stream(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode
 def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> List[float]:
     """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
     call: the matrix's bytes over this time is the streaming bandwidth a roofline divides by."""
-    from shared.bench import numpy_matvec_seconds  # the bench's own NumPy measurement
+    from kvports.shared.bench import numpy_matvec_seconds  # the bench's own NumPy measurement
 
     resolve_device(device)
     return numpy_matvec_seconds(rows, cols, repeats)

@@ -30,11 +30,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from shared.checks import SEED_PROMPT, check_prompts
-from shared.config import DTYPES, ModelConfig, kv_cache_bytes
-from shared.errors import UserError
-from shared.files import write_atomic
-from shared.weights import DEFAULT_WEIGHTS, expected_shapes, load_weights
+from kvports.shared.checks import SEED_PROMPT, check_prompts
+from kvports.shared.config import DTYPES, ModelConfig, kv_cache_bytes
+from kvports.shared.errors import UserError
+from kvports.shared.files import write_atomic
+from kvports.shared.weights import DEFAULT_WEIGHTS, expected_shapes, load_weights
 
 HELP = "time every framework x mode against the seed's cache and transformers: table, JSON, CSV, plots"
 
@@ -65,13 +65,13 @@ class Runner:
 
 
 RUNNERS = (
-    Runner("torch", "torch_impl.port", MODES),
-    Runner("jax", "jax_impl.port", MODES, compiles=True),
-    Runner("numpy", "numpy_impl.port", MODES, gpu=False),
-    Runner("seed-concat", "baselines.seed_concat", ("cached",)),
+    Runner("torch", "kvports.torch_impl.port", MODES),
+    Runner("jax", "kvports.jax_impl.port", MODES, compiles=True),
+    Runner("numpy", "kvports.numpy_impl.port", MODES, gpu=False),
+    Runner("seed-concat", "kvports.baselines.seed_concat", ("cached",)),
     Runner("transformers", "baselines.hf_gpt2", ("cached",)),
 )
-COMPILED_RUNNER = Runner("torch", "baselines.torch_compile", ("cached",), variant="torch.compile", compiles=True)
+COMPILED_RUNNER = Runner("torch", "kvports.baselines.torch_compile", ("cached",), variant="torch.compile", compiles=True)
 FRAMEWORKS = tuple(runner.framework for runner in RUNNERS)
 
 PREALLOCATED = ("writes a cache preallocated for P + N positions and attends over the slots filled so far "
@@ -313,7 +313,7 @@ def import_runner(runner: Runner):
     """The runner's module, or the reason it cannot run."""
     import importlib
 
-    from shared.ports import PortUnavailable, load_port
+    from kvports.shared.ports import PortUnavailable, load_port
 
     try:
         if runner.module.endswith(".port") and runner.variant is None:
@@ -664,7 +664,7 @@ def save_figure(figure, path: Path) -> Path:
 # ---------------------------------------------------------------- the command
 
 def make_progress(quiet: bool):
-    from shared.cli import make_progress as cli_progress
+    from kvports.shared.cli import make_progress as cli_progress
 
     return cli_progress(quiet)
 

@@ -11,8 +11,8 @@ from typing import List, Sequence
 
 import numpy as np
 
-from shared.config import ModelConfig
-from shared.errors import UserError
+from kvports.shared.config import ModelConfig
+from kvports.shared.errors import UserError
 
 SEED_PROMPT = (160, 248, 104, 209, 394)
 

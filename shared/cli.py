@@ -15,12 +15,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from shared.checks import SEED_PROMPT, check_prompts, parse_prompt
-from shared.config import DTYPES, ModelConfig
-from shared.errors import UserError
-from shared.families import describe
-from shared.ports import PORTS, REFERENCE, PortUnavailable, available_port, load_port
-from shared.weights import DEFAULT_WEIGHTS, load_weights, save_weights
+from kvports.shared.checks import SEED_PROMPT, check_prompts, parse_prompt
+from kvports.shared.config import DTYPES, ModelConfig
+from kvports.shared.errors import UserError
+from kvports.shared.families import describe
+from kvports.shared.ports import PORTS, REFERENCE, PortUnavailable, available_port, load_port
+from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights, save_weights
 
 EXIT_USAGE = 2
 EXIT_DISAGREE = 1
@@ -55,7 +55,7 @@ def load_inputs(args: argparse.Namespace):
     """Weights and prompts, checked: everything a port needs, before any port is imported."""
     config, tensors = load_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS)
     if getattr(args, "text", None) is not None:
-        from shared.text import encode
+        from kvports.shared.text import encode
 
         if args.prompt:
             raise UserError("give --prompt (token ids) or --text, not both")
@@ -74,7 +74,7 @@ def load_text_tokenizer(args: argparse.Namespace):
             raise UserError("--text needs --tokenizer DIR (a folder holding tokenizer.json)")
         return None
     if not hasattr(args, "_tokenizer"):
-        from shared.text import load_tokenizer
+        from kvports.shared.text import load_tokenizer
 
         args._tokenizer = load_tokenizer(args.tokenizer)
     return args._tokenizer
@@ -98,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokens, _, seconds = timed_generate(port, model, prompts, args.new_tokens, args.mode, False)
     texts = None
     if tokenizer is not None:
-        from shared.text import decode
+        from kvports.shared.text import decode
 
         texts = [decode(tokenizer, row) for row in tokens]
     if args.json:
@@ -119,7 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from shared.compare import compare_tokens
+    from kvports.shared.compare import compare_tokens
 
     config, tensors, prompts = load_inputs(args)
     P = prompts.shape[1]
@@ -216,7 +216,7 @@ def cmd_init_weights(args: argparse.Namespace) -> int:
 
 # Further subcommands live in their own NumPy-only modules, each with HELP,
 # add_arguments(parser) and run(args); heavy imports happen inside run().
-SUBCOMMAND_MODULES: tuple = ("shared.convert", "shared.bench")
+SUBCOMMAND_MODULES: tuple = ("kvports.shared.convert", "kvports.shared.bench")
 
 
 def extra_subcommands() -> List[tuple]:

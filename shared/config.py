@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from shared.errors import UserError
+from kvports.shared.errors import UserError
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 NORMS = ("layernorm", "rmsnorm")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shared.config import DTYPES
-from shared.errors import UserError
-from shared.families import describe
+from kvports.shared.config import DTYPES
+from kvports.shared.errors import UserError
+from kvports.shared.families import describe
 
 HELP = "convert a local Hugging Face model directory (gpt2, llama, mistral) to a weights file, or a weights file to gpt2"
 
@@ -31,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def from_hf(args: argparse.Namespace) -> int:
-    from shared.hf import import_hf
-    from shared.weights import save_weights
+    from kvports.shared.hf import import_hf
+    from kvports.shared.weights import save_weights
 
     out: Path = args.out
     if out.exists() and not args.force:
@@ -50,8 +50,8 @@ def from_hf(args: argparse.Namespace) -> int:
 
 
 def to_hf(args: argparse.Namespace) -> int:
-    from shared.hf import export_gpt2, gpt2_refusal
-    from shared.weights import load_weights
+    from kvports.shared.hf import export_gpt2, gpt2_refusal
+    from kvports.shared.weights import load_weights
 
     out: Path = args.out
     if out.exists() and not out.is_dir():

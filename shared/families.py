@@ -6,7 +6,7 @@ cache's size or the head (what a reader comparing two files wants to see first).
 
 from __future__ import annotations
 
-from shared.config import ModelConfig
+from kvports.shared.config import ModelConfig
 
 
 def attention_kind(config: ModelConfig) -> str:

@@ -20,10 +20,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from shared.config import DTYPES, ModelConfig
-from shared.errors import UserError
-from shared.files import write_atomic
-from shared.weights import check_tensors, expected_shapes, read_header
+from kvports.shared.config import DTYPES, ModelConfig
+from kvports.shared.errors import UserError
+from kvports.shared.files import write_atomic
+from kvports.shared.weights import check_tensors, expected_shapes, read_header
 
 MODEL_TYPES = ("gpt2", "llama", "mistral")
 

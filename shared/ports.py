@@ -9,7 +9,7 @@ from typing import Dict, Optional
 
 PORTS = ("torch", "jax", "numpy")
 REFERENCE = "torch"
-MODULES = {"torch": "torch_impl.port", "jax": "jax_impl.port", "numpy": "numpy_impl.port"}
+MODULES = {"torch": "kvports.torch_impl.port", "jax": "kvports.jax_impl.port", "numpy": "kvports.numpy_impl.port"}
 
 
 class PortUnavailable(RuntimeError):

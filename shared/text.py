@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Sequence
 
-from shared.errors import UserError
+from kvports.shared.errors import UserError
 
 
 def load_tokenizer(path: Path):

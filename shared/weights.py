@@ -15,9 +15,9 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from shared.config import DTYPES, ModelConfig
-from shared.errors import UserError
-from shared.files import write_atomic
+from kvports.shared.config import DTYPES, ModelConfig
+from kvports.shared.errors import UserError
+from kvports.shared.files import write_atomic
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64"}
 DEFAULT_WEIGHTS = Path(__file__).parent / "data" / "seed_model.safetensors"

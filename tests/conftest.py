@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.ports import PORTS, available_port
-from shared.weights import load_weights
+from kvports.shared.ports import PORTS, available_port
+from kvports.shared.weights import load_weights
 
 GOLDEN = [315, 391, 221, 120, 342, 371, 223, 418, 20, 350, 493, 286, 342, 444, 438, 281,
           424, 121, 456, 214, 244, 113, 142, 198, 381, 65, 409, 15, 299, 483, 94, 398,

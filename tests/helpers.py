@@ -6,7 +6,7 @@ import warnings
 
 import numpy as np
 
-from shared.compare import NEAR_TIE, compare_tokens
+from kvports.shared.compare import NEAR_TIE, compare_tokens
 
 
 def assert_tokens_agree(reference_tokens, reference_logits, tokens, prompt_len, label=""):

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from shared import cli
-from shared.config import ModelConfig
-from shared.ports import PORTS
-from shared.weights import DEFAULT_WEIGHTS, load_weights
+from kvports.shared import cli
+from kvports.shared.config import ModelConfig
+from kvports.shared.ports import PORTS
+from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
 
 
 @pytest.fixture
@@ -176,7 +176,7 @@ def test_malformed_flags_get_argparse_usage_and_exit_2(capsys, argv):
 
 
 def test_console_script_prints_no_traceback():
-    result = subprocess.run([sys.executable, "-m", "shared.cli", "generate", "--framework", "numpy", "--mode", "naive",
+    result = subprocess.run([sys.executable, "-m", "kvports.shared.cli", "generate", "--framework", "numpy", "--mode", "naive",
                              "--prompt", "1,2,999"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == "error: token id 999 in prompt 0 is outside [0, 500) (vocab_size 500)\n"

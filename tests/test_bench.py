@@ -11,10 +11,10 @@ import json
 import numpy as np
 import pytest
 
-from shared import bench, cli
-from shared.config import ModelConfig, kv_cache_bytes
-from shared.ports import available_port
-from shared.weights import load_weights
+from kvports.shared import bench, cli
+from kvports.shared.config import ModelConfig, kv_cache_bytes
+from kvports.shared.ports import available_port
+from kvports.shared.weights import load_weights
 from tests.conftest import GOLDEN, SEED_PROMPT
 
 NEW_TOKENS = 4
@@ -24,7 +24,7 @@ ROW_FIELDS = {"framework", "mode", "ttft_ms", "decode_ms_per_token", "decode_ms_
 
 def baseline_or_skip(name: str):
     try:
-        return importlib.import_module(f"baselines.{name}")
+        return importlib.import_module(f"kvports.baselines.{name}")
     except ImportError as exc:
         pytest.skip(f"baselines.{name} needs a missing package ({exc})")
 

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from shared import cli, ports
-from shared.weights import DEFAULT_WEIGHTS, load_weights
+from kvports.shared import cli, ports
+from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
 from tests.conftest import GOLDEN, port_or_skip
 
 

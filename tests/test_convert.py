@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from shared.cli import main
-from shared.hf import import_hf
-from shared.weights import DEFAULT_WEIGHTS, load_weights
+from kvports.shared.cli import main
+from kvports.shared.hf import import_hf
+from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
 
 D, H, F, V, L = 16, 4, 24, 40, 2
 

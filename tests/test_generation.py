@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.config import ModelConfig
+from kvports.shared.config import ModelConfig
 from tests.conftest import GOLDEN, SEED_PROMPT, random_weights
 from tests.helpers import assert_logits_close, assert_tokens_agree
 

@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402  (transformers needs it; after the skip so its absence skips)
 
 from hf_util import CASES, hf_generate, prompts_for, save_hf  # noqa: E402
-from shared.cli import main  # noqa: E402
-from shared.weights import load_weights  # noqa: E402
+from kvports.shared.cli import main  # noqa: E402
+from kvports.shared.weights import load_weights  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

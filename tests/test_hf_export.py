@@ -11,9 +11,9 @@ import torch  # noqa: E402
 
 from conftest import GOLDEN, SEED_PROMPT  # noqa: E402
 from hf_util import CASES  # noqa: E402
-from shared.cli import main  # noqa: E402
-from shared.hf import import_hf  # noqa: E402
-from shared.weights import DEFAULT_WEIGHTS  # noqa: E402
+from kvports.shared.cli import main  # noqa: E402
+from kvports.shared.hf import import_hf  # noqa: E402
+from kvports.shared.weights import DEFAULT_WEIGHTS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
-jax_port = pytest.importorskip("jax_impl.port")
-jax_model = pytest.importorskip("jax_impl.model")
+jax_port = pytest.importorskip("kvports.jax_impl.port")
+jax_model = pytest.importorskip("kvports.jax_impl.model")
 
 
 @pytest.fixture

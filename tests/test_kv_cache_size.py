@@ -9,7 +9,7 @@ import importlib
 import numpy as np
 import pytest
 
-from shared.config import ModelConfig, kv_cache_bytes
+from kvports.shared.config import ModelConfig, kv_cache_bytes
 
 # Same d_model, heads and layers: only the k/v heads and the window differ.
 BASE = ModelConfig(vocab_size=64, d_model=64, n_heads=8, n_layers=2, max_seq_len=256, activation="swiglu",
@@ -25,7 +25,7 @@ BATCH, TOTAL = 2, 64  # the windowed model generates 4x its window
 
 def allocated_bytes(port, config: ModelConfig, batch: int, total_len: int) -> int:
     """keys.nbytes + values.nbytes of the cache the port's own init_cache builds."""
-    model_module = importlib.import_module(f"{port.NAME}_impl.model")
+    model_module = importlib.import_module(f"kvports.{port.NAME}_impl.model")
     dtype = getattr(importlib.import_module("torch"), "float32") if port.NAME == "torch" else np.float32
     cache = model_module.init_cache(config, batch, total_len, dtype)
     return sum(int(np.prod(a.shape)) * np.dtype(str(a.dtype).replace("torch.", "")).itemsize
@@ -55,7 +55,7 @@ def test_cached_generation_allocates_through_init_cache(name, monkeypatch):
     from conftest import port_or_skip, random_weights
 
     port = port_or_skip(name)
-    model_module = importlib.import_module(f"{name}_impl.model")
+    model_module = importlib.import_module(f"kvports.{name}_impl.model")
     made = []
 
     def recording_init_cache(*args, **kwargs):

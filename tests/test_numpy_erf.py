@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from numpy_impl.functional import erf, gelu
+from kvports.numpy_impl.functional import erf, gelu
 
 
 def test_erf_matches_math_erf_to_float64_rounding():

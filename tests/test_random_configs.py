@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.config import ModelConfig
+from kvports.shared.config import ModelConfig
 from tests.conftest import random_weights
 from tests.helpers import assert_logits_close, assert_tokens_agree
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.config import ModelConfig
-from shared.config import cache_slots
+from kvports.shared.config import ModelConfig
+from kvports.shared.config import cache_slots
 
 
 @dataclass

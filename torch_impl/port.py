@@ -10,8 +10,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from shared.config import ModelConfig
-from torch_impl.model import TinyModel, decode_step, generate_cached, generate_naive, greedy, init_cache, prefill
+from kvports.shared.config import ModelConfig
+from kvports.torch_impl.model import TinyModel, decode_step, generate_cached, generate_naive, greedy, init_cache, prefill
 
 NAME = "torch"
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
