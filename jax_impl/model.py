@@ -110,9 +110,9 @@ class FeedForward(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.activation = config.activation
         gated = 2 if config.activation == "swiglu" else 1
-        setattr(self, "0", nnx.Linear(config.d_model, gated * config.hidden, use_bias=config.ffn_bias,
+        setattr(self, "0", nnx.Linear(config.d_model, gated * config.ffn_dim, use_bias=config.ffn_bias,
                                       dtype=dtype, param_dtype=dtype, rngs=rngs))
-        setattr(self, "2", nnx.Linear(config.hidden, config.d_model, use_bias=config.ffn_bias,
+        setattr(self, "2", nnx.Linear(config.ffn_dim, config.d_model, use_bias=config.ffn_bias,
                                       dtype=dtype, param_dtype=dtype, rngs=rngs))
 
     def __call__(self, x: jax.Array) -> jax.Array:

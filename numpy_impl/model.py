@@ -92,8 +92,8 @@ class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig):
         self.activation = config.activation
         gated = 2 if config.activation == "swiglu" else 1
-        setattr(self, "0", nn.Linear(config.d_model, gated * config.hidden, bias=config.ffn_bias))
-        setattr(self, "2", nn.Linear(config.hidden, config.d_model, bias=config.ffn_bias))
+        setattr(self, "0", nn.Linear(config.d_model, gated * config.ffn_dim, bias=config.ffn_bias))
+        setattr(self, "2", nn.Linear(config.ffn_dim, config.d_model, bias=config.ffn_bias))
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         h = getattr(self, "0")(x)  # [B, T, hidden] (swiglu: [B, T, 2 * hidden])

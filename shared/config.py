@@ -51,7 +51,8 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
-    def hidden(self) -> int:
+    def ffn_dim(self) -> int:
+        """The FFN's inner width (GELU models: 4 * d_model unless set; SwiGLU: the gate's and up's width)."""
         return 4 * self.d_model if self.ffn_hidden is None else self.ffn_hidden
 
     @property

@@ -348,7 +348,7 @@ def tied_head(hf: HFTensors, config: ModelConfig, emb: np.ndarray) -> None:
 
 
 def gpt2_tensors(hf: HFTensors, config: ModelConfig) -> Dict[str, np.ndarray]:
-    D, V, F = config.d_model, config.vocab_size, config.hidden
+    D, V, F = config.d_model, config.vocab_size, config.ffn_dim
     out = {"emb.weight": hf.take("wte.weight", (V, D)), "pos.weight": hf.take("wpe.weight", (config.max_seq_len, D))}
     for i in range(config.n_layers):
         h, b = f"h.{i}.", f"blocks.{i}."
@@ -373,7 +373,7 @@ def gpt2_tensors(hf: HFTensors, config: ModelConfig) -> Dict[str, np.ndarray]:
 
 
 def llama_tensors(hf: HFTensors, config: ModelConfig) -> Dict[str, np.ndarray]:
-    D, V, F = config.d_model, config.vocab_size, config.hidden
+    D, V, F = config.d_model, config.vocab_size, config.ffn_dim
     Dh, H, Hkv = config.head_dim, config.n_heads, config.kv_heads
     out = {"emb.weight": hf.take("embed_tokens.weight", (V, D))}
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, Dh, 2, dtype=np.float64) / Dh))  # [Dh/2]

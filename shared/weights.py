@@ -47,8 +47,8 @@ def expected_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
         norm(f"blocks.{i}.ln2")
         linear(f"blocks.{i}.qkv", config.qkv_dim, D, config.attn_bias)
         linear(f"blocks.{i}.proj", D, D, config.attn_bias)
-        linear(f"blocks.{i}.ffn.0", gated * config.hidden, D, config.ffn_bias)
-        linear(f"blocks.{i}.ffn.2", D, config.hidden, config.ffn_bias)
+        linear(f"blocks.{i}.ffn.0", gated * config.ffn_dim, D, config.ffn_bias)
+        linear(f"blocks.{i}.ffn.2", D, config.ffn_dim, config.ffn_bias)
     norm("ln")
     if not config.tie_embeddings:
         shapes["head.weight"] = (V, D)

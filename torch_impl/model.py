@@ -91,8 +91,8 @@ class FeedForward(nn.Module):
         super().__init__()
         self.activation = config.activation
         gated = 2 if config.activation == "swiglu" else 1
-        self.add_module("0", nn.Linear(config.d_model, gated * config.hidden, bias=config.ffn_bias))
-        self.add_module("2", nn.Linear(config.hidden, config.d_model, bias=config.ffn_bias))
+        self.add_module("0", nn.Linear(config.d_model, gated * config.ffn_dim, bias=config.ffn_bias))
+        self.add_module("2", nn.Linear(config.ffn_dim, config.d_model, bias=config.ffn_bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = getattr(self, "0")(x)  # [B, T, hidden] (swiglu: [B, T, 2 * hidden])
