@@ -3,7 +3,7 @@
 Each row runs two kinds of call, both after --warmup untimed runs, --repeats times:
 - `generate()`, the whole generation as a user calls it: total time and tokens/s.
   For JAX that is the compiled loop, so the first call's extra time is its compile time.
-- `generate_stream()`, the same tokens with the clock read as each token reaches the host:
+- `generate(on_token=...)`, the same tokens with the clock read as each token reaches the host:
   the per-step latency curve, time to first token (step 0: prefill plus the first
   token) and the decode time per token (median and p90 over steps 1..N-1).
 Every figure is the median over repeats; the JSON keeps every repeat. Nothing here
@@ -69,7 +69,7 @@ RUNNERS = (
     Runner("jax", "kvports.jax_impl.port", MODES, compiles=True),
     Runner("numpy", "kvports.numpy_impl.port", MODES, gpu=False),
     Runner("seed-concat", "kvports.baselines.seed_concat", ("cached",)),
-    Runner("transformers", "baselines.hf_gpt2", ("cached",)),
+    Runner("transformers", "kvports.baselines.hf_gpt2", ("cached",)),
 )
 COMPILED_RUNNER = Runner("torch", "kvports.baselines.torch_compile", ("cached",), variant="torch.compile", compiles=True)
 FRAMEWORKS = tuple(runner.framework for runner in RUNNERS)
@@ -208,9 +208,9 @@ def time_stream(module, model, prompts: np.ndarray, new_tokens: int, mode: str) 
     """Milliseconds per step: step 0 ends when the first new token is on the host."""
     stamps: List[float] = []
     start = time.perf_counter()
-    tokens = module.generate_stream(model, prompts, new_tokens, mode, lambda token: stamps.append(time.perf_counter()))
+    tokens, _ = module.generate(model, prompts, new_tokens, mode, on_token=lambda token: stamps.append(time.perf_counter()))
     if len(stamps) != new_tokens:
-        raise RuntimeError(f"{module.NAME}: generate_stream reported {len(stamps)} tokens, expected {new_tokens}")
+        raise RuntimeError(f"{module.NAME}: generate(on_token=...) reported {len(stamps)} tokens, expected {new_tokens}")
     return tokens, [1e3 * step for step in np.diff([start] + stamps)]
 
 
