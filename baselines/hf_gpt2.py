@@ -63,8 +63,8 @@ class CallbackStreamer(BaseStreamer):
         pass
 
 
-def generate_stream(model: GPT2LMHeadModel, prompts: np.ndarray, new_tokens: int, mode: str,
-                    on_token: Optional[Callable[[np.ndarray], None]]) -> np.ndarray:
+def generate(model: GPT2LMHeadModel, prompts: np.ndarray, new_tokens: int, mode: str = "cached", return_logits: bool = False,
+             on_token: Optional[Callable[[np.ndarray], None]] = None) -> Tuple[np.ndarray, None]:
     if mode not in MODES:
         raise ValueError(f"{NAME} has modes {MODES}, not {mode!r}")
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(model.device)  # [B, P]
@@ -73,12 +73,7 @@ def generate_stream(model: GPT2LMHeadModel, prompts: np.ndarray, new_tokens: int
         tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                                 do_sample=False, num_beams=1, use_cache=True,
                                 streamer=streamer)  # [B, P + N]
-    return tokens.cpu().numpy()
-
-
-def generate(model: GPT2LMHeadModel, prompts: np.ndarray, new_tokens: int, mode: str = "cached",
-             return_logits: bool = False) -> Tuple[np.ndarray, None]:
-    return generate_stream(model, prompts, new_tokens, mode, None), None
+    return tokens.cpu().numpy(), None  # [B, P + N]
 
 
 def synchronize(model: GPT2LMHeadModel) -> None:

@@ -3,20 +3,25 @@
 Read it beside torch_impl/model.py: the same names in the same order. What JAX forces
 to differ: the cache is an immutable pytree passed into and out of compiled calls
 (donated, so XLA writes it in place), writes return a new cache instead of mutating,
-and each generation is one compiled call with the decode loop inside (`lax.fori_loop`).
+shapes are static under jit (every slot is attended, the empty ones masked), and each
+generation is one compiled call with the decode loop inside (`lax.fori_loop`).
+
+Shapes: B batch, T tokens in this call, P prompt, N new tokens, S cache slots, S' keys a
+query attends over, D d_model, H query heads, Hkv key/value heads, G = H / Hkv, Dh head
+dim, V vocabulary, L layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -28,20 +33,56 @@ from kvports.shared.config import cache_slots
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# Python code under jax.jit runs only while tracing, i.e. once per compilation, so a
-# counter bumped there counts compilations: trace_counts["generate_cached"] and friends.
-trace_counts: Counter = Counter()
-
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class KVCache:
     # JAX arrays are immutable: a write returns a new cache. As a pytree it goes into and
     # out of jitted calls, where donation lets XLA reuse the same buffers in place.
-    keys: jax.Array  # [L, B, Hkv, S, Dh], S = slots (prompt + new tokens, or the window)
+    keys: jax.Array  # [L, B, Hkv, S, Dh], S = slots (prompt + new tokens, or a ring for the window)
     values: jax.Array  # [L, B, Hkv, S, Dh]
     slot_positions: jax.Array  # [S] int32: the position each slot holds, -1 while empty
     length: jax.Array  # [] int32: tokens seen so far; an array, so a new length is not a new compile
+    window: Optional[int] = dataclasses.field(metadata=dict(static=True))  # the sliding window, or None
+
+    def writes_first(self, T: int) -> bool:
+        # A chunk is written first and attended from the buffer: no copy of the history. Only a chunk
+        # wider than a ring's spare slots would overwrite keys its own first queries still need.
+        slots = self.keys.shape[3]
+        return self.window is None or slots < self.window or T <= slots - self.window + 1
+
+    def mask(self, positions: jax.Array) -> jax.Array:
+        """Which keys each of this chunk's queries sees: [T, S'], every slot (static shapes), the empty ones masked."""
+        T, slots = positions.shape[0], self.keys.shape[3]
+        if not self.writes_first(T):
+            return attention_mask(positions, jnp.concatenate([self.slot_positions, positions]), self.window)  # [T, S']
+        key_positions = self.slot_positions.at[positions % slots].set(positions)  # [S]: as the write leaves them
+        return attention_mask(positions, key_positions, self.window)  # [T, S']
+
+    def update(self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array) -> Tuple[jax.Array, jax.Array, KVCache]:
+        """Write this chunk's k and v at their slots (slot = position mod S); the keys and values to attend over,
+        and the new cache (JAX cannot write in place: the donated buffers make XLA do it)."""
+        T, slots = k.shape[2], self.keys.shape[3]
+        if self.writes_first(T):
+            cache = self.write(layer, k, v, positions % slots)
+            return cache.keys[layer], cache.values[layer], cache  # [B, Hkv, S', Dh]
+        keep = min(T, slots)  # a chunk wider than the ring keeps its newest
+        keys = jnp.concatenate([self.keys[layer], k], axis=2)  # [B, Hkv, S', Dh]
+        values = jnp.concatenate([self.values[layer], v], axis=2)  # [B, Hkv, S', Dh]
+        return keys, values, self.write(layer, k[:, :, -keep:], v[:, :, -keep:], positions[-keep:] % slots)
+
+    def write(self, layer: int, k: jax.Array, v: jax.Array, slot_index: jax.Array) -> KVCache:
+        # One scatter into the whole buffer, in place when the cache is donated. NumPy's indexing rule puts
+        # the indexed axes (layer, slot) first, so the chunk's T axis leads.
+        keys = self.keys.at[layer, :, :, slot_index].set(jnp.moveaxis(k, 2, 0))  # [L, B, Hkv, S, Dh]
+        values = self.values.at[layer, :, :, slot_index].set(jnp.moveaxis(v, 2, 0))  # [L, B, Hkv, S, Dh]
+        return dataclasses.replace(self, keys=keys, values=values)
+
+    def advance(self, positions: jax.Array) -> KVCache:
+        # After every layer has read the old slot positions: they change once per forward.
+        keep, slots = min(positions.shape[0], self.keys.shape[3]), self.keys.shape[3]
+        slot_positions = self.slot_positions.at[positions[-keep:] % slots].set(positions[-keep:])  # [S]
+        return dataclasses.replace(self, slot_positions=slot_positions, length=self.length + positions.shape[0])
 
 
 def init_cache(config: ModelConfig, batch: int, total_len: int, dtype) -> KVCache:
@@ -52,6 +93,7 @@ def init_cache(config: ModelConfig, batch: int, total_len: int, dtype) -> KVCach
         values=jnp.zeros(shape, dtype=dtype),
         slot_positions=jnp.full((slots,), -1, dtype=jnp.int32),
         length=jnp.zeros((), dtype=jnp.int32),
+        window=config.sliding_window,
     )
 
 
@@ -116,9 +158,9 @@ class FeedForward(nnx.Module):
                                       dtype=dtype, param_dtype=dtype, rngs=rngs))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = getattr(self, "0")(x)  # [B, T, hidden] (swiglu: [B, T, 2 * hidden])
+        h = getattr(self, "0")(x)  # [B, T, ffn_dim] (swiglu: [B, T, 2 * ffn_dim])
         if self.activation == "swiglu":
-            gate, up = jnp.split(h, 2, axis=-1)  # [B, T, hidden] each
+            gate, up = jnp.split(h, 2, axis=-1)  # [B, T, ffn_dim] each
             h = jax.nn.silu(gate) * up
         elif self.activation == "gelu_tanh":
             h = jax.nn.gelu(h, approximate=True)
@@ -138,66 +180,30 @@ class Block(nnx.Module):
         self.ffn = FeedForward(config, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(config.dropout, rngs=rngs)  # pitfall 3: active only in train mode
 
-    def attention(self, x, positions, rope, cache: Optional[KVCache], layer: int):
+    def attention(self, x, positions, rope, mask, cache: Optional[KVCache], layer: int):
         # Returns (out, cache): the cache cannot be written in place, so the new one comes back.
         config = self.config
         B, T, D = x.shape
         H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
-        q, k, v = jnp.split(self.qkv(x), [H * Dh, (H + Hkv) * Dh], axis=-1)
-        q = q.reshape(B, T, H, Dh).transpose(0, 2, 1, 3)  # [B, H, T, Dh]
-        k = k.reshape(B, T, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, T, Dh]
-        v = v.reshape(B, T, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, T, Dh]
+        qkv = self.qkv(x).reshape(B, T, H + 2 * Hkv, Dh).transpose(0, 2, 1, 3)  # [B, H + 2 Hkv, T, Dh]
+        q, k, v = jnp.split(qkv, [H, H + Hkv], axis=1)  # [B, H, T, Dh], [B, Hkv, T, Dh], [B, Hkv, T, Dh]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if cache is None:
-            keys, values, key_positions = k, v, positions  # [B, Hkv, T, Dh], [T]
-        else:
-            # Attend over the slots as they were plus this chunk, then write the chunk:
-            # a ring buffer may overwrite slots that this chunk's first queries still need.
-            filled = cache.keys.shape[3]  # every slot: shapes must be static under jit; empty ones are masked
-            keys = jnp.concatenate([cache.keys[layer][:, :, :filled], k], axis=2)  # [B, Hkv, F + T, Dh]
-            values = jnp.concatenate([cache.values[layer][:, :, :filled], v], axis=2)  # [B, Hkv, F + T, Dh]
-            key_positions = jnp.concatenate([cache.slot_positions[:filled], positions])  # [F + T]
-            cache = write_cache(cache, layer, k, v, positions)
-        visible = attention_mask(positions, key_positions, config.sliding_window)  # [T, S']
-        # GQA: each group of H / Hkv query heads shares one k/v head; grouping avoids a copy.
+        if cache is not None:
+            k, v, cache = cache.update(layer, k, v, positions)  # [B, Hkv, S', Dh]: the cache, this chunk written in
+        # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
+        # Written out: jax.nn.dot_product_attention takes its softmax in float32, even in a float64 run.
         q = q.reshape(B, Hkv, H // Hkv, T, Dh)  # [B, Hkv, G, T, Dh]
-        scores = q @ jnp.swapaxes(keys[:, :, None], -2, -1) / math.sqrt(Dh)  # [B, Hkv, G, T, S']
-        probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)  # [B, Hkv, G, T, S']
-        out = probs @ values[:, :, None]  # [B, Hkv, G, T, Dh]
-        out = out.reshape(B, H, T, Dh).transpose(0, 2, 1, 3).reshape(B, T, D)  # [B, T, D]
+        scores = jnp.einsum("bkgtd,bksd->bkgts", q, k) / math.sqrt(Dh)  # [B, Hkv, G, T, S']
+        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)  # [B, Hkv, G, T, S']
+        out = jnp.einsum("bkgts,bksd->bkgtd", probs, v).reshape(B, H, T, Dh)  # [B, H, T, Dh]
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, D)  # [B, T, D]
         return self.proj(out), cache  # [B, T, D]
 
-    def __call__(self, x, positions, rope, cache: Optional[KVCache], layer: int):
-        attended, cache = self.attention(self.ln1(x), positions, rope, cache, layer)
+    def __call__(self, x, positions, rope, mask, cache: Optional[KVCache], layer: int):
+        attended, cache = self.attention(self.ln1(x), positions, rope, mask, cache, layer)
         x = x + self.dropout(attended)  # [B, T, D]
         return x + self.dropout(self.ffn(self.ln2(x))), cache  # [B, T, D]
-
-
-def write_cache(cache: KVCache, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
-    slots = cache.keys.shape[3]
-    keep = min(k.shape[2], slots)  # a chunk longer than a ring keeps only its newest tokens
-    slot_index = positions[-keep:] % slots  # [keep]; without a window, slot == position
-    # One scatter into the whole buffer, in place when the cache is donated. NumPy's
-    # indexing rule puts the indexed axes (layer, slot) first, so the chunk's T axis leads.
-    keys = cache.keys.at[layer, :, :, slot_index].set(jnp.moveaxis(k[:, :, -keep:], 2, 0))  # [L, B, Hkv, S, Dh]
-    values = cache.values.at[layer, :, :, slot_index].set(jnp.moveaxis(v[:, :, -keep:], 2, 0))  # [L, B, Hkv, S, Dh]
-    return dataclasses.replace(cache, keys=keys, values=values)
-
-
-class CallCounter:
-    # A static attribute of the model: the copy jit rebuilds inside a trace holds this
-    # same object, so forward calls made while tracing land on the caller's model.
-    def __init__(self):
-        self.count = 0
-
-    # All counters compare equal, so two models of one config share compiled programs
-    # instead of each new model object forcing a fresh compile.
-    def __eq__(self, other) -> bool:
-        return isinstance(other, CallCounter)
-
-    def __hash__(self) -> int:
-        return hash(CallCounter)
 
 
 class TinyModel(nnx.Module):
@@ -214,22 +220,8 @@ class TinyModel(nnx.Module):
         if not config.tie_embeddings:
             self.head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False,
                                    dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.forward_counter = CallCounter()  # counted so a test can see prefill is one call
-
-    # Forward calls happen while tracing: one per call site in a compiled program, counted
-    # at its first compilation. A property, so tests read and reset it as in torch.
-    @property
-    def forward_calls(self) -> int:
-        return self.forward_counter.count
-
-    @forward_calls.setter
-    def forward_calls(self, value: int) -> None:
-        self.forward_counter.count = value
 
     def __call__(self, tokens: jax.Array, cache: Optional[KVCache] = None):
-        # Not `self.forward_calls += 1`: nnx forbids setting a module's attributes inside a
-        # loop body (another trace level); bumping the shared counter object is allowed.
-        self.forward_counter.count += 1
         config = self.config
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
@@ -237,20 +229,17 @@ class TinyModel(nnx.Module):
         x = self.emb(tokens)  # [B, T, D]
         rope = None
         if config.positions == "learned":
-            x = x + self.pos.embedding[positions]  # [B, T, D]
+            x = x + self.pos(positions)  # [B, T, D]
         else:
             rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [T, Dh]
+        if cache is None:
+            mask = attention_mask(positions, positions, config.sliding_window)  # [T, T]
+        else:
+            mask = cache.mask(positions)  # [T, S']
         for layer, block in enumerate(self.blocks):
-            x, cache = block(x, positions, rope, cache, layer)  # [B, T, D]
+            x, cache = block(x, positions, rope, mask, cache, layer)  # [B, T, D]
         if cache is not None:
-            # Slot positions change only after every layer has read the old ones.
-            slots = cache.slot_positions.shape[0]
-            keep = min(T, slots)
-            cache = dataclasses.replace(
-                cache,
-                slot_positions=cache.slot_positions.at[positions[-keep:] % slots].set(positions[-keep:]),
-                length=start + T,
-            )
+            cache = cache.advance(positions)
         x = self.ln(x)  # [B, T, D]
         # nnx.Linear stores (in, out), the transpose of torch's weight: flip it back to [V, D].
         head_weight = self.emb.embedding[...] if config.tie_embeddings else self.head.kernel[...].T  # [V, D]
@@ -261,35 +250,124 @@ def greedy(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, V] -> [B]
 
 
-# Each generation is one compiled call; shapes must be static, so new_tokens is a
-# compile-time argument and a new (batch, prompt length, new tokens) means a new compile.
-@partial(jax.jit, static_argnames=("new_tokens", "return_logits"))
-def generate_naive(model: TinyModel, prompt: jax.Array, new_tokens: int, return_logits: bool = False):
-    """Recompute the whole history every step: O(n^2) work per token.
-    One fixed-shape buffer [B, P + N] is recomputed whole each step (causal masking keeps
-    the unfilled tail from reaching earlier positions), so one compile serves every step."""
-    trace_counts["generate_naive"] += 1
-    model.eval()  # pitfall 3: dropout off, or the two paths disagree (inside jit: the traced copy)
+# on_token(token [B]) is called as each new token reaches the host (streaming, per-step timing).
+OnToken = Optional[Callable[[np.ndarray], None]]
+
+# jit over the model's split state, not the module: flattening an nnx module on every call
+# costs more than a decode step. nnx.split happens once per generation; the graphdef is
+# static (models of one config share it, and with it every compiled program).
+
+
+def generate_naive(model: TinyModel, prompt: jax.Array, new_tokens: int, return_logits: bool = False,
+                   on_token: OnToken = None):
+    """Recompute the whole history every step: O(n^2) work per token."""
+    model.eval()  # pitfall 3: dropout off, or the two paths disagree
+    graphdef, state = nnx.split(model)
+    if on_token is None:
+        return _naive_loop(graphdef, state, prompt, new_tokens, return_logits)
+    # Streaming needs each token on the host as it is made: one compiled forward per step,
+    # over the history padded to the next power of two (a compile per length bucket, not per length).
+    B, P = prompt.shape
+    tokens = np.zeros((B, P + new_tokens), dtype=np.int32)  # [B, P + N], on the host
+    tokens[:, :P] = np.asarray(prompt)
+    step_logits = []
+    for step in range(new_tokens):
+        bucket = min(P + new_tokens, 1 << (P + step - 1).bit_length())
+        last = _forward_last(graphdef, state, jnp.asarray(tokens[:, :bucket]), P + step - 1)  # [B, V]
+        if return_logits:
+            step_logits.append(last)
+        tokens[:, P + step] = np.asarray(greedy(last))
+        on_token(tokens[:, P + step])
+    tokens = jnp.asarray(tokens)
+    return (tokens, jnp.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
+
+
+def generate_cached(model: TinyModel, prompt: jax.Array, new_tokens: int, return_logits: bool = False,
+                    prefill: bool = True, on_token: OnToken = None):
+    """Prefill the prompt in one forward, then one token per step against the cache.
+    prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
+    model.eval()  # pitfall 3: dropout off, or the two paths disagree
+    graphdef, state = nnx.split(model)
+    if on_token is None:
+        return _cached_loop(graphdef, state, prompt, new_tokens, return_logits, prefill)
+    # Streaming needs each token on the host as it is made: the compiled loop's stepwise twin,
+    # one compiled call (prefill, then decode steps) per step.
+    B, P = prompt.shape
+    cache = init_cache(model.config, B, P + new_tokens, model.emb.embedding.dtype)
+    if prefill:
+        logits, cache = _forward(graphdef, state, prompt, cache)  # [B, P, V]
+    else:
+        for i in range(P):
+            logits, cache = _forward(graphdef, state, prompt[:, i : i + 1], cache)  # [B, 1, V]
+    tokens = np.zeros((B, P + new_tokens), dtype=np.int32)  # [B, P + N], on the host
+    tokens[:, :P] = np.asarray(prompt)
+    step_logits = []
+    for step in range(new_tokens):
+        if step > 0:
+            logits, cache = _forward(graphdef, state, token, cache)  # [B, 1, V]
+        if return_logits:
+            step_logits.append(logits[:, -1])
+        token = _next_token(logits)  # [B, 1]
+        tokens[:, P + step] = np.asarray(token)[:, 0]
+        on_token(tokens[:, P + step])
+    tokens = jnp.asarray(tokens)
+    return (tokens, jnp.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
+
+
+# The two halves of generate_cached as separate compiled calls (the stepwise loop's).
+# The cache is donated: XLA updates it in place, and the caller must use the returned
+# cache (the one passed in is deleted).
+def prefill(model: TinyModel, prompt: jax.Array, cache: KVCache):
+    return _forward(*nnx.split(model), prompt, cache)  # [B, P, V], cache
+
+
+def decode_step(model: TinyModel, token: jax.Array, cache: KVCache):
+    return _forward(*nnx.split(model), token, cache)  # token [B, 1] -> [B, 1, V], cache
+
+
+# What the functions above compile. Shapes must be static, so new_tokens is a compile-time
+# argument: a new (batch, prompt length, new tokens) is a new compile, a new prompt is not.
+@partial(jax.jit, static_argnums=0, donate_argnames="cache")
+def _forward(graphdef, state, tokens: jax.Array, cache: Optional[KVCache]):
+    return nnx.merge(graphdef, state)(tokens, cache)  # [B, T, V], cache
+
+
+@partial(jax.jit, static_argnums=0)
+def _forward_last(graphdef, state, tokens: jax.Array, last: jax.Array) -> jax.Array:
+    logits, _ = nnx.merge(graphdef, state)(tokens)  # [B, T, V]
+    return lax.dynamic_index_in_dim(logits, last, axis=1, keepdims=False)  # [B, V]
+
+
+@jax.jit
+def _next_token(logits: jax.Array) -> jax.Array:
+    return greedy(logits[:, -1])[:, None]  # [B, T, V] -> [B, 1]
+
+
+@partial(jax.jit, static_argnums=(0, 3, 4))
+def _naive_loop(graphdef, state, prompt: jax.Array, new_tokens: int, return_logits: bool):
+    # One fixed-shape buffer [B, P + N] is recomputed whole each step (causal masking keeps
+    # the unfilled tail from reaching earlier positions), so one compile serves every step.
+    model = nnx.merge(graphdef, state)
     B, P = prompt.shape
     tokens = jnp.zeros((B, P + new_tokens), dtype=prompt.dtype).at[:, :P].set(prompt)  # [B, P + N]
-    step_logits = jnp.zeros((B, new_tokens, model.config.vocab_size), dtype=model.emb.embedding.dtype)  # [B, N, V]
+    step_logits = jnp.zeros((B, new_tokens if return_logits else 0, model.config.vocab_size),
+                            dtype=model.emb.embedding.dtype)  # [B, N, V], carried only when asked for
 
     def recompute(step, carry):
         tokens, step_logits = carry
         logits, _ = model(tokens)  # [B, P + N, V]
-        last = logits[:, P + step - 1]  # [B, V]
-        return tokens.at[:, P + step].set(greedy(last)), step_logits.at[:, step].set(last)
+        last = lax.dynamic_index_in_dim(logits, P + step - 1, axis=1, keepdims=False)  # [B, V]
+        if return_logits:
+            step_logits = step_logits.at[:, step].set(last)
+        return tokens.at[:, P + step].set(greedy(last)), step_logits
 
     tokens, step_logits = lax.fori_loop(0, new_tokens, recompute, (tokens, step_logits))
     return (tokens, step_logits) if return_logits else tokens  # [B, P + N], [B, N, V]
 
 
-@partial(jax.jit, static_argnames=("new_tokens", "return_logits", "prefill"))
-def generate_cached(model: TinyModel, prompt: jax.Array, new_tokens: int, return_logits: bool = False, prefill: bool = True):
-    """Prefill the prompt in one forward, then one token per step against the cache.
-    prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
-    trace_counts["generate_cached"] += 1
-    model.eval()  # pitfall 3: dropout off, or the two paths disagree (inside jit: the traced copy)
+@partial(jax.jit, static_argnums=(0, 3, 4, 5))
+def _cached_loop(graphdef, state, prompt: jax.Array, new_tokens: int, return_logits: bool, prefill: bool):
+    model = nnx.merge(graphdef, state)
     B, P = prompt.shape
     cache = init_cache(model.config, B, P + new_tokens, model.emb.embedding.dtype)
     if prefill:
@@ -298,32 +376,18 @@ def generate_cached(model: TinyModel, prompt: jax.Array, new_tokens: int, return
         for i in range(P):
             logits, cache = model(prompt[:, i : i + 1], cache)  # [B, 1, V]
     tokens = jnp.zeros((B, P + new_tokens), dtype=prompt.dtype).at[:, :P].set(prompt)  # [B, P + N]
-    step_logits = jnp.zeros((B, new_tokens, model.config.vocab_size), dtype=logits.dtype)  # [B, N, V]
     tokens = tokens.at[:, P].set(greedy(logits[:, -1]))
-    step_logits = step_logits.at[:, 0].set(logits[:, -1])
+    step_logits = jnp.zeros((B, new_tokens if return_logits else 0, logits.shape[-1]), dtype=logits.dtype)  # [B, N, V]
+    if return_logits:
+        step_logits = step_logits.at[:, 0].set(logits[:, -1])
 
     # Step 0 used the prefill's logits above; the loop body is traced once and runs N - 1 times.
     def decode(step, carry):
         tokens, step_logits, cache = carry
         logits, cache = model(lax.dynamic_slice_in_dim(tokens, P + step - 1, 1, axis=1), cache)  # [B, 1, V]
-        return tokens.at[:, P + step].set(greedy(logits[:, -1])), step_logits.at[:, step].set(logits[:, -1]), cache
+        if return_logits:
+            step_logits = step_logits.at[:, step].set(logits[:, -1])
+        return tokens.at[:, P + step].set(greedy(logits[:, -1])), step_logits, cache
 
     tokens, step_logits, cache = lax.fori_loop(1, new_tokens, decode, (tokens, step_logits, cache))
     return (tokens, step_logits) if return_logits else tokens  # [B, P + N], [B, N, V]
-
-
-# The two halves of generate_cached as separate compiled calls, so a benchmark can time
-# one step at a time. The cache is donated: XLA updates it in place, and the caller must
-# use the returned cache (the one passed in is deleted).
-@partial(jax.jit, donate_argnames="cache")
-def prefill(model: TinyModel, prompt: jax.Array, cache: KVCache):
-    trace_counts["prefill"] += 1
-    model.eval()
-    return model(prompt, cache)  # [B, P, V], cache
-
-
-@partial(jax.jit, donate_argnames="cache")
-def decode_step(model: TinyModel, token: jax.Array, cache: KVCache):
-    trace_counts["decode_step"] += 1
-    model.eval()
-    return model(token, cache)  # token [B, 1] -> [B, 1, V], cache

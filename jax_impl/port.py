@@ -1,5 +1,5 @@
 """What the command line, the tests and the benchmark call: NumPy in, NumPy out.
-The same five names in every port; only the framework calls differ."""
+The same names in every port (the contract: docs/PORTS.md); only the framework calls differ."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 from flax import nnx
-from jax import lax
 
 from kvports.shared.config import ModelConfig
-from kvports.jax_impl.model import TinyModel, decode_step, generate_cached, generate_naive, greedy, init_cache
+from kvports.jax_impl.model import TinyModel, generate_cached, generate_naive, init_cache
 from kvports.jax_impl.model import prefill as prefill_step
 
 NAME = "jax"
@@ -90,21 +89,27 @@ def _model_device(model: TinyModel) -> jax.Device:
     return next(iter(model.emb.embedding[...].devices()))
 
 
-def generate(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str,
-             return_logits: bool = False, prefill: bool = True) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+def generate(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str, return_logits: bool = False,
+             prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
+             ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """Tokens [B, P + N] (and step logits [B, N, V]); on_token(token [B]) as each token reaches the host."""
     prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), _model_device(model))  # [B, P]
-    # Always the logits-returning program, so one compile serves both kinds of call;
-    # the unused logits never leave the device.
-    if mode == "cached":
-        tokens, logits = generate_cached(model, prompt, int(new_tokens), return_logits=True, prefill=prefill)
-    else:
-        tokens, logits = generate_naive(model, prompt, int(new_tokens), return_logits=True)
-    return np.asarray(tokens, dtype=np.int64), np.asarray(logits) if return_logits else None  # [B, P + N], [B, N, V]
+    to_host = None if on_token is None else (lambda token: on_token(token.astype(np.int64)))
+    with jax.default_device(_model_device(model)):
+        if mode == "cached":
+            result = generate_cached(model, prompt, int(new_tokens), return_logits, prefill, to_host)
+        else:
+            result = generate_naive(model, prompt, int(new_tokens), return_logits, to_host)
+    if not return_logits:
+        return np.asarray(result, dtype=np.int64), None
+    tokens, logits = result
+    return np.asarray(tokens, dtype=np.int64), np.asarray(logits)  # [B, P + N], [B, N, V]
 
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
     """Feed tokens [B, T] into one cache in chunks of the given sizes; the logits [B, T, V]."""
     tokens = jax.device_put(np.asarray(tokens, dtype=np.int32), _model_device(model))  # [B, T]
+    model.eval()
     with jax.default_device(_model_device(model)):
         cache = init_cache(model.config, tokens.shape[0], tokens.shape[1], model.emb.embedding.dtype)
     pieces, start = [], 0
@@ -113,10 +118,6 @@ def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[i
         pieces.append(np.asarray(logits))
         start += size
     return np.concatenate(pieces, axis=1)  # [B, T, V]
-
-
-def forward_calls(model: TinyModel) -> int:
-    return model.forward_calls
 
 
 def clear_compiled() -> None:
@@ -128,49 +129,6 @@ def synchronize(model: TinyModel) -> None:
     # JAX dispatches asynchronously and has no device-wide barrier: wait on every live array
     # on the model's platform, which includes the outputs of anything still running.
     jax.block_until_ready(jax.live_arrays(_model_device(model).platform))
-
-
-@jax.jit
-def _next_token(logits: jax.Array) -> jax.Array:
-    return greedy(logits[:, -1])[:, None]  # [B, T, V] -> [B, 1]
-
-
-@jax.jit
-def _naive_next_token(model: TinyModel, tokens: jax.Array, last: jax.Array) -> jax.Array:
-    model.eval()  # inside jit: the traced copy
-    logits, _ = model(tokens)  # [B, T, V]
-    return greedy(lax.dynamic_index_in_dim(logits, last, axis=1, keepdims=False))[:, None]  # [B, 1]
-
-
-def generate_stream(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str,
-                    on_token: Callable[[np.ndarray], None]) -> np.ndarray:
-    """generate(), calling on_token(token [B]) as each new token reaches the host, so the
-    benchmark can time every step; the first call comes after the prefill.
-    One compiled call per step instead of generate's single compiled loop. Naive steps run
-    over the history padded to the next power of two: a compile per length bucket, not per
-    length, and a cost that still grows with the history (causal masking keeps the padding
-    out of the real positions)."""
-    device = _model_device(model)
-    prompt = np.asarray(prompts, dtype=np.int32)  # [B, P]
-    B, P = prompt.shape
-    tokens = np.zeros((B, P + new_tokens), dtype=np.int32)  # [B, P + N], on the host: each token is streamed
-    tokens[:, :P] = prompt
-    if mode == "cached":
-        with jax.default_device(device):
-            cache = init_cache(model.config, B, P + new_tokens, model.emb.embedding.dtype)
-        logits, cache = prefill_step(model, jax.device_put(prompt, device), cache)  # [B, P, V]
-    for step in range(new_tokens):
-        if mode == "cached":
-            if step > 0:
-                logits, cache = decode_step(model, token, cache)  # [B, 1, V]
-            token = _next_token(logits)  # [B, 1]
-        else:
-            length = P + step
-            bucket = min(P + new_tokens, 1 << (length - 1).bit_length())
-            token = _naive_next_token(model, jax.device_put(tokens[:, :bucket], device), length - 1)  # [B, 1]
-        tokens[:, P + step] = np.asarray(token)[:, 0]
-        on_token(tokens[:, P + step].astype(np.int64))  # [B]
-    return tokens.astype(np.int64)  # [B, P + N]
 
 
 def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> List[float]:

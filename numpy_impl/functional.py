@@ -1,7 +1,11 @@
-"""The activations torch.nn.functional gives the reference, in NumPy; model.py imports
-this as `F`. NumPy has no erf, and the seed's GELU is the exact erf form."""
+"""What torch.nn.functional gives the reference, in NumPy: linear, the activations,
+softmax and scaled_dot_product_attention. model.py imports this as `F`. NumPy has no
+erf, and the seed's GELU is the exact erf form."""
 
 from __future__ import annotations
+
+import math
+from typing import Optional
 
 import numpy as np
 
@@ -100,4 +104,30 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     e = np.exp(x - x.max(axis=axis, keepdims=True))  # every row sees itself, so max is finite
-    return e / e.sum(axis=axis, keepdims=True)
+    e /= e.sum(axis=axis, keepdims=True)
+    return e
+
+
+def linear(x: np.ndarray, weight: np.ndarray, bias: Optional[np.ndarray] = None) -> np.ndarray:
+    y = x @ weight.T  # [..., out]: weight is (out, in), torch's layout
+    if bias is not None:
+        y += bias
+    return y
+
+
+def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray,
+                                 attn_mask: Optional[np.ndarray] = None, enable_gqa: bool = False) -> np.ndarray:
+    """torch's F.scaled_dot_product_attention, as the model calls it: query [B, H, T, Dh] over key
+    and value [B, Hkv, S, Dh]; attn_mask [T, S], True = visible; Hkv < H only with enable_gqa."""
+    B, H, T, Dh = query.shape
+    Hkv = key.shape[1]
+    if Hkv != H and not enable_gqa:
+        raise ValueError(f"{H} query heads over {Hkv} key/value heads needs enable_gqa=True")
+    # GQA by grouping: each group of G = H / Hkv query heads shares one k/v head, nothing is copied.
+    q = query.reshape(B, Hkv, H // Hkv, T, Dh)  # [B, Hkv, G, T, Dh]
+    scores = q @ key[:, :, None].swapaxes(-2, -1)  # [B, Hkv, G, T, S]
+    scores *= 1.0 / math.sqrt(Dh)
+    if attn_mask is not None:
+        scores = np.where(attn_mask, scores, -np.inf)  # [B, Hkv, G, T, S]
+    probs = softmax(scores, axis=-1)  # [B, Hkv, G, T, S]
+    return (probs @ value[:, :, None]).reshape(B, H, T, Dh)  # [B, H, T, Dh]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import kvports.numpy_impl.functional as F
+
 
 class Module:
     """The part of nn.Module this port needs: named parameters (so torch's state_dict
@@ -67,8 +69,7 @@ class Linear(Module):
         self.bias = np.zeros((n_out,), dtype=np.float32) if bias else None
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        y = x @ self.weight.T  # [..., out]
-        return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)  # [..., out]
 
 
 class LayerNorm(Module):

@@ -160,12 +160,12 @@ def test_gpu_rows_without_a_gpu_are_unavailable_not_a_crash(capsys):
 
 
 @pytest.mark.parametrize("mode", ["naive", "cached"])
-def test_generate_stream_reports_each_token_and_matches_generate(port, seed_weights, mode):
+def test_on_token_reports_each_token_and_matches_generate(port, seed_weights, mode):
     config, tensors = seed_weights
     model = port.load_model(config, tensors)
     prompts = np.concatenate([SEED_PROMPT, SEED_PROMPT[:, ::-1]])  # [2, 5]
     streamed = []
-    tokens = port.generate_stream(model, prompts, 3, mode, streamed.append)
+    tokens, _ = port.generate(model, prompts, 3, mode, on_token=streamed.append)
     expected, _ = port.generate(model, prompts, 3, mode)
     np.testing.assert_array_equal(tokens, expected)
     assert len(streamed) == 3 and all(token.shape == (2,) for token in streamed)

@@ -63,3 +63,30 @@ def test_chunked_prefill_equals_one_token_at_a_time(port, seed_weights, chunk_si
     one_at_a_time = port.forward_chunks(model, tokens, [1] * 12)  # [B, T, V]
     chunked = port.forward_chunks(model, tokens, chunk_sizes)  # [B, T, V]
     np.testing.assert_allclose(chunked, one_at_a_time, atol=1e-10, rtol=0)
+
+
+WINDOWED = ModelConfig(vocab_size=97, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64,
+                       positions="rope", norm="rmsnorm", activation="swiglu", attn_bias=False, ffn_bias=False,
+                       sliding_window=4)
+
+
+@pytest.mark.parametrize("chunk_sizes", [[6, 1, 5, 1, 3], [16], [3, 9, 4], [2] * 8])
+def test_chunks_wider_than_a_sliding_window_ring_equal_one_token_at_a_time(port, chunk_sizes):
+    # A ring of 4 slots: a chunk of more than one token would overwrite keys its own first
+    # queries still need, if it were written before it is attended.
+    model = port.load_model(WINDOWED, random_weights(WINDOWED, seed=1), "float64")
+    tokens = random_prompts(WINDOWED, 2, 16, seed=5)
+    one_at_a_time = port.forward_chunks(model, tokens, [1] * 16)  # [B, T, V]
+    chunked = port.forward_chunks(model, tokens, chunk_sizes)  # [B, T, V]
+    np.testing.assert_allclose(chunked, one_at_a_time, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["naive", "cached"])
+def test_sliding_window_generation_past_the_window_matches_torch(port, reference, mode):
+    weights = random_weights(WINDOWED, seed=2)
+    prompts = random_prompts(WINDOWED, 2, 7, seed=9)
+    expected, expected_logits = reference.generate(reference.load_model(WINDOWED, weights, "float64"), prompts, 20,
+                                                   "naive", return_logits=True)
+    tokens, logits = port.generate(port.load_model(WINDOWED, weights, "float64"), prompts, 20, mode, return_logits=True)
+    assert tokens.tolist() == expected.tolist()
+    np.testing.assert_allclose(logits, expected_logits, atol=1e-10, rtol=0)

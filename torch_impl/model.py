@@ -2,13 +2,16 @@
 
 Read it beside jax_impl/model.py and numpy_impl/model.py: the same names in the
 same order; only what the framework forces differs.
+
+Shapes: B batch, T tokens in this call, P prompt, N new tokens, S cache slots, S' keys a
+query attends over, D d_model, H query heads, Hkv key/value heads, G = H / Hkv, Dh head
+dim, V vocabulary, L layers.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -21,10 +24,53 @@ from kvports.shared.config import cache_slots
 @dataclass
 class KVCache:
     # Written in place by position; PyTorch lets us mutate the buffers we preallocated.
-    keys: torch.Tensor  # [L, B, Hkv, S, Dh], S = slots (prompt + new tokens, or the window)
+    keys: torch.Tensor  # [L, B, Hkv, S, Dh], S = slots (prompt + new tokens, or a ring for the window)
     values: torch.Tensor  # [L, B, Hkv, S, Dh]
     slot_positions: torch.Tensor  # [S] int64: the position each slot holds, -1 while empty
     length: int  # tokens seen so far = the position of the next token
+    window: Optional[int]  # the sliding window, or None
+
+    def writes_first(self, T: int) -> bool:
+        # A chunk is written first and attended from the buffer: no copy of the history. Only a chunk
+        # wider than a ring's spare slots would overwrite keys its own first queries still need.
+        slots = self.keys.shape[3]
+        return self.window is None or slots < self.window or T <= slots - self.window + 1
+
+    def mask(self, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """Which keys each of this chunk's queries sees: [T, S'], or None when all of them do."""
+        T, slots = positions.shape[0], self.keys.shape[3]
+        if not self.writes_first(T):
+            filled = min(self.length, slots)
+            return attention_mask(positions, torch.cat([self.slot_positions[:filled], positions]), self.window)  # [T, S']
+        filled = min(self.length + T, slots)
+        if T == 1 and (self.window is None or filled <= self.window):
+            return None  # one new token over the slots filled so far: every one is visible
+        key_positions = self.slot_positions.index_copy(0, positions % slots, positions)  # [S]: as the write leaves them
+        return attention_mask(positions, key_positions[:filled], self.window)  # [T, S']
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write this chunk's k and v at their slots (slot = position mod S); the keys and values to attend over."""
+        T, slots = k.shape[2], self.keys.shape[3]
+        if self.writes_first(T):
+            slot_index = positions % slots  # [T]; without a ring, slot == position
+            self.keys[layer].index_copy_(2, slot_index, k)
+            self.values[layer].index_copy_(2, slot_index, v)
+            filled = min(self.length + T, slots)  # a shape that grows is free in eager mode
+            return self.keys[layer, :, :, :filled], self.values[layer, :, :, :filled]  # [B, Hkv, S', Dh] views
+        filled, keep = min(self.length, slots), min(T, slots)  # a chunk wider than the ring keeps its newest
+        keys = torch.cat([self.keys[layer, :, :, :filled], k], dim=2)  # [B, Hkv, S', Dh]
+        values = torch.cat([self.values[layer, :, :, :filled], v], dim=2)  # [B, Hkv, S', Dh]
+        slot_index = positions[-keep:] % slots  # [keep]
+        self.keys[layer].index_copy_(2, slot_index, k[:, :, -keep:])
+        self.values[layer].index_copy_(2, slot_index, v[:, :, -keep:])
+        return keys, values
+
+    def advance(self, positions: torch.Tensor) -> KVCache:
+        # After every layer has read the old slot positions: they change once per forward.
+        keep, slots = min(positions.shape[0], self.keys.shape[3]), self.keys.shape[3]
+        self.slot_positions[positions[-keep:] % slots] = positions[-keep:]
+        self.length += positions.shape[0]
+        return self
 
 
 def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: torch.dtype) -> KVCache:
@@ -35,6 +81,7 @@ def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: torch.dty
         values=torch.zeros(shape, dtype=dtype),
         slot_positions=torch.full((slots,), -1, dtype=torch.int64),
         length=0,
+        window=config.sliding_window,
     )
 
 
@@ -95,9 +142,9 @@ class FeedForward(nn.Module):
         self.add_module("2", nn.Linear(config.ffn_dim, config.d_model, bias=config.ffn_bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = getattr(self, "0")(x)  # [B, T, hidden] (swiglu: [B, T, 2 * hidden])
+        h = getattr(self, "0")(x)  # [B, T, ffn_dim] (swiglu: [B, T, 2 * ffn_dim])
         if self.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)  # [B, T, hidden] each
+            gate, up = h.chunk(2, dim=-1)  # [B, T, ffn_dim] each
             h = F.silu(gate) * up
         elif self.activation == "gelu_tanh":
             h = F.gelu(h, approximate="tanh")
@@ -117,46 +164,24 @@ class Block(nn.Module):
         self.ffn = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout)  # pitfall 3: active only in train mode
 
-    def attention(self, x, positions, rope, cache: Optional[KVCache], layer: int) -> torch.Tensor:
+    def attention(self, x, positions, rope, mask, cache: Optional[KVCache], layer: int) -> torch.Tensor:
         config = self.config
         B, T, D = x.shape
         H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
-        q, k, v = self.qkv(x).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
-        q = q.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
-        k = k.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
-        v = v.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
+        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, Dh).transpose(1, 2)  # [B, H + 2 Hkv, T, Dh]
+        q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # [B, H, T, Dh], [B, Hkv, T, Dh], [B, Hkv, T, Dh]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if cache is None:
-            keys, values, key_positions = k, v, positions  # [B, Hkv, T, Dh], [T]
-        else:
-            # Attend over the slots as they were plus this chunk, then write the chunk:
-            # a ring buffer may overwrite slots that this chunk's first queries still need.
-            filled = min(cache.length, cache.keys.shape[3])  # slots written so far: a shape that grows is free here
-            keys = torch.cat([cache.keys[layer][:, :, :filled], k], dim=2)  # [B, Hkv, F + T, Dh]
-            values = torch.cat([cache.values[layer][:, :, :filled], v], dim=2)  # [B, Hkv, F + T, Dh]
-            key_positions = torch.cat([cache.slot_positions[:filled], positions])  # [F + T]
-            write_cache(cache, layer, k, v, positions)
-        visible = attention_mask(positions, key_positions, config.sliding_window)  # [T, S']
-        # GQA: each group of H / Hkv query heads shares one k/v head; grouping avoids a copy.
-        q = q.view(B, Hkv, H // Hkv, T, Dh)  # [B, Hkv, G, T, Dh]
-        scores = q @ keys.unsqueeze(2).transpose(-2, -1) / math.sqrt(Dh)  # [B, Hkv, G, T, S']
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)  # [B, Hkv, G, T, S']
-        out = probs @ values.unsqueeze(2)  # [B, Hkv, G, T, Dh]
-        out = out.reshape(B, H, T, Dh).transpose(1, 2).reshape(B, T, D)  # [B, T, D]
+        if cache is not None:
+            k, v = cache.update(layer, k, v, positions)  # [B, Hkv, S', Dh]: the cache, this chunk written in
+        # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)  # [B, H, T, Dh]
+        out = out.transpose(1, 2).reshape(B, T, D)  # [B, T, D]
         return self.proj(out)  # [B, T, D]
 
-    def forward(self, x, positions, rope, cache: Optional[KVCache], layer: int) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.ln1(x), positions, rope, cache, layer))  # [B, T, D]
+    def forward(self, x, positions, rope, mask, cache: Optional[KVCache], layer: int) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.ln1(x), positions, rope, mask, cache, layer))  # [B, T, D]
         return x + self.dropout(self.ffn(self.ln2(x)))  # [B, T, D]
-
-
-def write_cache(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-    slots = cache.keys.shape[3]
-    keep = min(k.shape[2], slots)  # a chunk longer than a ring keeps only its newest tokens
-    slot_index = positions[-keep:] % slots  # [keep]; without a window, slot == position
-    cache.keys[layer][:, :, slot_index] = k[:, :, -keep:]
-    cache.values[layer][:, :, slot_index] = v[:, :, -keep:]
 
 
 class TinyModel(nn.Module):
@@ -170,10 +195,8 @@ class TinyModel(nn.Module):
         self.ln = make_norm(config)
         if not config.tie_embeddings:
             self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.forward_calls = 0  # counted so a test can see prefill is one call
 
     def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None):
-        self.forward_calls += 1
         config = self.config
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
@@ -181,41 +204,53 @@ class TinyModel(nn.Module):
         x = self.emb(tokens)  # [B, T, D]
         rope = None
         if config.positions == "learned":
-            x = x + self.pos.weight[positions]  # [B, T, D]
+            x = x + self.pos(positions)  # [B, T, D]
         else:
             rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [T, Dh]
+        if cache is None:
+            mask = attention_mask(positions, positions, config.sliding_window)  # [T, T]
+        else:
+            mask = cache.mask(positions)  # [T, S'], or None
         for layer, block in enumerate(self.blocks):
-            x = block(x, positions, rope, cache, layer)  # [B, T, D]
+            x = block(x, positions, rope, mask, cache, layer)  # [B, T, D]
         if cache is not None:
-            # Slot positions change only after every layer has read the old ones.
-            slots = cache.slot_positions.shape[0]
-            keep = min(T, slots)
-            cache.slot_positions[positions[-keep:] % slots] = positions[-keep:]
-            cache.length = start + T
+            cache = cache.advance(positions)
         x = self.ln(x)  # [B, T, D]
         head_weight = self.emb.weight if config.tie_embeddings else self.head.weight  # [V, D]
-        return x @ head_weight.T, cache  # [B, T, V]
+        return F.linear(x, head_weight), cache  # [B, T, V]
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)  # [B, V] -> [B]
 
 
+# on_token(token [B]) is called as each new token is made (streaming, per-step timing);
+# the tokens stay on the device: whoever wants them on the host pays for the copy.
+OnToken = Optional[Callable[[torch.Tensor], None]]
+
+
 @torch.inference_mode()
-def generate_naive(model: TinyModel, prompt: torch.Tensor, new_tokens: int, return_logits: bool = False):
+def generate_naive(model: TinyModel, prompt: torch.Tensor, new_tokens: int, return_logits: bool = False,
+                   on_token: OnToken = None):
     """Recompute the whole history every step: O(n^2) work per token."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    tokens = prompt  # [B, P]
+    B, P = prompt.shape
+    tokens = torch.empty((B, P + new_tokens), dtype=prompt.dtype, device=prompt.device)  # [B, P + N]
+    tokens[:, :P] = prompt
     step_logits = []
-    for _ in range(new_tokens):
-        logits, _ = model(tokens)  # [B, t, V]
-        step_logits.append(logits[:, -1])
-        tokens = torch.cat([tokens, greedy(logits[:, -1])[:, None]], dim=1)  # [B, t + 1]
+    for step in range(new_tokens):
+        logits, _ = model(tokens[:, : P + step])  # [B, P + step, V]: the whole history again
+        if return_logits:
+            step_logits.append(logits[:, -1])
+        tokens[:, P + step] = greedy(logits[:, -1])
+        if on_token is not None:
+            on_token(tokens[:, P + step])
     return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
 
 
 @torch.inference_mode()
-def generate_cached(model: TinyModel, prompt: torch.Tensor, new_tokens: int, return_logits: bool = False, prefill: bool = True):
+def generate_cached(model: TinyModel, prompt: torch.Tensor, new_tokens: int, return_logits: bool = False,
+                    prefill: bool = True, on_token: OnToken = None):
     """Prefill the prompt in one forward, then one token per step against the cache.
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
@@ -226,19 +261,22 @@ def generate_cached(model: TinyModel, prompt: torch.Tensor, new_tokens: int, ret
     else:
         for i in range(P):
             logits, cache = model(prompt[:, i : i + 1], cache)  # [B, 1, V]
-    tokens = torch.empty((B, P + new_tokens), dtype=prompt.dtype)  # [B, P + N]
+    tokens = torch.empty((B, P + new_tokens), dtype=prompt.dtype, device=prompt.device)  # [B, P + N]
     tokens[:, :P] = prompt
     step_logits = []
     for step in range(new_tokens):
         if step > 0:
             logits, cache = model(tokens[:, P + step - 1 : P + step], cache)  # [B, 1, V]
-        step_logits.append(logits[:, -1])
+        if return_logits:
+            step_logits.append(logits[:, -1])
         tokens[:, P + step] = greedy(logits[:, -1])
+        if on_token is not None:
+            on_token(tokens[:, P + step])
     return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
 
 
-# The two halves of generate_cached as separate calls, so a benchmark can time one step
-# at a time (in JAX these are the compiled, cache-donating twins).
+# The two halves of generate_cached as separate calls (in JAX these are the compiled,
+# cache-donating twins a stepwise loop calls).
 @torch.inference_mode()
 def prefill(model: TinyModel, prompt: torch.Tensor, cache: KVCache):
     return model(prompt, cache)  # [B, P, V], cache

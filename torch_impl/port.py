@@ -1,5 +1,5 @@
 """What the command line, the tests and the benchmark call: NumPy in, NumPy out.
-The same five names in every port; only the framework calls differ."""
+The same names in every port (the contract: docs/PORTS.md); only the framework calls differ."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kvports.shared.config import ModelConfig
-from kvports.torch_impl.model import TinyModel, decode_step, generate_cached, generate_naive, greedy, init_cache, prefill
+from kvports.torch_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
 
 NAME = "torch"
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -46,15 +46,18 @@ def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str =
     return model.to(device=resolve_device(device), dtype=TORCH_DTYPES[dtype]).eval()
 
 
-def generate(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str,
-             return_logits: bool = False, prefill: bool = True) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+def generate(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str, return_logits: bool = False,
+             prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
+             ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """Tokens [B, P + N] (and step logits [B, N, V]); on_token(token [B]) as each token reaches the host."""
     device = model.emb.weight.device
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(device)  # [B, P]
+    to_host = None if on_token is None else (lambda token: on_token(token.cpu().numpy()))
     with _on_device(device):
         if mode == "cached":
-            result = generate_cached(model, prompt, new_tokens, return_logits=return_logits, prefill=prefill)
+            result = generate_cached(model, prompt, new_tokens, return_logits, prefill, to_host)
         else:
-            result = generate_naive(model, prompt, new_tokens, return_logits=return_logits)
+            result = generate_naive(model, prompt, new_tokens, return_logits, to_host)
     if not return_logits:
         return result.cpu().numpy(), None
     tokens, logits = result
@@ -63,49 +66,22 @@ def generate(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str,
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
     """Feed tokens [B, T] into one cache in chunks of the given sizes; the logits [B, T, V]."""
-    tokens = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(model.emb.weight.device)  # [B, T]
-    cache = init_cache(model.config, tokens.shape[0], tokens.shape[1], model.emb.weight.dtype)
+    device = model.emb.weight.device
+    tokens = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(device)  # [B, T]
     pieces, start = [], 0
-    with torch.inference_mode():
+    with torch.inference_mode(), _on_device(device):
         model.eval()
+        cache = init_cache(model.config, tokens.shape[0], tokens.shape[1], model.emb.weight.dtype)
         for size in chunk_sizes:
-            logits, cache = model(tokens[:, start : start + size], cache)  # [B, size, V]
+            logits, cache = prefill(model, tokens[:, start : start + size], cache)  # [B, size, V]
             pieces.append(logits)
             start += size
     return torch.cat(pieces, dim=1).cpu().numpy()  # [B, T, V]
 
 
-def forward_calls(model: TinyModel) -> int:
-    return model.forward_calls
-
-
 def synchronize(model: TinyModel) -> None:
     if model.emb.weight.device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def generate_stream(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str,
-                    on_token: Callable[[np.ndarray], None]) -> np.ndarray:
-    """generate(), calling on_token(token [B]) as each new token reaches the host, so the
-    benchmark can time every step; the first call comes after the prefill."""
-    device = model.emb.weight.device
-    model.eval()
-    with torch.inference_mode(), _on_device(device):  # inference tensors throughout, as generate's loops
-        prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(device)  # [B, P]
-        B, P = prompt.shape
-        tokens = torch.empty((B, P + new_tokens), dtype=torch.int64, device=device)  # [B, P + N]
-        tokens[:, :P] = prompt
-        cache = init_cache(model.config, B, P + new_tokens, model.emb.weight.dtype) if mode == "cached" else None
-        for step in range(new_tokens):
-            if cache is None:
-                logits, _ = model(tokens[:, : P + step])  # [B, P + step, V]: the whole history again
-            elif step == 0:
-                logits, cache = prefill(model, prompt, cache)  # [B, P, V]
-            else:
-                logits, cache = decode_step(model, tokens[:, P + step - 1 : P + step], cache)  # [B, 1, V]
-            tokens[:, P + step] = greedy(logits[:, -1])
-            on_token(tokens[:, P + step].cpu().numpy())  # [B]
-    return tokens.cpu().numpy()  # [B, P + N]
 
 
 def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> List[float]:
