@@ -254,17 +254,28 @@ def greedy(logits: jax.Array) -> jax.Array:
 OnToken = Optional[Callable[[np.ndarray], None]]
 
 # jit over the model's split state, not the module: flattening an nnx module on every call
-# costs more than a decode step. nnx.split happens once per generation; the graphdef is
-# static (models of one config share it, and with it every compiled program).
+# costs more than a decode step. The split happens once per generation; the graphdef and the
+# state's tree structure are static (models of one config share them, and with them every
+# compiled program), the state's arrays a flat list that jit takes at C++ speed.
+def _split(model: TinyModel):
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    return (graphdef, treedef), leaves
+
+
+def _merge(static, leaves) -> TinyModel:
+    graphdef, treedef = static
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
 
 
 def generate_naive(model: TinyModel, prompt: jax.Array, new_tokens: int, return_logits: bool = False,
                    on_token: OnToken = None):
     """Recompute the whole history every step: O(n^2) work per token."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    graphdef, state = nnx.split(model)
+    static, leaves = _split(model)
     if on_token is None:
-        return _naive_loop(graphdef, state, prompt, new_tokens, return_logits)
+        return _naive_loop(static, leaves, prompt, new_tokens, return_logits)
     # Streaming needs each token on the host as it is made: one compiled forward per step,
     # over the history padded to the next power of two (a compile per length bucket, not per length).
     B, P = prompt.shape
@@ -273,7 +284,7 @@ def generate_naive(model: TinyModel, prompt: jax.Array, new_tokens: int, return_
     step_logits = []
     for step in range(new_tokens):
         bucket = min(P + new_tokens, 1 << (P + step - 1).bit_length())
-        last = _forward_last(graphdef, state, jnp.asarray(tokens[:, :bucket]), P + step - 1)  # [B, V]
+        last = _forward_last(static, leaves, jnp.asarray(tokens[:, :bucket]), P + step - 1)  # [B, V]
         if return_logits:
             step_logits.append(last)
         tokens[:, P + step] = np.asarray(greedy(last))
@@ -287,24 +298,24 @@ def generate_cached(model: TinyModel, prompt: jax.Array, new_tokens: int, return
     """Prefill the prompt in one forward, then one token per step against the cache.
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    graphdef, state = nnx.split(model)
+    static, leaves = _split(model)
     if on_token is None:
-        return _cached_loop(graphdef, state, prompt, new_tokens, return_logits, prefill)
+        return _cached_loop(static, leaves, prompt, new_tokens, return_logits, prefill)
     # Streaming needs each token on the host as it is made: the compiled loop's stepwise twin,
     # one compiled call (prefill, then decode steps) per step.
     B, P = prompt.shape
     cache = init_cache(model.config, B, P + new_tokens, model.emb.embedding.dtype)
     if prefill:
-        logits, cache = _forward(graphdef, state, prompt, cache)  # [B, P, V]
+        logits, cache = _forward(static, leaves, prompt, cache)  # [B, P, V]
     else:
         for i in range(P):
-            logits, cache = _forward(graphdef, state, prompt[:, i : i + 1], cache)  # [B, 1, V]
+            logits, cache = _forward(static, leaves, prompt[:, i : i + 1], cache)  # [B, 1, V]
     tokens = np.zeros((B, P + new_tokens), dtype=np.int32)  # [B, P + N], on the host
     tokens[:, :P] = np.asarray(prompt)
     step_logits = []
     for step in range(new_tokens):
         if step > 0:
-            logits, cache = _forward(graphdef, state, token, cache)  # [B, 1, V]
+            logits, cache = _forward(static, leaves, token, cache)  # [B, 1, V]
         if return_logits:
             step_logits.append(logits[:, -1])
         token = _next_token(logits)  # [B, 1]
@@ -318,23 +329,23 @@ def generate_cached(model: TinyModel, prompt: jax.Array, new_tokens: int, return
 # The cache is donated: XLA updates it in place, and the caller must use the returned
 # cache (the one passed in is deleted).
 def prefill(model: TinyModel, prompt: jax.Array, cache: KVCache):
-    return _forward(*nnx.split(model), prompt, cache)  # [B, P, V], cache
+    return _forward(*_split(model), prompt, cache)  # [B, P, V], cache
 
 
 def decode_step(model: TinyModel, token: jax.Array, cache: KVCache):
-    return _forward(*nnx.split(model), token, cache)  # token [B, 1] -> [B, 1, V], cache
+    return _forward(*_split(model), token, cache)  # token [B, 1] -> [B, 1, V], cache
 
 
 # What the functions above compile. Shapes must be static, so new_tokens is a compile-time
 # argument: a new (batch, prompt length, new tokens) is a new compile, a new prompt is not.
 @partial(jax.jit, static_argnums=0, donate_argnames="cache")
-def _forward(graphdef, state, tokens: jax.Array, cache: Optional[KVCache]):
-    return nnx.merge(graphdef, state)(tokens, cache)  # [B, T, V], cache
+def _forward(static, leaves, tokens: jax.Array, cache: Optional[KVCache]):
+    return _merge(static, leaves)(tokens, cache)  # [B, T, V], cache
 
 
 @partial(jax.jit, static_argnums=0)
-def _forward_last(graphdef, state, tokens: jax.Array, last: jax.Array) -> jax.Array:
-    logits, _ = nnx.merge(graphdef, state)(tokens)  # [B, T, V]
+def _forward_last(static, leaves, tokens: jax.Array, last: jax.Array) -> jax.Array:
+    logits, _ = _merge(static, leaves)(tokens)  # [B, T, V]
     return lax.dynamic_index_in_dim(logits, last, axis=1, keepdims=False)  # [B, V]
 
 
@@ -344,10 +355,10 @@ def _next_token(logits: jax.Array) -> jax.Array:
 
 
 @partial(jax.jit, static_argnums=(0, 3, 4))
-def _naive_loop(graphdef, state, prompt: jax.Array, new_tokens: int, return_logits: bool):
+def _naive_loop(static, leaves, prompt: jax.Array, new_tokens: int, return_logits: bool):
     # One fixed-shape buffer [B, P + N] is recomputed whole each step (causal masking keeps
     # the unfilled tail from reaching earlier positions), so one compile serves every step.
-    model = nnx.merge(graphdef, state)
+    model = _merge(static, leaves)
     B, P = prompt.shape
     tokens = jnp.zeros((B, P + new_tokens), dtype=prompt.dtype).at[:, :P].set(prompt)  # [B, P + N]
     step_logits = jnp.zeros((B, new_tokens if return_logits else 0, model.config.vocab_size),
@@ -366,8 +377,8 @@ def _naive_loop(graphdef, state, prompt: jax.Array, new_tokens: int, return_logi
 
 
 @partial(jax.jit, static_argnums=(0, 3, 4, 5))
-def _cached_loop(graphdef, state, prompt: jax.Array, new_tokens: int, return_logits: bool, prefill: bool):
-    model = nnx.merge(graphdef, state)
+def _cached_loop(static, leaves, prompt: jax.Array, new_tokens: int, return_logits: bool, prefill: bool):
+    model = _merge(static, leaves)
     B, P = prompt.shape
     cache = init_cache(model.config, B, P + new_tokens, model.emb.embedding.dtype)
     if prefill:
