@@ -27,6 +27,7 @@ from jax import lax
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.config import cache_slots
+from kvports.shared.generation import PAD, GenerationConfig, uniforms
 
 # float64 must be real float64 (JAX silently truncates to float32 otherwise), and a GPU
 # must compute float32 matmuls in float32, not TF32. Every dtype below is pinned.
@@ -41,8 +42,8 @@ class KVCache:
     # out of jitted calls, where donation lets XLA reuse the same buffers in place.
     keys: jax.Array  # [L, B, Hkv, S, Dh], S = slots (prompt + new tokens, or a ring for the window)
     values: jax.Array  # [L, B, Hkv, S, Dh]
-    slot_positions: jax.Array  # [S] int32: the position each slot holds, -1 while empty
-    length: jax.Array  # [] int32: tokens seen so far; an array, so a new length is not a new compile
+    slot_positions: jax.Array  # [B, S] int32: the position each slot holds in each row, -1 while empty or padding
+    length: jax.Array  # [] int32: columns written so far; an array, so a new length is not a new compile
     window: Optional[int] = dataclasses.field(metadata=dict(static=True))  # the sliding window, or None
 
     def writes_first(self, T: int) -> bool:
@@ -51,25 +52,31 @@ class KVCache:
         slots = self.keys.shape[3]
         return self.window is None or slots < self.window or T <= slots - self.window + 1
 
-    def mask(self, positions: jax.Array) -> jax.Array:
-        """Which keys each of this chunk's queries sees: [T, S'], every slot (static shapes), the empty ones masked."""
-        T, slots = positions.shape[0], self.keys.shape[3]
-        if not self.writes_first(T):
-            return attention_mask(positions, jnp.concatenate([self.slot_positions, positions]), self.window)  # [T, S']
-        key_positions = self.slot_positions.at[positions % slots].set(positions)  # [S]: as the write leaves them
-        return attention_mask(positions, key_positions, self.window)  # [T, S']
+    def slot_index(self, T: int) -> jax.Array:
+        return (self.length + jnp.arange(T, dtype=jnp.int32)) % self.keys.shape[3]  # [T]: slot = column mod S
 
-    def update(self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array) -> Tuple[jax.Array, jax.Array, KVCache]:
-        """Write this chunk's k and v at their slots (slot = position mod S); the keys and values to attend over,
-        and the new cache (JAX cannot write in place: the donated buffers make XLA do it)."""
+    def mask(self, positions: jax.Array, padded: bool) -> jax.Array:
+        """Which keys each of this chunk's queries sees: [B, 1, T, S'], over every slot (shapes are
+        static under jit), the empty ones masked."""
+        B, T = positions.shape
+        if not self.writes_first(T):
+            key_positions = jnp.concatenate([self.slot_positions, jnp.broadcast_to(positions, (self.slot_positions.shape[0], T))], axis=1)
+            return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
+        key_positions = self.slot_positions.at[:, self.slot_index(T)].set(positions)  # [B, S]: as this chunk's write leaves them
+        return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
+
+    def update(self, layer: int, k: jax.Array, v: jax.Array) -> Tuple[jax.Array, jax.Array, KVCache]:
+        """Write this chunk's k and v at their slots; the keys and values to attend over, and the
+        new cache (JAX cannot write in place: the donated buffers let XLA do it)."""
         T, slots = k.shape[2], self.keys.shape[3]
+        slot_index = self.slot_index(T)  # [T]
         if self.writes_first(T):
-            cache = self.write(layer, k, v, positions % slots)
+            cache = self.write(layer, k, v, slot_index)
             return cache.keys[layer], cache.values[layer], cache  # [B, Hkv, S', Dh]
         keep = min(T, slots)  # a chunk wider than the ring keeps its newest
         keys = jnp.concatenate([self.keys[layer], k], axis=2)  # [B, Hkv, S', Dh]
         values = jnp.concatenate([self.values[layer], v], axis=2)  # [B, Hkv, S', Dh]
-        return keys, values, self.write(layer, k[:, :, -keep:], v[:, :, -keep:], positions[-keep:] % slots)
+        return keys, values, self.write(layer, k[:, :, -keep:], v[:, :, -keep:], slot_index[-keep:])
 
     def write(self, layer: int, k: jax.Array, v: jax.Array, slot_index: jax.Array) -> KVCache:
         # One scatter into the whole buffer, in place when the cache is donated. NumPy's indexing rule puts
@@ -80,9 +87,10 @@ class KVCache:
 
     def advance(self, positions: jax.Array) -> KVCache:
         # After every layer has read the old slot positions: they change once per forward.
-        keep, slots = min(positions.shape[0], self.keys.shape[3]), self.keys.shape[3]
-        slot_positions = self.slot_positions.at[positions[-keep:] % slots].set(positions[-keep:])  # [S]
-        return dataclasses.replace(self, slot_positions=slot_positions, length=self.length + positions.shape[0])
+        T, slots = positions.shape[1], self.keys.shape[3]
+        keep = min(T, slots)
+        slot_positions = self.slot_positions.at[:, self.slot_index(T)[-keep:]].set(positions[:, -keep:])  # [B, S]
+        return dataclasses.replace(self, slot_positions=slot_positions, length=self.length + T)
 
 
 def init_cache(config: ModelConfig, batch: int, total_len: int, dtype) -> KVCache:
@@ -91,32 +99,36 @@ def init_cache(config: ModelConfig, batch: int, total_len: int, dtype) -> KVCach
     return KVCache(
         keys=jnp.zeros(shape, dtype=dtype),
         values=jnp.zeros(shape, dtype=dtype),
-        slot_positions=jnp.full((slots,), -1, dtype=jnp.int32),
+        slot_positions=jnp.full((batch, slots), -1, dtype=jnp.int32),
         length=jnp.zeros((), dtype=jnp.int32),
         window=config.sliding_window,
     )
 
 
-def token_positions(start, length: int) -> jax.Array:
+def token_positions(start, length: int, pad: Optional[jax.Array]) -> jax.Array:
     # Pitfall 1: in cache mode the new tokens' positions start at the cache length, not 0.
     # start may be traced (the cache length), so shift a static-length range by it.
-    return start + jnp.arange(length, dtype=jnp.int32)  # [T]
+    positions = start + jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, T]
+    if pad is None:
+        return positions
+    return jnp.maximum(positions - pad[:, None], -1)  # [B, T]: a left-padded row counts from its first token; -1 on padding
 
 
 def attention_mask(query_positions: jax.Array, key_positions: jax.Array, window: Optional[int]) -> jax.Array:
-    # Built from positions, not indices: the same rule serves a full prompt, a cached step
-    # and a ring buffer. With keys 0..S-1 and queries S-T..S-1 it is the seed's
+    # Built from positions, not indices: the same rule serves a full prompt, a cached step, a
+    # ring buffer and left padding. With keys 0..S-1 and queries S-T..S-1 it is the seed's
     # triu(ones(T, S), diagonal=S - T + 1), inverted (True here means visible).
-    visible = (key_positions[None, :] <= query_positions[:, None]) & (key_positions[None, :] >= 0)  # [T, S]
+    query, key = query_positions[:, None, :, None], key_positions[:, None, None, :]  # [B, 1, T, 1], [B, 1, 1, S]
+    visible = (key <= query) & ((key >= 0) | (query < 0))  # [B, 1, T, S]: padding sees only padding, never nothing
     if window is not None:
-        visible = visible & (key_positions[None, :] > query_positions[:, None] - window)  # [T, S]
+        visible = visible & (key > query - window)  # [B, 1, T, S]
     return visible
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype):
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float64) / head_dim))  # [Dh/2]
-    angles = positions.astype(jnp.float64)[:, None] * inv_freq[None, :]  # [T, Dh/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [T, Dh]
+    angles = positions.astype(jnp.float64)[:, None, :, None] * inv_freq  # [B, 1, T, Dh/2]: one table for every head
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, 1, T, Dh]
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
 
@@ -180,7 +192,7 @@ class Block(nnx.Module):
         self.ffn = FeedForward(config, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(config.dropout, rngs=rngs)  # pitfall 3: active only in train mode
 
-    def attention(self, x, positions, rope, mask, cache: Optional[KVCache], layer: int):
+    def attention(self, x, rope, mask, cache: Optional[KVCache], layer: int):
         # Returns (out, cache): the cache cannot be written in place, so the new one comes back.
         config = self.config
         B, T, D = x.shape
@@ -190,18 +202,18 @@ class Block(nnx.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
-            k, v, cache = cache.update(layer, k, v, positions)  # [B, Hkv, S', Dh]: the cache, this chunk written in
+            k, v, cache = cache.update(layer, k, v)  # [B, Hkv, S', Dh]: the cache, this chunk written in
         # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
         # Written out: jax.nn.dot_product_attention takes its softmax in float32, even in a float64 run.
         q = q.reshape(B, Hkv, H // Hkv, T, Dh)  # [B, Hkv, G, T, Dh]
         scores = jnp.einsum("bkgtd,bksd->bkgts", q, k) / math.sqrt(Dh)  # [B, Hkv, G, T, S']
-        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)  # [B, Hkv, G, T, S']
+        probs = jax.nn.softmax(jnp.where(mask[:, :, None], scores, -jnp.inf), axis=-1)  # [B, Hkv, G, T, S']
         out = jnp.einsum("bkgts,bksd->bkgtd", probs, v).reshape(B, H, T, Dh)  # [B, H, T, Dh]
         out = out.transpose(0, 2, 1, 3).reshape(B, T, D)  # [B, T, D]
         return self.proj(out), cache  # [B, T, D]
 
-    def __call__(self, x, positions, rope, mask, cache: Optional[KVCache], layer: int):
-        attended, cache = self.attention(self.ln1(x), positions, rope, mask, cache, layer)
+    def __call__(self, x, rope, mask, cache: Optional[KVCache], layer: int):
+        attended, cache = self.attention(self.ln1(x), rope, mask, cache, layer)
         x = x + self.dropout(attended)  # [B, T, D]
         return x + self.dropout(self.ffn(self.ln2(x))), cache  # [B, T, D]
 
@@ -221,23 +233,24 @@ class TinyModel(nnx.Module):
             self.head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False,
                                    dtype=dtype, param_dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, cache: Optional[KVCache] = None):
+    def __call__(self, tokens: jax.Array, cache: Optional[KVCache] = None, pad: Optional[jax.Array] = None):
+        """tokens [B, T] -> logits [B, T, V]; pad [B]: each row's left padding (None: no row is padded)."""
         config = self.config
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
-        positions = token_positions(start, T)  # [T]
+        positions = token_positions(start, T, pad)  # [B, T] ([1, T] without padding)
         x = self.emb(tokens)  # [B, T, D]
         rope = None
         if config.positions == "learned":
-            x = x + self.pos(positions)  # [B, T, D]
+            x = x + self.pos(jnp.maximum(positions, 0))  # [B, T, D]; padding borrows position 0, its outputs unused
         else:
-            rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [T, Dh]
+            rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [B, 1, T, Dh]
         if cache is None:
-            mask = attention_mask(positions, positions, config.sliding_window)  # [T, T]
+            mask = attention_mask(positions, positions, config.sliding_window)  # [B, 1, T, T]
         else:
-            mask = cache.mask(positions)  # [T, S']
+            mask = cache.mask(positions, pad is not None)  # [B, 1, T, S']
         for layer, block in enumerate(self.blocks):
-            x, cache = block(x, positions, rope, mask, cache, layer)  # [B, T, D]
+            x, cache = block(x, rope, mask, cache, layer)  # [B, T, D]
         if cache is not None:
             cache = cache.advance(positions)
         x = self.ln(x)  # [B, T, D]
@@ -250,8 +263,50 @@ def greedy(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, V] -> [B]
 
 
+def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Top-k, then top-p (the smallest set of most likely tokens whose probability reaches
+    top_p, the most likely always kept), as transformers' warpers do; the rest -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)  # [B, V]; ties with the k-th stay
+    if top_p < 1.0:
+        order = jnp.argsort(logits, axis=-1, stable=True)  # [B, V], ascending
+        ascending = jnp.take_along_axis(logits, order, axis=-1)  # [B, V]
+        remove = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1) <= 1 - top_p  # [B, V], in ascending order
+        remove = remove.at[:, -1].set(False)
+        in_vocab_order = jnp.zeros_like(remove).at[jnp.arange(logits.shape[0])[:, None], order].set(remove)  # [B, V]
+        logits = jnp.where(in_vocab_order, -jnp.inf, logits)  # [B, V]
+    return logits
+
+
+def sample(logits: jax.Array, generation: GenerationConfig, uniform: jax.Array) -> jax.Array:
+    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: temperature, top-k, top-p, then the
+    first token whose cumulative probability exceeds the uniform. In float64, so the ports'
+    draws can differ only where their logits do."""
+    if generation.greedy:
+        return greedy(logits)
+    logits = filter_logits(logits.astype(jnp.float64) / generation.temperature, generation.top_k, generation.top_p)
+    cumulative = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1)  # [B, V]
+    drawn = jnp.sum(cumulative <= uniform[:, None] * cumulative[:, -1:], axis=-1)  # [B]: tokens whose interval ends at or below the draw
+    return jnp.minimum(drawn, logits.shape[-1] - 1).astype(jnp.int32)
+
+
 # on_token(token [B]) is called as each new token reaches the host (streaming, per-step timing).
 OnToken = Optional[Callable[[np.ndarray], None]]
+
+
+def start_generation(prompt: jax.Array, generation: GenerationConfig):
+    """What both loops need: each row's left padding (None when no row is padded), each
+    row's draws [B, N], the stop ids, and the token buffer [B, P + N] with the prompt in it.
+    Run before anything is compiled: whether there is padding shapes the program."""
+    B, P = prompt.shape
+    pad = jnp.sum(prompt == PAD, axis=1, dtype=jnp.int32)  # [B]
+    pad = pad if bool(jnp.any(pad)) else None  # unpadded batches skip every mask they can
+    draws = jnp.asarray(uniforms(generation.seed, B, generation.max_new_tokens))  # [B, N]
+    stops = jnp.asarray(generation.stop_ids, dtype=jnp.int32)  # [K]
+    tokens = jnp.full((B, P + generation.max_new_tokens), PAD, dtype=jnp.int32).at[:, :P].set(prompt)  # [B, P + N]
+    return pad, draws, stops, tokens
+
 
 # jit over the model's split state, not the module: flattening an nnx module on every call
 # costs more than a decode step. The split happens once per generation; the graphdef and the
@@ -268,137 +323,160 @@ def _merge(static, leaves) -> TinyModel:
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
-
-def generate_naive(model: TinyModel, prompt: jax.Array, new_tokens: int, return_logits: bool = False,
+def generate_naive(model: TinyModel, prompt: jax.Array, generation: GenerationConfig, return_logits: bool = False,
                    on_token: OnToken = None):
-    """Recompute the whole history every step: O(n^2) work per token."""
+    """Recompute the whole history every step: O(n^2) work per token.
+    prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     static, leaves = _split(model)
+    pad, draws, stops, tokens = start_generation(prompt, generation)
     if on_token is None:
-        return _naive_loop(static, leaves, prompt, new_tokens, return_logits)
+        tokens, step_logits, steps = _naive_loop(static, leaves, tokens, pad, draws, stops, generation, return_logits)
+        return (tokens, step_logits[:, : int(steps)]) if return_logits else tokens  # [B, P + N], [B, steps, V]
     # Streaming needs each token on the host as it is made: one compiled forward per step,
     # over the history padded to the next power of two (a compile per length bucket, not per length).
     B, P = prompt.shape
-    tokens = np.zeros((B, P + new_tokens), dtype=np.int32)  # [B, P + N], on the host
-    tokens[:, :P] = np.asarray(prompt)
+    N = generation.max_new_tokens
+    done = jnp.zeros(B, dtype=bool)  # [B]
     step_logits = []
-    for step in range(new_tokens):
-        bucket = min(P + new_tokens, 1 << (P + step - 1).bit_length())
-        last = _forward_last(static, leaves, jnp.asarray(tokens[:, :bucket]), P + step - 1)  # [B, V]
+    for step in range(N):
+        bucket = min(P + N, 1 << (P + step - 1).bit_length())
+        last = _forward_last(static, leaves, jnp.maximum(tokens[:, :bucket], 0), pad, P + step - 1)  # [B, V]
         if return_logits:
             step_logits.append(last)
-        tokens[:, P + step] = np.asarray(greedy(last))
-        on_token(tokens[:, P + step])
-    tokens = jnp.asarray(tokens)
-    return (tokens, jnp.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
+        token, tokens, done = _choose(last, tokens, done, draws[:, step], stops, P + step, generation)  # [B]
+        on_token(np.asarray(token))
+        if stops.size and bool(jnp.all(done)):
+            break  # every row has stopped
+    return (tokens, jnp.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
 
-def generate_cached(model: TinyModel, prompt: jax.Array, new_tokens: int, return_logits: bool = False,
+def generate_cached(model: TinyModel, prompt: jax.Array, generation: GenerationConfig, return_logits: bool = False,
                     prefill: bool = True, on_token: OnToken = None):
     """Prefill the prompt in one forward, then one token per step against the cache.
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     static, leaves = _split(model)
+    pad, draws, stops, tokens = start_generation(prompt, generation)
     if on_token is None:
-        return _cached_loop(static, leaves, prompt, new_tokens, return_logits, prefill)
+        tokens, step_logits, steps = _cached_loop(static, leaves, prompt, tokens, pad, draws, stops, generation,
+                                                  return_logits, prefill)
+        return (tokens, step_logits[:, : int(steps)]) if return_logits else tokens  # [B, P + N], [B, steps, V]
     # Streaming needs each token on the host as it is made: the compiled loop's stepwise twin,
     # one compiled call (prefill, then decode steps) per step.
     B, P = prompt.shape
-    cache = init_cache(model.config, B, P + new_tokens, model.emb.embedding.dtype)
+    cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.embedding.dtype)
     if prefill:
-        logits, cache = _forward(static, leaves, prompt, cache)  # [B, P, V]
+        logits, cache = _forward(static, leaves, jnp.maximum(prompt, 0), cache, pad)  # [B, P, V]
     else:
         for i in range(P):
-            logits, cache = _forward(static, leaves, prompt[:, i : i + 1], cache)  # [B, 1, V]
-    tokens = np.zeros((B, P + new_tokens), dtype=np.int32)  # [B, P + N], on the host
-    tokens[:, :P] = np.asarray(prompt)
+            logits, cache = _forward(static, leaves, jnp.maximum(prompt[:, i : i + 1], 0), cache, pad)  # [B, 1, V]
+    done = jnp.zeros(B, dtype=bool)  # [B]
     step_logits = []
-    for step in range(new_tokens):
+    for step in range(generation.max_new_tokens):
         if step > 0:
-            logits, cache = _forward(static, leaves, token, cache)  # [B, 1, V]
+            # A stopped row feeds PAD as token 0: its outputs are never used.
+            logits, cache = _forward(static, leaves, jnp.maximum(token[:, None], 0), cache, pad)  # [B, 1, V]
         if return_logits:
             step_logits.append(logits[:, -1])
-        token = _next_token(logits)  # [B, 1]
-        tokens[:, P + step] = np.asarray(token)[:, 0]
-        on_token(tokens[:, P + step])
-    tokens = jnp.asarray(tokens)
-    return (tokens, jnp.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
+        token, tokens, done = _choose(logits[:, -1], tokens, done, draws[:, step], stops, P + step, generation)  # [B]
+        on_token(np.asarray(token))
+        if stops.size and bool(jnp.all(done)):
+            break  # every row has stopped
+    return (tokens, jnp.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
 
 # The two halves of generate_cached as separate compiled calls (the stepwise loop's).
 # The cache is donated: XLA updates it in place, and the caller must use the returned
 # cache (the one passed in is deleted).
-def prefill(model: TinyModel, prompt: jax.Array, cache: KVCache):
-    return _forward(*_split(model), prompt, cache)  # [B, P, V], cache
+def prefill(model: TinyModel, prompt: jax.Array, cache: KVCache, pad: Optional[jax.Array] = None):
+    return _forward(*_split(model), prompt, cache, pad)  # [B, P, V], cache
 
 
-def decode_step(model: TinyModel, token: jax.Array, cache: KVCache):
-    return _forward(*_split(model), token, cache)  # token [B, 1] -> [B, 1, V], cache
+def decode_step(model: TinyModel, token: jax.Array, cache: KVCache, pad: Optional[jax.Array] = None):
+    return _forward(*_split(model), token, cache, pad)  # token [B, 1] -> [B, 1, V], cache
 
 
-# What the functions above compile. Shapes must be static, so new_tokens is a compile-time
-# argument: a new (batch, prompt length, new tokens) is a new compile, a new prompt is not.
+# What the functions above compile. Shapes must be static, so new_tokens and the sampling
+# settings are compile-time: a new (batch, prompt length, new tokens) is a new compile, a
+# new prompt is not.
 @partial(jax.jit, static_argnums=0, donate_argnames="cache")
-def _forward(static, leaves, tokens: jax.Array, cache: Optional[KVCache]):
-    return _merge(static, leaves)(tokens, cache)  # [B, T, V], cache
+def _forward(static, leaves, tokens: jax.Array, cache: Optional[KVCache], pad: Optional[jax.Array]):
+    return _merge(static, leaves)(tokens, cache, pad)  # [B, T, V], cache
 
 
 @partial(jax.jit, static_argnums=0)
-def _forward_last(static, leaves, tokens: jax.Array, last: jax.Array) -> jax.Array:
-    logits, _ = _merge(static, leaves)(tokens)  # [B, T, V]
+def _forward_last(static, leaves, tokens: jax.Array, pad: Optional[jax.Array], last: jax.Array) -> jax.Array:
+    logits, _ = _merge(static, leaves)(tokens, None, pad)  # [B, T, V]
     return lax.dynamic_index_in_dim(logits, last, axis=1, keepdims=False)  # [B, V]
 
 
-@jax.jit
-def _next_token(logits: jax.Array) -> jax.Array:
-    return greedy(logits[:, -1])[:, None]  # [B, T, V] -> [B, 1]
+@partial(jax.jit, static_argnames="generation")
+def _choose(logits: jax.Array, tokens: jax.Array, done: jax.Array, uniform: jax.Array, stops: jax.Array,
+            column: jax.Array, generation: GenerationConfig):
+    """One step's token [B] into tokens [B, P + N] at column; a stopped row stays stopped."""
+    token = jnp.where(done, PAD, sample(logits, generation, uniform))  # [B]
+    return token, lax.dynamic_update_index_in_dim(tokens, token, column, axis=1), done | jnp.isin(token, stops)
 
 
-@partial(jax.jit, static_argnums=(0, 3, 4))
-def _naive_loop(static, leaves, prompt: jax.Array, new_tokens: int, return_logits: bool):
+@partial(jax.jit, static_argnums=(0, 6, 7))
+def _naive_loop(static, leaves, tokens: jax.Array, pad: Optional[jax.Array], draws: jax.Array, stops: jax.Array,
+                generation: GenerationConfig, return_logits: bool):
     # One fixed-shape buffer [B, P + N] is recomputed whole each step (causal masking keeps
     # the unfilled tail from reaching earlier positions), so one compile serves every step.
     model = _merge(static, leaves)
-    B, P = prompt.shape
-    tokens = jnp.zeros((B, P + new_tokens), dtype=prompt.dtype).at[:, :P].set(prompt)  # [B, P + N]
-    step_logits = jnp.zeros((B, new_tokens if return_logits else 0, model.config.vocab_size),
+    N = generation.max_new_tokens
+    B, P = tokens.shape[0], tokens.shape[1] - N
+    step_logits = jnp.zeros((B, N if return_logits else 0, model.config.vocab_size),
                             dtype=model.emb.embedding.dtype)  # [B, N, V], carried only when asked for
 
-    def recompute(step, carry):
-        tokens, step_logits = carry
-        logits, _ = model(tokens)  # [B, P + N, V]
+    def recompute(carry):
+        step, tokens, step_logits, done = carry
+        logits, _ = model(jnp.maximum(tokens, 0), None, pad)  # [B, P + N, V]
         last = lax.dynamic_index_in_dim(logits, P + step - 1, axis=1, keepdims=False)  # [B, V]
         if return_logits:
             step_logits = step_logits.at[:, step].set(last)
-        return tokens.at[:, P + step].set(greedy(last)), step_logits
+        _, tokens, done = _choose(last, tokens, done, draws[:, step], stops, P + step, generation)
+        return step + 1, tokens, step_logits, done
 
-    tokens, step_logits = lax.fori_loop(0, new_tokens, recompute, (tokens, step_logits))
-    return (tokens, step_logits) if return_logits else tokens  # [B, P + N], [B, N, V]
+    carry = (0, tokens, step_logits, jnp.zeros(B, dtype=bool))
+    steps, tokens, step_logits, _ = lax.while_loop(_running(N), recompute, carry)
+    return tokens, step_logits, steps  # [B, P + N], [B, N, V], []
 
 
-@partial(jax.jit, static_argnums=(0, 3, 4, 5))
-def _cached_loop(static, leaves, prompt: jax.Array, new_tokens: int, return_logits: bool, prefill: bool):
+@partial(jax.jit, static_argnums=(0, 7, 8, 9))
+def _cached_loop(static, leaves, prompt: jax.Array, tokens: jax.Array, pad: Optional[jax.Array], draws: jax.Array,
+                 stops: jax.Array, generation: GenerationConfig, return_logits: bool, prefill: bool):
     model = _merge(static, leaves)
     B, P = prompt.shape
-    cache = init_cache(model.config, B, P + new_tokens, model.emb.embedding.dtype)
+    N = generation.max_new_tokens
+    cache = init_cache(model.config, B, P + N, model.emb.embedding.dtype)
     if prefill:
-        logits, cache = model(prompt, cache)  # [B, P, V]
+        logits, cache = model(jnp.maximum(prompt, 0), cache, pad)  # [B, P, V]
     else:
         for i in range(P):
-            logits, cache = model(prompt[:, i : i + 1], cache)  # [B, 1, V]
-    tokens = jnp.zeros((B, P + new_tokens), dtype=prompt.dtype).at[:, :P].set(prompt)  # [B, P + N]
-    tokens = tokens.at[:, P].set(greedy(logits[:, -1]))
-    step_logits = jnp.zeros((B, new_tokens if return_logits else 0, logits.shape[-1]), dtype=logits.dtype)  # [B, N, V]
+            logits, cache = model(jnp.maximum(prompt[:, i : i + 1], 0), cache, pad)  # [B, 1, V]
+    step_logits = jnp.zeros((B, N if return_logits else 0, logits.shape[-1]), dtype=logits.dtype)  # [B, N, V]
     if return_logits:
         step_logits = step_logits.at[:, 0].set(logits[:, -1])
+    _, tokens, done = _choose(logits[:, -1], tokens, jnp.zeros(B, dtype=bool), draws[:, 0], stops, P, generation)
 
-    # Step 0 used the prefill's logits above; the loop body is traced once and runs N - 1 times.
-    def decode(step, carry):
-        tokens, step_logits, cache = carry
-        logits, cache = model(lax.dynamic_slice_in_dim(tokens, P + step - 1, 1, axis=1), cache)  # [B, 1, V]
+    # Step 0 used the prefill's logits above; the loop body is traced once.
+    def decode(carry):
+        step, tokens, step_logits, done, cache = carry
+        # A stopped row feeds PAD as token 0: its outputs are never used.
+        token = jnp.maximum(lax.dynamic_slice_in_dim(tokens, P + step - 1, 1, axis=1), 0)  # [B, 1]
+        logits, cache = model(token, cache, pad)  # [B, 1, V]
         if return_logits:
             step_logits = step_logits.at[:, step].set(logits[:, -1])
-        return tokens.at[:, P + step].set(greedy(logits[:, -1])), step_logits, cache
+        _, tokens, done = _choose(logits[:, -1], tokens, done, draws[:, step], stops, P + step, generation)
+        return step + 1, tokens, step_logits, done, cache
 
-    tokens, step_logits, cache = lax.fori_loop(1, new_tokens, decode, (tokens, step_logits, cache))
-    return (tokens, step_logits) if return_logits else tokens  # [B, P + N], [B, N, V]
+    steps, tokens, step_logits, _, _ = lax.while_loop(_running(N), decode, (1, tokens, step_logits, done, cache))
+    return tokens, step_logits, steps  # [B, P + N], [B, N, V], []
+
+
+def _running(new_tokens: int):
+    # Both loops carry (step, tokens, step_logits, done, ...): they end after N tokens, or
+    # sooner when every row has stopped.
+    return lambda carry: (carry[0] < new_tokens) & ~jnp.all(carry[3])

@@ -4,7 +4,7 @@ The same names in every port (the contract: docs/PORTS.md); only the framework c
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import flax
 import jax
@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from kvports.shared.config import ModelConfig
+from kvports.shared.generation import GenerationConfig, as_generation
 from kvports.jax_impl.model import TinyModel, generate_cached, generate_naive, init_cache
 from kvports.jax_impl.model import prefill as prefill_step
 
@@ -89,17 +90,19 @@ def _model_device(model: TinyModel) -> jax.Device:
     return next(iter(model.emb.embedding[...].devices()))
 
 
-def generate(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str, return_logits: bool = False,
-             prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
+def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, GenerationConfig], mode: str,
+             return_logits: bool = False, prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
              ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    """Tokens [B, P + N] (and step logits [B, N, V]); on_token(token [B]) as each token reaches the host."""
+    """prompts [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N] (PAD after a row
+    stops) and step logits [B, steps, V]; on_token(token [B]) as each token reaches the host.
+    generation: a GenerationConfig, or a number of greedy tokens."""
     prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), _model_device(model))  # [B, P]
     to_host = None if on_token is None else (lambda token: on_token(token.astype(np.int64)))
     with jax.default_device(_model_device(model)):
         if mode == "cached":
-            result = generate_cached(model, prompt, int(new_tokens), return_logits, prefill, to_host)
+            result = generate_cached(model, prompt, as_generation(generation), return_logits, prefill, to_host)
         else:
-            result = generate_naive(model, prompt, int(new_tokens), return_logits, to_host)
+            result = generate_naive(model, prompt, as_generation(generation), return_logits, to_host)
     if not return_logits:
         return np.asarray(result, dtype=np.int64), None
     tokens, logits = result

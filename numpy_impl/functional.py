@@ -118,7 +118,8 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: Optional[np.ndarray] = None)
 def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray,
                                  attn_mask: Optional[np.ndarray] = None, enable_gqa: bool = False) -> np.ndarray:
     """torch's F.scaled_dot_product_attention, as the model calls it: query [B, H, T, Dh] over key
-    and value [B, Hkv, S, Dh]; attn_mask [T, S], True = visible; Hkv < H only with enable_gqa."""
+    and value [B, Hkv, S, Dh]; attn_mask [B, 1, T, S] (one mask for every head), True = visible;
+    Hkv < H only with enable_gqa."""
     B, H, T, Dh = query.shape
     Hkv = key.shape[1]
     if Hkv != H and not enable_gqa:
@@ -128,6 +129,6 @@ def scaled_dot_product_attention(query: np.ndarray, key: np.ndarray, value: np.n
     scores = q @ key[:, :, None].swapaxes(-2, -1)  # [B, Hkv, G, T, S]
     scores *= 1.0 / math.sqrt(Dh)
     if attn_mask is not None:
-        scores = np.where(attn_mask, scores, -np.inf)  # [B, Hkv, G, T, S]
+        scores = np.where(attn_mask[:, :, None], scores, -np.inf)  # [B, Hkv, G, T, S]
     probs = softmax(scores, axis=-1)  # [B, Hkv, G, T, S]
     return (probs @ value[:, :, None]).reshape(B, H, T, Dh)  # [B, H, T, Dh]

@@ -21,6 +21,7 @@ import kvports.numpy_impl.functional as F
 import kvports.numpy_impl.nn as nn
 from kvports.shared.config import ModelConfig
 from kvports.shared.config import cache_slots
+from kvports.shared.generation import PAD, GenerationConfig, uniforms
 
 
 @dataclass
@@ -28,8 +29,8 @@ class KVCache:
     # Written in place by position; NumPy arrays are mutable, as torch's buffers are.
     keys: np.ndarray  # [L, B, Hkv, S, Dh], S = slots (prompt + new tokens, or a ring for the window)
     values: np.ndarray  # [L, B, Hkv, S, Dh]
-    slot_positions: np.ndarray  # [S] int64: the position each slot holds, -1 while empty
-    length: int  # tokens seen so far = the position of the next token
+    slot_positions: np.ndarray  # [B, S] int64: the position each slot holds in each row, -1 while empty or padding
+    length: int  # columns written so far; a column is one step of every row (rows differ by their left padding)
     window: Optional[int]  # the sliding window, or None
 
     def writes_first(self, T: int) -> bool:
@@ -38,24 +39,29 @@ class KVCache:
         slots = self.keys.shape[3]
         return self.window is None or slots < self.window or T <= slots - self.window + 1
 
-    def mask(self, positions: np.ndarray) -> Optional[np.ndarray]:
-        """Which keys each of this chunk's queries sees: [T, S'], or None when all of them do."""
-        T, slots = positions.shape[0], self.keys.shape[3]
+    def slot_index(self, T: int) -> np.ndarray:
+        return np.arange(self.length, self.length + T) % self.keys.shape[3]  # [T]: slot = column mod S
+
+    def mask(self, positions: np.ndarray, padded: bool) -> Optional[np.ndarray]:
+        """Which keys each of this chunk's queries sees: [B, 1, T, S'], or None when all of them do."""
+        B, T = positions.shape
+        slots = self.keys.shape[3]
         if not self.writes_first(T):
             filled = min(self.length, slots)
-            return attention_mask(positions, np.concatenate([self.slot_positions[:filled], positions]), self.window)  # [T, S']
+            key_positions = np.concatenate([self.slot_positions[:, :filled], np.broadcast_to(positions, (self.slot_positions.shape[0], T))], axis=1)
+            return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
         filled = min(self.length + T, slots)
-        if T == 1 and (self.window is None or filled <= self.window):
+        if T == 1 and not padded and (self.window is None or filled <= self.window):
             return None  # one new token over the slots filled so far: every one is visible
-        key_positions = self.slot_positions.copy()  # [S]: as the write leaves them
-        key_positions[positions % slots] = positions
-        return attention_mask(positions, key_positions[:filled], self.window)  # [T, S']
+        key_positions = self.slot_positions.copy()  # [B, S]: as this chunk's write leaves them
+        key_positions[:, self.slot_index(T)] = positions
+        return attention_mask(positions, key_positions[:, :filled], self.window)  # [B, 1, T, S']
 
-    def update(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """Write this chunk's k and v at their slots (slot = position mod S); the keys and values to attend over."""
+    def update(self, layer: int, k: np.ndarray, v: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Write this chunk's k and v at their slots; the keys and values to attend over."""
         T, slots = k.shape[2], self.keys.shape[3]
+        slot_index = self.slot_index(T)  # [T]
         if self.writes_first(T):
-            slot_index = positions % slots  # [T]; without a ring, slot == position
             self.keys[layer][:, :, slot_index] = k
             self.values[layer][:, :, slot_index] = v
             filled = min(self.length + T, slots)  # a shape that grows is free in eager mode
@@ -63,16 +69,16 @@ class KVCache:
         filled, keep = min(self.length, slots), min(T, slots)  # a chunk wider than the ring keeps its newest
         keys = np.concatenate([self.keys[layer, :, :, :filled], k], axis=2)  # [B, Hkv, S', Dh]
         values = np.concatenate([self.values[layer, :, :, :filled], v], axis=2)  # [B, Hkv, S', Dh]
-        slot_index = positions[-keep:] % slots  # [keep]
-        self.keys[layer][:, :, slot_index] = k[:, :, -keep:]
-        self.values[layer][:, :, slot_index] = v[:, :, -keep:]
+        self.keys[layer][:, :, slot_index[-keep:]] = k[:, :, -keep:]
+        self.values[layer][:, :, slot_index[-keep:]] = v[:, :, -keep:]
         return keys, values
 
     def advance(self, positions: np.ndarray) -> KVCache:
         # After every layer has read the old slot positions: they change once per forward.
-        keep, slots = min(positions.shape[0], self.keys.shape[3]), self.keys.shape[3]
-        self.slot_positions[positions[-keep:] % slots] = positions[-keep:]
-        self.length += positions.shape[0]
+        T, slots = positions.shape[1], self.keys.shape[3]
+        keep = min(T, slots)
+        self.slot_positions[:, self.slot_index(T)[-keep:]] = positions[:, -keep:]
+        self.length += T
         return self
 
 
@@ -82,31 +88,35 @@ def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: np.dtype)
     return KVCache(
         keys=np.zeros(shape, dtype=dtype),
         values=np.zeros(shape, dtype=dtype),
-        slot_positions=np.full((slots,), -1, dtype=np.int64),
+        slot_positions=np.full((batch, slots), -1, dtype=np.int64),
         length=0,
         window=config.sliding_window,
     )
 
 
-def token_positions(start: int, length: int) -> np.ndarray:
+def token_positions(start: int, length: int, pad: Optional[np.ndarray]) -> np.ndarray:
     # Pitfall 1: in cache mode the new tokens' positions start at the cache length, not 0.
-    return np.arange(start, start + length, dtype=np.int64)  # [T]
+    positions = np.arange(start, start + length, dtype=np.int64)[None, :]  # [1, T]
+    if pad is None:
+        return positions
+    return np.maximum(positions - pad[:, None], -1)  # [B, T]: a left-padded row counts from its first token; -1 on padding
 
 
 def attention_mask(query_positions: np.ndarray, key_positions: np.ndarray, window: Optional[int]) -> np.ndarray:
-    # Built from positions, not indices: the same rule serves a full prompt, a cached step
-    # and a ring buffer. With keys 0..S-1 and queries S-T..S-1 it is the seed's
+    # Built from positions, not indices: the same rule serves a full prompt, a cached step, a
+    # ring buffer and left padding. With keys 0..S-1 and queries S-T..S-1 it is the seed's
     # triu(ones(T, S), diagonal=S - T + 1), inverted (True here means visible).
-    visible = (key_positions[None, :] <= query_positions[:, None]) & (key_positions[None, :] >= 0)  # [T, S]
+    query, key = query_positions[:, None, :, None], key_positions[:, None, None, :]  # [B, 1, T, 1], [B, 1, 1, S]
+    visible = (key <= query) & ((key >= 0) | (query < 0))  # [B, 1, T, S]: padding sees only padding, never nothing
     if window is not None:
-        visible = visible & (key_positions[None, :] > query_positions[:, None] - window)  # [T, S]
+        visible = visible & (key > query - window)  # [B, 1, T, S]
     return visible
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float, dtype: np.dtype):
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))  # [Dh/2]
-    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, Dh/2]
-    angles = np.concatenate([angles, angles], axis=-1)  # [T, Dh]
+    angles = positions.astype(np.float64)[:, None, :, None] * inv_freq  # [B, 1, T, Dh/2]: one table for every head
+    angles = np.concatenate([angles, angles], axis=-1)  # [B, 1, T, Dh]
     return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
 
 
@@ -165,7 +175,7 @@ class Block(nn.Module):
         self.ffn = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout, rng)  # pitfall 3: active only in train mode
 
-    def attention(self, x, positions, rope, mask, cache: Optional[KVCache], layer: int) -> np.ndarray:
+    def attention(self, x, rope, mask, cache: Optional[KVCache], layer: int) -> np.ndarray:
         config = self.config
         B, T, D = x.shape
         H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
@@ -174,14 +184,14 @@ class Block(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
-            k, v = cache.update(layer, k, v, positions)  # [B, Hkv, S', Dh]: the cache, this chunk written in
+            k, v = cache.update(layer, k, v)  # [B, Hkv, S', Dh]: the cache, this chunk written in
         # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)  # [B, H, T, Dh]
         out = out.transpose(0, 2, 1, 3).reshape(B, T, D)  # [B, T, D]
         return self.proj(out)  # [B, T, D]
 
-    def forward(self, x, positions, rope, mask, cache: Optional[KVCache], layer: int) -> np.ndarray:
-        x = x + self.dropout(self.attention(self.ln1(x), positions, rope, mask, cache, layer))  # [B, T, D]
+    def forward(self, x, rope, mask, cache: Optional[KVCache], layer: int) -> np.ndarray:
+        x = x + self.dropout(self.attention(self.ln1(x), rope, mask, cache, layer))  # [B, T, D]
         return x + self.dropout(self.ffn(self.ln2(x)))  # [B, T, D]
 
 
@@ -197,23 +207,24 @@ class TinyModel(nn.Module):
         if not config.tie_embeddings:
             self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
-    def forward(self, tokens: np.ndarray, cache: Optional[KVCache] = None):
+    def forward(self, tokens: np.ndarray, cache: Optional[KVCache] = None, pad: Optional[np.ndarray] = None):
+        """tokens [B, T] -> logits [B, T, V]; pad [B]: each row's left padding (None: no row is padded)."""
         config = self.config
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
-        positions = token_positions(start, T)  # [T]
+        positions = token_positions(start, T, pad)  # [B, T] ([1, T] without padding)
         x = self.emb(tokens)  # [B, T, D]
         rope = None
         if config.positions == "learned":
-            x = x + self.pos(positions)  # [B, T, D]
+            x = x + self.pos(np.maximum(positions, 0))  # [B, T, D]; padding borrows position 0, its outputs unused
         else:
-            rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [T, Dh]
+            rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [B, 1, T, Dh]
         if cache is None:
-            mask = attention_mask(positions, positions, config.sliding_window)  # [T, T]
+            mask = attention_mask(positions, positions, config.sliding_window)  # [B, 1, T, T]
         else:
-            mask = cache.mask(positions)  # [T, S'], or None
+            mask = cache.mask(positions, pad is not None)  # [B, 1, T, S'], or None
         for layer, block in enumerate(self.blocks):
-            x = block(x, positions, rope, mask, cache, layer)  # [B, T, D]
+            x = block(x, rope, mask, cache, layer)  # [B, T, D]
         if cache is not None:
             cache = cache.advance(positions)
         x = self.ln(x)  # [B, T, D]
@@ -225,60 +236,112 @@ def greedy(logits: np.ndarray) -> np.ndarray:
     return logits.argmax(axis=-1).astype(np.int64)  # [B, V] -> [B]; argmax gives intp
 
 
+def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Top-k, then top-p (the smallest set of most likely tokens whose probability reaches
+    top_p, the most likely always kept), as transformers' warpers do; the rest -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = -np.partition(-logits, top_k - 1, axis=-1)[:, top_k - 1 : top_k]  # [B, 1]
+        logits = np.where(logits < kth, -np.inf, logits)  # [B, V]; ties with the k-th stay
+    if top_p < 1.0:
+        order = np.argsort(logits, axis=-1, kind="stable")  # [B, V], ascending
+        ascending = np.take_along_axis(logits, order, axis=-1)  # [B, V]
+        remove = F.softmax(ascending, axis=-1).cumsum(axis=-1) <= 1 - top_p  # [B, V], in ascending order
+        remove[:, -1] = False
+        in_vocab_order = np.empty_like(remove)
+        np.put_along_axis(in_vocab_order, order, remove, axis=-1)
+        logits = np.where(in_vocab_order, -np.inf, logits)  # [B, V]
+    return logits
+
+
+def sample(logits: np.ndarray, generation: GenerationConfig, uniform: np.ndarray) -> np.ndarray:
+    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: temperature, top-k, top-p, then the
+    first token whose cumulative probability exceeds the uniform. In float64, so the ports'
+    draws can differ only where their logits do."""
+    if generation.greedy:
+        return greedy(logits)
+    logits = filter_logits(logits.astype(np.float64) / generation.temperature, generation.top_k, generation.top_p)
+    cumulative = F.softmax(logits, axis=-1).cumsum(axis=-1)  # [B, V]
+    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(axis=-1)  # [B]: tokens whose interval ends at or below the draw
+    return np.minimum(drawn, logits.shape[-1] - 1)
+
+
 # on_token(token [B]) is called as each new token is made (streaming, per-step timing).
 OnToken = Optional[Callable[[np.ndarray], None]]
 
 
+def start_generation(prompt: np.ndarray, generation: GenerationConfig):
+    """What both loops need: each row's left padding (None when no row is padded), each
+    row's draws [B, N], the stop ids, and the token buffer [B, P + N] with the prompt in it."""
+    B, P = prompt.shape
+    pad = (prompt == PAD).sum(axis=1)  # [B]
+    pad = pad if pad.any() else None  # unpadded batches skip every mask they can
+    draws = uniforms(generation.seed, B, generation.max_new_tokens)  # [B, N]
+    stops = np.asarray(generation.stop_ids, dtype=prompt.dtype)  # [K]
+    tokens = np.full((B, P + generation.max_new_tokens), PAD, dtype=prompt.dtype)  # [B, P + N]
+    tokens[:, :P] = prompt
+    return pad, draws, stops, tokens
+
+
 # No inference_mode decorator: NumPy records no autograd graph to switch off.
-def generate_naive(model: TinyModel, prompt: np.ndarray, new_tokens: int, return_logits: bool = False,
+def generate_naive(model: TinyModel, prompt: np.ndarray, generation: GenerationConfig, return_logits: bool = False,
                    on_token: OnToken = None):
-    """Recompute the whole history every step: O(n^2) work per token."""
+    """Recompute the whole history every step: O(n^2) work per token.
+    prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
-    tokens = np.empty((B, P + new_tokens), dtype=prompt.dtype)  # [B, P + N]
-    tokens[:, :P] = prompt
+    pad, draws, stops, tokens = start_generation(prompt, generation)
+    done = np.zeros(B, dtype=bool)  # [B]
     step_logits = []
-    for step in range(new_tokens):
-        logits, _ = model(tokens[:, : P + step])  # [B, P + step, V]: the whole history again
+    for step in range(generation.max_new_tokens):
+        logits, _ = model(np.maximum(tokens[:, : P + step], 0), pad=pad)  # [B, P + step, V]: the whole history again
         if return_logits:
             step_logits.append(logits[:, -1])
-        tokens[:, P + step] = greedy(logits[:, -1])
+        token = np.where(done, PAD, sample(logits[:, -1], generation, draws[:, step]))  # [B]; a stopped row stays stopped
+        tokens[:, P + step] = token
         if on_token is not None:
-            on_token(tokens[:, P + step])
-    return (tokens, np.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
+            on_token(token)
+        done |= np.isin(token, stops)
+        if stops.size and done.all():
+            break  # every row has stopped
+    return (tokens, np.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
 
-def generate_cached(model: TinyModel, prompt: np.ndarray, new_tokens: int, return_logits: bool = False,
+def generate_cached(model: TinyModel, prompt: np.ndarray, generation: GenerationConfig, return_logits: bool = False,
                     prefill: bool = True, on_token: OnToken = None):
     """Prefill the prompt in one forward, then one token per step against the cache.
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
-    cache = init_cache(model.config, B, P + new_tokens, model.emb.weight.dtype)
+    pad, draws, stops, tokens = start_generation(prompt, generation)
+    cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
     if prefill:
-        logits, cache = model(prompt, cache)  # [B, P, V]
+        logits, cache = model(np.maximum(prompt, 0), cache, pad)  # [B, P, V]
     else:
         for i in range(P):
-            logits, cache = model(prompt[:, i : i + 1], cache)  # [B, 1, V]
-    tokens = np.empty((B, P + new_tokens), dtype=prompt.dtype)  # [B, P + N]
-    tokens[:, :P] = prompt
+            logits, cache = model(np.maximum(prompt[:, i : i + 1], 0), cache, pad)  # [B, 1, V]
+    done = np.zeros(B, dtype=bool)  # [B]
     step_logits = []
-    for step in range(new_tokens):
+    for step in range(generation.max_new_tokens):
         if step > 0:
-            logits, cache = model(tokens[:, P + step - 1 : P + step], cache)  # [B, 1, V]
+            # A stopped row feeds PAD as token 0: its outputs are never used.
+            logits, cache = model(np.maximum(tokens[:, P + step - 1 : P + step], 0), cache, pad)  # [B, 1, V]
         if return_logits:
             step_logits.append(logits[:, -1])
-        tokens[:, P + step] = greedy(logits[:, -1])
+        token = np.where(done, PAD, sample(logits[:, -1], generation, draws[:, step]))  # [B]; a stopped row stays stopped
+        tokens[:, P + step] = token
         if on_token is not None:
-            on_token(tokens[:, P + step])
-    return (tokens, np.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
+            on_token(token)
+        done |= np.isin(token, stops)
+        if stops.size and done.all():
+            break  # every row has stopped
+    return (tokens, np.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
 
 # The two halves of generate_cached as separate calls (in JAX these are the compiled,
 # cache-donating twins a stepwise loop calls).
-def prefill(model: TinyModel, prompt: np.ndarray, cache: KVCache):
-    return model(prompt, cache)  # [B, P, V], cache
+def prefill(model: TinyModel, prompt: np.ndarray, cache: KVCache, pad: Optional[np.ndarray] = None):
+    return model(prompt, cache, pad)  # [B, P, V], cache
 
 
-def decode_step(model: TinyModel, token: np.ndarray, cache: KVCache):
-    return model(token, cache)  # token [B, 1] -> [B, 1, V], cache
+def decode_step(model: TinyModel, token: np.ndarray, cache: KVCache, pad: Optional[np.ndarray] = None):
+    return model(token, cache, pad)  # token [B, 1] -> [B, 1, V], cache

@@ -4,11 +4,12 @@ The same names in every port (the contract: docs/PORTS.md); only the framework c
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from kvports.shared.config import ModelConfig
+from kvports.shared.generation import GenerationConfig, as_generation
 from kvports.numpy_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
 
 NAME = "numpy"
@@ -32,16 +33,18 @@ def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str =
     return model.to(NUMPY_DTYPES[dtype]).eval()
 
 
-def generate(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str, return_logits: bool = False,
-             prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
+def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, GenerationConfig], mode: str,
+             return_logits: bool = False, prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
              ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    """Tokens [B, P + N] (and step logits [B, N, V]); on_token(token [B]) as each token is made."""
+    """prompts [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N] (PAD after a row
+    stops) and step logits [B, steps, V]; on_token(token [B]) as each token is made.
+    generation: a GenerationConfig, or a number of greedy tokens."""
     prompt = np.asarray(prompts, dtype=np.int64)  # [B, P]
-    to_host = None if on_token is None else (lambda token: on_token(token.copy()))  # a copy: the buffer is reused
+    to_host = None if on_token is None else (lambda token: on_token(token.copy()))  # a copy: the caller may keep it
     if mode == "cached":
-        result = generate_cached(model, prompt, new_tokens, return_logits, prefill, to_host)
+        result = generate_cached(model, prompt, as_generation(generation), return_logits, prefill, to_host)
     else:
-        result = generate_naive(model, prompt, new_tokens, return_logits, to_host)
+        result = generate_naive(model, prompt, as_generation(generation), return_logits, to_host)
     if not return_logits:
         return result, None
     tokens, logits = result

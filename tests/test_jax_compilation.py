@@ -74,7 +74,7 @@ def test_the_cache_is_a_pytree_of_fixed_shape_buffers(seed_weights):
     config, _ = seed_weights
     cache = jax_model.init_cache(config, 2, 30, jax.numpy.float32)
     shapes = [leaf.shape for leaf in jax.tree.leaves(cache)]
-    assert shapes == [(2, 2, 4, 30, 32), (2, 2, 4, 30, 32), (30,), ()]
+    assert shapes == [(2, 2, 4, 30, 32), (2, 2, 4, 30, 32), (2, 30), ()]
 
 
 def test_decode_step_donates_the_cache_and_returns_the_updated_one(seed_model):

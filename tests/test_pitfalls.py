@@ -47,7 +47,7 @@ def test_position_offset_from_cache_length_is_required(port, seed_weights, monke
 
     module = model_module(port)
     correct = module.token_positions
-    monkeypatch.setattr(module, "token_positions", lambda start, length: correct(0, length))  # positions restart at 0
+    monkeypatch.setattr(module, "token_positions", lambda start, length, pad: correct(0, length, pad))  # restart at 0
     with retraced(port):
         naive, naive_logits, cached, cached_logits = naive_and_cached(port, model, SEED_PROMPT)
     # The mask is right and the prefill still matches; every decoded step after it is wrong.

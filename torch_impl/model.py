@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.config import cache_slots
+from kvports.shared.generation import PAD, GenerationConfig, uniforms
 
 
 @dataclass
@@ -26,8 +27,8 @@ class KVCache:
     # Written in place by position; PyTorch lets us mutate the buffers we preallocated.
     keys: torch.Tensor  # [L, B, Hkv, S, Dh], S = slots (prompt + new tokens, or a ring for the window)
     values: torch.Tensor  # [L, B, Hkv, S, Dh]
-    slot_positions: torch.Tensor  # [S] int64: the position each slot holds, -1 while empty
-    length: int  # tokens seen so far = the position of the next token
+    slot_positions: torch.Tensor  # [B, S] int64: the position each slot holds in each row, -1 while empty or padding
+    length: int  # columns written so far; a column is one step of every row (rows differ by their left padding)
     window: Optional[int]  # the sliding window, or None
 
     def writes_first(self, T: int) -> bool:
@@ -36,23 +37,29 @@ class KVCache:
         slots = self.keys.shape[3]
         return self.window is None or slots < self.window or T <= slots - self.window + 1
 
-    def mask(self, positions: torch.Tensor) -> Optional[torch.Tensor]:
-        """Which keys each of this chunk's queries sees: [T, S'], or None when all of them do."""
-        T, slots = positions.shape[0], self.keys.shape[3]
+    def slot_index(self, T: int) -> torch.Tensor:
+        return torch.arange(self.length, self.length + T) % self.keys.shape[3]  # [T]: slot = column mod S
+
+    def mask(self, positions: torch.Tensor, padded: bool) -> Optional[torch.Tensor]:
+        """Which keys each of this chunk's queries sees: [B, 1, T, S'], or None when all of them do."""
+        B, T = positions.shape
+        slots = self.keys.shape[3]
         if not self.writes_first(T):
             filled = min(self.length, slots)
-            return attention_mask(positions, torch.cat([self.slot_positions[:filled], positions]), self.window)  # [T, S']
+            key_positions = torch.cat([self.slot_positions[:, :filled], positions.expand(self.slot_positions.shape[0], T)], dim=1)
+            return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
         filled = min(self.length + T, slots)
-        if T == 1 and (self.window is None or filled <= self.window):
+        if T == 1 and not padded and (self.window is None or filled <= self.window):
             return None  # one new token over the slots filled so far: every one is visible
-        key_positions = self.slot_positions.index_copy(0, positions % slots, positions)  # [S]: as the write leaves them
-        return attention_mask(positions, key_positions[:filled], self.window)  # [T, S']
+        key_positions = self.slot_positions.clone()  # [B, S]: as this chunk's write leaves them
+        key_positions[:, self.slot_index(T)] = positions
+        return attention_mask(positions, key_positions[:, :filled], self.window)  # [B, 1, T, S']
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Write this chunk's k and v at their slots (slot = position mod S); the keys and values to attend over."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write this chunk's k and v at their slots; the keys and values to attend over."""
         T, slots = k.shape[2], self.keys.shape[3]
+        slot_index = self.slot_index(T)  # [T]
         if self.writes_first(T):
-            slot_index = positions % slots  # [T]; without a ring, slot == position
             self.keys[layer].index_copy_(2, slot_index, k)
             self.values[layer].index_copy_(2, slot_index, v)
             filled = min(self.length + T, slots)  # a shape that grows is free in eager mode
@@ -60,16 +67,16 @@ class KVCache:
         filled, keep = min(self.length, slots), min(T, slots)  # a chunk wider than the ring keeps its newest
         keys = torch.cat([self.keys[layer, :, :, :filled], k], dim=2)  # [B, Hkv, S', Dh]
         values = torch.cat([self.values[layer, :, :, :filled], v], dim=2)  # [B, Hkv, S', Dh]
-        slot_index = positions[-keep:] % slots  # [keep]
-        self.keys[layer].index_copy_(2, slot_index, k[:, :, -keep:])
-        self.values[layer].index_copy_(2, slot_index, v[:, :, -keep:])
+        self.keys[layer].index_copy_(2, slot_index[-keep:], k[:, :, -keep:])
+        self.values[layer].index_copy_(2, slot_index[-keep:], v[:, :, -keep:])
         return keys, values
 
     def advance(self, positions: torch.Tensor) -> KVCache:
         # After every layer has read the old slot positions: they change once per forward.
-        keep, slots = min(positions.shape[0], self.keys.shape[3]), self.keys.shape[3]
-        self.slot_positions[positions[-keep:] % slots] = positions[-keep:]
-        self.length += positions.shape[0]
+        T, slots = positions.shape[1], self.keys.shape[3]
+        keep = min(T, slots)
+        self.slot_positions[:, self.slot_index(T)[-keep:]] = positions[:, -keep:]
+        self.length += T
         return self
 
 
@@ -79,31 +86,35 @@ def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: torch.dty
     return KVCache(
         keys=torch.zeros(shape, dtype=dtype),
         values=torch.zeros(shape, dtype=dtype),
-        slot_positions=torch.full((slots,), -1, dtype=torch.int64),
+        slot_positions=torch.full((batch, slots), -1, dtype=torch.int64),
         length=0,
         window=config.sliding_window,
     )
 
 
-def token_positions(start: int, length: int) -> torch.Tensor:
+def token_positions(start: int, length: int, pad: Optional[torch.Tensor]) -> torch.Tensor:
     # Pitfall 1: in cache mode the new tokens' positions start at the cache length, not 0.
-    return torch.arange(start, start + length)  # [T]
+    positions = torch.arange(start, start + length)[None, :]  # [1, T]
+    if pad is None:
+        return positions
+    return (positions - pad[:, None]).clamp(min=-1)  # [B, T]: a left-padded row counts from its first token; -1 on padding
 
 
 def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: Optional[int]) -> torch.Tensor:
-    # Built from positions, not indices: the same rule serves a full prompt, a cached step
-    # and a ring buffer. With keys 0..S-1 and queries S-T..S-1 it is the seed's
+    # Built from positions, not indices: the same rule serves a full prompt, a cached step, a
+    # ring buffer and left padding. With keys 0..S-1 and queries S-T..S-1 it is the seed's
     # triu(ones(T, S), diagonal=S - T + 1), inverted (True here means visible).
-    visible = (key_positions[None, :] <= query_positions[:, None]) & (key_positions[None, :] >= 0)  # [T, S]
+    query, key = query_positions[:, None, :, None], key_positions[:, None, None, :]  # [B, 1, T, 1], [B, 1, 1, S]
+    visible = (key <= query) & ((key >= 0) | (query < 0))  # [B, 1, T, S]: padding sees only padding, never nothing
     if window is not None:
-        visible = visible & (key_positions[None, :] > query_positions[:, None] - window)  # [T, S]
+        visible = visible & (key > query - window)  # [B, 1, T, S]
     return visible
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [Dh/2]
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, Dh/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [T, Dh]
+    angles = positions.to(torch.float64)[:, None, :, None] * inv_freq  # [B, 1, T, Dh/2]: one table for every head
+    angles = torch.cat([angles, angles], dim=-1)  # [B, 1, T, Dh]
     return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
 
 
@@ -164,7 +175,7 @@ class Block(nn.Module):
         self.ffn = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout)  # pitfall 3: active only in train mode
 
-    def attention(self, x, positions, rope, mask, cache: Optional[KVCache], layer: int) -> torch.Tensor:
+    def attention(self, x, rope, mask, cache: Optional[KVCache], layer: int) -> torch.Tensor:
         config = self.config
         B, T, D = x.shape
         H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
@@ -173,14 +184,14 @@ class Block(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
-            k, v = cache.update(layer, k, v, positions)  # [B, Hkv, S', Dh]: the cache, this chunk written in
+            k, v = cache.update(layer, k, v)  # [B, Hkv, S', Dh]: the cache, this chunk written in
         # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)  # [B, H, T, Dh]
         out = out.transpose(1, 2).reshape(B, T, D)  # [B, T, D]
         return self.proj(out)  # [B, T, D]
 
-    def forward(self, x, positions, rope, mask, cache: Optional[KVCache], layer: int) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.ln1(x), positions, rope, mask, cache, layer))  # [B, T, D]
+    def forward(self, x, rope, mask, cache: Optional[KVCache], layer: int) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.ln1(x), rope, mask, cache, layer))  # [B, T, D]
         return x + self.dropout(self.ffn(self.ln2(x)))  # [B, T, D]
 
 
@@ -196,23 +207,24 @@ class TinyModel(nn.Module):
         if not config.tie_embeddings:
             self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None):
+    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, pad: Optional[torch.Tensor] = None):
+        """tokens [B, T] -> logits [B, T, V]; pad [B]: each row's left padding (None: no row is padded)."""
         config = self.config
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
-        positions = token_positions(start, T)  # [T]
+        positions = token_positions(start, T, pad)  # [B, T] ([1, T] without padding)
         x = self.emb(tokens)  # [B, T, D]
         rope = None
         if config.positions == "learned":
-            x = x + self.pos(positions)  # [B, T, D]
+            x = x + self.pos(positions.clamp(min=0))  # [B, T, D]; padding borrows position 0, its outputs unused
         else:
-            rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [T, Dh]
+            rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [B, 1, T, Dh]
         if cache is None:
-            mask = attention_mask(positions, positions, config.sliding_window)  # [T, T]
+            mask = attention_mask(positions, positions, config.sliding_window)  # [B, 1, T, T]
         else:
-            mask = cache.mask(positions)  # [T, S'], or None
+            mask = cache.mask(positions, pad is not None)  # [B, 1, T, S'], or None
         for layer, block in enumerate(self.blocks):
-            x = block(x, positions, rope, mask, cache, layer)  # [B, T, D]
+            x = block(x, rope, mask, cache, layer)  # [B, T, D]
         if cache is not None:
             cache = cache.advance(positions)
         x = self.ln(x)  # [B, T, D]
@@ -224,64 +236,113 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)  # [B, V] -> [B]
 
 
-# on_token(token [B]) is called as each new token is made (streaming, per-step timing);
-# the tokens stay on the device: whoever wants them on the host pays for the copy.
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k, then top-p (the smallest set of most likely tokens whose probability reaches
+    top_p, the most likely always kept), as transformers' warpers do; the rest -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # [B, V]; ties with the k-th stay
+    if top_p < 1.0:
+        ascending, order = logits.sort(dim=-1, stable=True)  # [B, V] each
+        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p  # [B, V], in ascending order
+        remove[:, -1] = False
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))  # [B, V], back in vocab order
+    return logits
+
+
+def sample(logits: torch.Tensor, generation: GenerationConfig, uniform: torch.Tensor) -> torch.Tensor:
+    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: temperature, top-k, top-p, then the
+    first token whose cumulative probability exceeds the uniform. In float64, so the ports'
+    draws can differ only where their logits do."""
+    if generation.greedy:
+        return greedy(logits)
+    logits = filter_logits(logits.to(torch.float64) / generation.temperature, generation.top_k, generation.top_p)
+    cumulative = logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)  # [B]: tokens whose interval ends at or below the draw
+    return drawn.clamp(max=logits.shape[-1] - 1)
+
+
+# on_token(token [B]) is called as each new token is made (streaming, per-step timing); the
+# tokens stay on the device: whoever wants them on the host pays for the copy.
 OnToken = Optional[Callable[[torch.Tensor], None]]
 
 
+def start_generation(prompt: torch.Tensor, generation: GenerationConfig):
+    """What both loops need: each row's left padding (None when no row is padded), each
+    row's draws [B, N], the stop ids, and the token buffer [B, P + N] with the prompt in it."""
+    B, P = prompt.shape
+    pad = (prompt == PAD).sum(dim=1)  # [B]
+    pad = pad if bool(pad.any()) else None  # the one host look before the loop: unpadded batches skip every mask they can
+    draws = torch.from_numpy(uniforms(generation.seed, B, generation.max_new_tokens)).to(prompt.device)  # [B, N]
+    stops = torch.tensor(generation.stop_ids, dtype=prompt.dtype, device=prompt.device)  # [K]
+    tokens = torch.full((B, P + generation.max_new_tokens), PAD, dtype=prompt.dtype, device=prompt.device)  # [B, P + N]
+    tokens[:, :P] = prompt
+    return pad, draws, stops, tokens
+
+
 @torch.inference_mode()
-def generate_naive(model: TinyModel, prompt: torch.Tensor, new_tokens: int, return_logits: bool = False,
+def generate_naive(model: TinyModel, prompt: torch.Tensor, generation: GenerationConfig, return_logits: bool = False,
                    on_token: OnToken = None):
-    """Recompute the whole history every step: O(n^2) work per token."""
+    """Recompute the whole history every step: O(n^2) work per token.
+    prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
-    tokens = torch.empty((B, P + new_tokens), dtype=prompt.dtype, device=prompt.device)  # [B, P + N]
-    tokens[:, :P] = prompt
+    pad, draws, stops, tokens = start_generation(prompt, generation)
+    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # [B]
     step_logits = []
-    for step in range(new_tokens):
-        logits, _ = model(tokens[:, : P + step])  # [B, P + step, V]: the whole history again
+    for step in range(generation.max_new_tokens):
+        logits, _ = model(tokens[:, : P + step].clamp(min=0), pad=pad)  # [B, P + step, V]: the whole history again
         if return_logits:
             step_logits.append(logits[:, -1])
-        tokens[:, P + step] = greedy(logits[:, -1])
+        token = sample(logits[:, -1], generation, draws[:, step]).masked_fill(done, PAD)  # [B]; a stopped row stays stopped
+        tokens[:, P + step] = token
         if on_token is not None:
-            on_token(tokens[:, P + step])
-    return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
+            on_token(token)
+        done |= torch.isin(token, stops)
+        if stops.numel() and bool(done.all()):
+            break  # every row has stopped
+    return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
 
 @torch.inference_mode()
-def generate_cached(model: TinyModel, prompt: torch.Tensor, new_tokens: int, return_logits: bool = False,
+def generate_cached(model: TinyModel, prompt: torch.Tensor, generation: GenerationConfig, return_logits: bool = False,
                     prefill: bool = True, on_token: OnToken = None):
     """Prefill the prompt in one forward, then one token per step against the cache.
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
-    cache = init_cache(model.config, B, P + new_tokens, model.emb.weight.dtype)
+    pad, draws, stops, tokens = start_generation(prompt, generation)
+    cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
     if prefill:
-        logits, cache = model(prompt, cache)  # [B, P, V]
+        logits, cache = model(prompt.clamp(min=0), cache, pad)  # [B, P, V]
     else:
         for i in range(P):
-            logits, cache = model(prompt[:, i : i + 1], cache)  # [B, 1, V]
-    tokens = torch.empty((B, P + new_tokens), dtype=prompt.dtype, device=prompt.device)  # [B, P + N]
-    tokens[:, :P] = prompt
+            logits, cache = model(prompt[:, i : i + 1].clamp(min=0), cache, pad)  # [B, 1, V]
+    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # [B]
     step_logits = []
-    for step in range(new_tokens):
+    for step in range(generation.max_new_tokens):
         if step > 0:
-            logits, cache = model(tokens[:, P + step - 1 : P + step], cache)  # [B, 1, V]
+            # A stopped row feeds PAD as token 0: its outputs are never used.
+            logits, cache = model(tokens[:, P + step - 1 : P + step].clamp(min=0), cache, pad)  # [B, 1, V]
         if return_logits:
             step_logits.append(logits[:, -1])
-        tokens[:, P + step] = greedy(logits[:, -1])
+        token = sample(logits[:, -1], generation, draws[:, step]).masked_fill(done, PAD)  # [B]; a stopped row stays stopped
+        tokens[:, P + step] = token
         if on_token is not None:
-            on_token(tokens[:, P + step])
-    return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens  # [B, P + N], [B, N, V]
+            on_token(token)
+        done |= torch.isin(token, stops)
+        if stops.numel() and bool(done.all()):
+            break  # every row has stopped (a host look per step, only when there are stop ids)
+    return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
 
 # The two halves of generate_cached as separate calls (in JAX these are the compiled,
 # cache-donating twins a stepwise loop calls).
 @torch.inference_mode()
-def prefill(model: TinyModel, prompt: torch.Tensor, cache: KVCache):
-    return model(prompt, cache)  # [B, P, V], cache
+def prefill(model: TinyModel, prompt: torch.Tensor, cache: KVCache, pad: Optional[torch.Tensor] = None):
+    return model(prompt, cache, pad)  # [B, P, V], cache
 
 
 @torch.inference_mode()
-def decode_step(model: TinyModel, token: torch.Tensor, cache: KVCache):
-    return model(token, cache)  # token [B, 1] -> [B, 1, V], cache
+def decode_step(model: TinyModel, token: torch.Tensor, cache: KVCache, pad: Optional[torch.Tensor] = None):
+    return model(token, cache, pad)  # token [B, 1] -> [B, 1, V], cache

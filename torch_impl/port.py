@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from kvports.shared.config import ModelConfig
+from kvports.shared.generation import GenerationConfig, as_generation
 from kvports.torch_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
 
 NAME = "torch"
@@ -46,18 +47,20 @@ def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str =
     return model.to(device=resolve_device(device), dtype=TORCH_DTYPES[dtype]).eval()
 
 
-def generate(model: TinyModel, prompts: np.ndarray, new_tokens: int, mode: str, return_logits: bool = False,
-             prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
+def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, GenerationConfig], mode: str,
+             return_logits: bool = False, prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
              ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    """Tokens [B, P + N] (and step logits [B, N, V]); on_token(token [B]) as each token reaches the host."""
+    """prompts [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N] (PAD after a row
+    stops) and step logits [B, steps, V]; on_token(token [B]) as each token reaches the host.
+    generation: a GenerationConfig, or a number of greedy tokens."""
     device = model.emb.weight.device
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(device)  # [B, P]
     to_host = None if on_token is None else (lambda token: on_token(token.cpu().numpy()))
     with _on_device(device):
         if mode == "cached":
-            result = generate_cached(model, prompt, new_tokens, return_logits, prefill, to_host)
+            result = generate_cached(model, prompt, as_generation(generation), return_logits, prefill, to_host)
         else:
-            result = generate_naive(model, prompt, new_tokens, return_logits, to_host)
+            result = generate_naive(model, prompt, as_generation(generation), return_logits, to_host)
     if not return_logits:
         return result.cpu().numpy(), None
     tokens, logits = result

@@ -1,0 +1,99 @@
+"""How to generate, framework-neutral: the settings every port's generators take, the
+random numbers their sampling draws, prompts of different lengths, and stop tokens.
+
+Sampling agrees across frameworks because nothing random happens inside a framework:
+each row's uniforms come from NumPy's counter-based Philox generator, keyed by the seed
+and the row, one number per step, and every port turns the same logits and the same
+uniform into the same token by the same rule (temperature, top-k, top-p, then the draw:
+the first token whose cumulative probability passes the uniform).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from kvports.shared.errors import UserError
+
+PAD = -1  # in a token array: left padding of a short prompt, or a slot after a row stopped
+MAX_SEED = 2**64 - 1  # Philox keys are 64-bit words
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy, the argmax (bit for bit the path without sampling)
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # 1: no nucleus filter
+    seed: int = 0
+    stop_ids: Tuple[int, ...] = ()  # a row ends after it emits any of these (kept as its last token)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> GenerationConfig:
+        """The same one-line errors for every port, before any framework code runs."""
+        check_int("new tokens", self.max_new_tokens, 1)
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise UserError(f"temperature {self.temperature!r} must be a finite number >= 0 (0 means greedy)")
+        check_int("top-k", self.top_k, 0)
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
+            raise UserError(f"top-p {self.top_p!r} must be in (0, 1] (1 means no nucleus filter)")
+        check_int("seed", self.seed, 0, MAX_SEED)
+        for stop in self.stop_ids:
+            check_int("stop id", stop, 0, vocab_size - 1)
+        return self
+
+
+def check_int(name: str, value: object, low: int, high: Optional[int] = None) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise UserError(f"{name} {value!r} is not an integer")
+    if value < low or (high is not None and value > high):
+        limit = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise UserError(f"{name} {value} must be {limit}")
+    return int(value)
+
+
+def as_generation(generation: Union[int, GenerationConfig]) -> GenerationConfig:
+    """An int means that many greedy tokens with no stop tokens: the common case in tests and timings."""
+    if isinstance(generation, GenerationConfig):
+        return generation
+    return GenerationConfig(max_new_tokens=generation)
+
+
+def uniforms(seed: int, batch: int, steps: int) -> np.ndarray:
+    """The draws of a sampled generation, [B, N] float64 in [0, 1): row b's stream is Philox
+    keyed by (seed, b), one number per step, so a row's draws depend on nothing else."""
+    rows = [np.random.Generator(np.random.Philox(key=np.array([seed, row], dtype=np.uint64))).random(steps)
+            for row in range(batch)]
+    return np.stack(rows) if rows else np.zeros((0, steps))  # [B, N]
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
+    """Prompts of different lengths as one left-padded batch [B, P] (PAD where a row is
+    shorter) and each row's padding [B]: every row's last prompt token sits in column P - 1,
+    so one decode step serves them all."""
+    P = max(len(prompt) for prompt in prompts)
+    tokens = np.full((len(prompts), P), PAD, dtype=np.int64)  # [B, P]
+    for row, prompt in enumerate(prompts):
+        tokens[row, P - len(prompt):] = prompt
+    return tokens, (tokens == PAD).sum(axis=1).astype(np.int64)  # [B, P], [B]
+
+
+def row_tokens(tokens: np.ndarray) -> List[List[int]]:
+    """Each row's prompt and generated tokens, padding dropped: rows of different lengths."""
+    return [[int(token) for token in row if token != PAD] for row in np.asarray(tokens)]
+
+
+def finish_reasons(tokens: np.ndarray, prompt_len: int, stop_ids: Sequence[int]) -> List[str]:
+    """'stop' for a row whose last generated token is a stop id, else 'length'."""
+    reasons = []
+    for row in np.asarray(tokens)[:, prompt_len:]:
+        generated = row[row != PAD]
+        reasons.append("stop" if len(generated) and int(generated[-1]) in set(stop_ids) else "length")
+    return reasons
