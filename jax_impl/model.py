@@ -107,8 +107,9 @@ def init_cache(config: ModelConfig, batch: int, total_len: int, dtype) -> KVCach
 
 def token_positions(start, length: int, pad: Optional[jax.Array]) -> jax.Array:
     # Pitfall 1: in cache mode the new tokens' positions start at the cache length, not 0.
-    # start may be traced (the cache length), so shift a static-length range by it.
-    positions = start + jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, T]
+    # start: the cache's length (traced, or per row, [B, 1], in a paged cache), so shift a
+    # static-length range by it.
+    positions = start + jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, T]; [B, T] where start is per row
     if pad is None:
         return positions
     return jnp.maximum(positions - pad[:, None], -1)  # [B, T]: a left-padded row counts from its first token; -1 on padding

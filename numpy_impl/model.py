@@ -96,7 +96,8 @@ def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: np.dtype)
 
 def token_positions(start: int, length: int, pad: Optional[np.ndarray]) -> np.ndarray:
     # Pitfall 1: in cache mode the new tokens' positions start at the cache length, not 0.
-    positions = np.arange(start, start + length, dtype=np.int64)[None, :]  # [1, T]
+    # start: the cache's length (an int; per row, [B, 1], in a paged cache).
+    positions = start + np.arange(length, dtype=np.int64)[None, :]  # [1, T]; [B, T] where start is per row, [B, 1]
     if pad is None:
         return positions
     return np.maximum(positions - pad[:, None], -1)  # [B, T]: a left-padded row counts from its first token; -1 on padding

@@ -94,7 +94,8 @@ def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: torch.dty
 
 def token_positions(start: int, length: int, pad: Optional[torch.Tensor]) -> torch.Tensor:
     # Pitfall 1: in cache mode the new tokens' positions start at the cache length, not 0.
-    positions = torch.arange(start, start + length)[None, :]  # [1, T]
+    # start: the cache's length (an int; per row, [B, 1], in a paged cache).
+    positions = start + torch.arange(length)[None, :]  # [1, T]; [B, T] where start is per row, [B, 1]
     if pad is None:
         return positions
     return (positions - pad[:, None]).clamp(min=-1)  # [B, T]: a left-padded row counts from its first token; -1 on padding
