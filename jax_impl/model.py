@@ -92,9 +92,17 @@ class KVCache:
         slot_positions = self.slot_positions.at[:, self.slot_index(T)[-keep:]].set(positions[:, -keep:])  # [B, S]
         return dataclasses.replace(self, slot_positions=slot_positions, length=self.length + T)
 
+    def crop(self, length) -> KVCache:
+        """Take back every column from `length` on (rejected speculative tokens): their slots read
+        as empty again, as if never written. A ring sized with spare slots lost nothing still needed."""
+        slots = self.keys.shape[3]
+        newest = self.length - 1 - (self.length - 1 - jnp.arange(slots, dtype=jnp.int32)) % slots  # [S]: the last column each slot took
+        slot_positions = jnp.where(newest >= length, -1, self.slot_positions)  # [B, S]
+        return dataclasses.replace(self, slot_positions=slot_positions, length=jnp.asarray(length, dtype=jnp.int32))
 
-def init_cache(config: ModelConfig, batch: int, total_len: int, dtype) -> KVCache:
-    slots = cache_slots(config, total_len)
+
+def init_cache(config: ModelConfig, batch: int, total_len: int, dtype, chunk: int = 1) -> KVCache:
+    slots = cache_slots(config, total_len, chunk)
     shape = (config.n_layers, batch, config.kv_heads, slots, config.head_dim)
     return KVCache(
         keys=jnp.zeros(shape, dtype=dtype),
@@ -280,16 +288,28 @@ def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits
 
 
+def probabilities(logits: jax.Array, generation: GenerationConfig) -> jax.Array:
+    """logits [..., V] -> what sampling draws from [..., V]: the temperature, top-k and top-p,
+    then softmax. In float64, so the ports' draws can differ only where their logits do."""
+    logits = logits.astype(jnp.float64) / generation.temperature  # [..., V]
+    shape = logits.shape
+    return jax.nn.softmax(filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p), axis=-1).reshape(shape)
+
+
+def draw(probs: jax.Array, uniform: jax.Array) -> jax.Array:
+    """probs [B, V] (summing to any positive total), uniform [B] in [0, 1) -> tokens [B]: the
+    first token whose cumulative probability exceeds the uniform's share of the total."""
+    cumulative = jnp.cumsum(probs, axis=-1)  # [B, V]
+    drawn = jnp.sum(cumulative <= uniform[:, None] * cumulative[:, -1:], axis=-1)  # [B]: tokens whose interval ends at or below it
+    return jnp.minimum(drawn, probs.shape[-1] - 1).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, generation: GenerationConfig, uniform: jax.Array) -> jax.Array:
-    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: temperature, top-k, top-p, then the
-    first token whose cumulative probability exceeds the uniform. In float64, so the ports'
-    draws can differ only where their logits do."""
+    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: greedy at temperature 0, else a draw
+    from the filtered probabilities."""
     if generation.greedy:
         return greedy(logits)
-    logits = filter_logits(logits.astype(jnp.float64) / generation.temperature, generation.top_k, generation.top_p)
-    cumulative = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1)  # [B, V]
-    drawn = jnp.sum(cumulative <= uniform[:, None] * cumulative[:, -1:], axis=-1)  # [B]: tokens whose interval ends at or below the draw
-    return jnp.minimum(drawn, logits.shape[-1] - 1).astype(jnp.int32)
+    return draw(probabilities(logits, generation), uniform)
 
 
 # on_token(token [B]) is called as each new token reaches the host (streaming, per-step timing).

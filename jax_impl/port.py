@@ -15,6 +15,7 @@ from flax import nnx
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, as_generation
+from kvports.jax_impl import speculative
 from kvports.jax_impl.model import TinyModel, generate_cached, generate_naive, init_cache
 from kvports.jax_impl.model import prefill as prefill_step
 
@@ -107,6 +108,19 @@ def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, Gener
         return np.asarray(result, dtype=np.int64), None
     tokens, logits = result
     return np.asarray(tokens, dtype=np.int64), np.asarray(logits)  # [B, P + N], [B, N, V]
+
+
+def generate_speculative(model: TinyModel, draft: Optional[TinyModel], prompts: np.ndarray,
+                         generation: Union[int, GenerationConfig], draft_tokens: int, ngram: int = 2,
+                         on_token: Optional[Callable[[np.ndarray], None]] = None) -> Tuple[np.ndarray, Dict[str, int]]:
+    """The target's own tokens [B, P + N] from draft-and-verify rounds, and their counts. draft:
+    a model loaded with load_model (same vocabulary), or None for prompt lookup of n-grams."""
+    prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), _model_device(model))  # [B, P]
+    to_host = None if on_token is None else (lambda token: on_token(token.astype(np.int64)))
+    with jax.default_device(_model_device(model)):
+        tokens, counts = speculative.generate_speculative(model, draft, prompt, as_generation(generation), draft_tokens,
+                                                          ngram, to_host)
+    return np.asarray(tokens, dtype=np.int64), counts  # [B, P + N]
 
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:

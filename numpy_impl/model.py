@@ -81,9 +81,18 @@ class KVCache:
         self.length += T
         return self
 
+    def crop(self, length: int) -> KVCache:
+        """Take back every column from `length` on (rejected speculative tokens): their slots read
+        as empty again, as if never written. A ring sized with spare slots lost nothing still needed."""
+        slots = self.keys.shape[3]
+        newest = self.length - 1 - (self.length - 1 - np.arange(slots)) % slots  # [S]: the last column each slot took
+        self.slot_positions[:, newest >= length] = -1
+        self.length = length
+        return self
 
-def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: np.dtype) -> KVCache:
-    slots = cache_slots(config, total_len)
+
+def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: np.dtype, chunk: int = 1) -> KVCache:
+    slots = cache_slots(config, total_len, chunk)
     shape = (config.n_layers, batch, config.kv_heads, slots, config.head_dim)
     return KVCache(
         keys=np.zeros(shape, dtype=dtype),
@@ -254,16 +263,28 @@ def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     return logits
 
 
+def probabilities(logits: np.ndarray, generation: GenerationConfig) -> np.ndarray:
+    """logits [..., V] -> what sampling draws from [..., V]: the temperature, top-k and top-p,
+    then softmax. In float64, so the ports' draws can differ only where their logits do."""
+    logits = logits.astype(np.float64) / generation.temperature  # [..., V]
+    shape = logits.shape
+    return F.softmax(filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p), axis=-1).reshape(shape)
+
+
+def draw(probs: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+    """probs [B, V] (summing to any positive total), uniform [B] in [0, 1) -> tokens [B]: the
+    first token whose cumulative probability exceeds the uniform's share of the total."""
+    cumulative = probs.cumsum(axis=-1)  # [B, V]
+    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(axis=-1)  # [B]: tokens whose interval ends at or below it
+    return np.minimum(drawn, probs.shape[-1] - 1)
+
+
 def sample(logits: np.ndarray, generation: GenerationConfig, uniform: np.ndarray) -> np.ndarray:
-    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: temperature, top-k, top-p, then the
-    first token whose cumulative probability exceeds the uniform. In float64, so the ports'
-    draws can differ only where their logits do."""
+    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: greedy at temperature 0, else a draw
+    from the filtered probabilities."""
     if generation.greedy:
         return greedy(logits)
-    logits = filter_logits(logits.astype(np.float64) / generation.temperature, generation.top_k, generation.top_p)
-    cumulative = F.softmax(logits, axis=-1).cumsum(axis=-1)  # [B, V]
-    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(axis=-1)  # [B]: tokens whose interval ends at or below the draw
-    return np.minimum(drawn, logits.shape[-1] - 1)
+    return draw(probabilities(logits, generation), uniform)
 
 
 # on_token(token [B]) is called as each new token is made (streaming, per-step timing).

@@ -10,6 +10,7 @@ import numpy as np
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, as_generation
+from kvports.numpy_impl import speculative
 from kvports.numpy_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
 
 NAME = "numpy"
@@ -49,6 +50,16 @@ def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, Gener
         return result, None
     tokens, logits = result
     return tokens, logits  # [B, P + N], [B, N, V]
+
+
+def generate_speculative(model: TinyModel, draft: Optional[TinyModel], prompts: np.ndarray,
+                         generation: Union[int, GenerationConfig], draft_tokens: int, ngram: int = 2,
+                         on_token: Optional[Callable[[np.ndarray], None]] = None) -> Tuple[np.ndarray, Dict[str, int]]:
+    """The target's own tokens [B, P + N] from draft-and-verify rounds, and their counts. draft:
+    a model loaded with load_model (same vocabulary), or None for prompt lookup of n-grams."""
+    prompt = np.asarray(prompts, dtype=np.int64)  # [B, P]
+    to_host = None if on_token is None else (lambda token: on_token(token.copy()))  # a copy: the caller may keep it
+    return speculative.generate_speculative(model, draft, prompt, as_generation(generation), draft_tokens, ngram, to_host)
 
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:

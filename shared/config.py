@@ -122,10 +122,13 @@ class ModelConfig:
         return cls(**data).validate()
 
 
-def cache_slots(config: ModelConfig, total_len: int) -> int:
-    """How many positions the KV cache holds: all of them, or a ring of `sliding_window`."""
+def cache_slots(config: ModelConfig, total_len: int, chunk: int = 1) -> int:
+    """How many positions the KV cache holds: all of them, or a ring for the sliding window.
+    chunk: the widest chunk written before it is attended and then partly taken back
+    (speculative verification: K + 1). The ring keeps chunk - 1 spare slots, so a write
+    never destroys a key the window still needs, even one later taken back."""
     if config.sliding_window is not None:
-        return min(config.sliding_window, total_len)
+        return min(config.sliding_window + chunk - 1, total_len)
     return total_len
 
 

@@ -74,6 +74,15 @@ def uniforms(seed: int, batch: int, steps: int) -> np.ndarray:
     return np.stack(rows) if rows else np.zeros((0, steps))  # [B, N]
 
 
+def speculative_uniforms(seed: int, batch: int, steps: int, draft_tokens: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The draws of speculative sampling from the same per-row streams: one for the token after
+    the prompt [B], then 2K + 1 per round [B, N, 2K + 1] (K for the draft's proposals, K to
+    accept them, one for the token after them), whether or not a round uses them all."""
+    width = 2 * draft_tokens + 1
+    draws = uniforms(seed, batch, 1 + steps * width)  # [B, 1 + N (2K + 1)]
+    return draws[:, 0], draws[:, 1:].reshape(batch, steps, width)
+
+
 def pad_prompts(prompts: Sequence[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
     """Prompts of different lengths as one left-padded batch [B, P] (PAD where a row is
     shorter) and each row's padding [B]: every row's last prompt token sits in column P - 1,

@@ -79,9 +79,18 @@ class KVCache:
         self.length += T
         return self
 
+    def crop(self, length: int) -> KVCache:
+        """Take back every column from `length` on (rejected speculative tokens): their slots read
+        as empty again, as if never written. A ring sized with spare slots lost nothing still needed."""
+        slots = self.keys.shape[3]
+        newest = self.length - 1 - (self.length - 1 - torch.arange(slots)) % slots  # [S]: the last column each slot took
+        self.slot_positions[:, newest >= length] = -1
+        self.length = length
+        return self
 
-def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: torch.dtype) -> KVCache:
-    slots = cache_slots(config, total_len)
+
+def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: torch.dtype, chunk: int = 1) -> KVCache:
+    slots = cache_slots(config, total_len, chunk)
     shape = (config.n_layers, batch, config.kv_heads, slots, config.head_dim)
     return KVCache(
         keys=torch.zeros(shape, dtype=dtype),
@@ -251,16 +260,28 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def probabilities(logits: torch.Tensor, generation: GenerationConfig) -> torch.Tensor:
+    """logits [..., V] -> what sampling draws from [..., V]: the temperature, top-k and top-p,
+    then softmax. In float64, so the ports' draws can differ only where their logits do."""
+    logits = logits.to(torch.float64) / generation.temperature  # [..., V]
+    shape = logits.shape
+    return filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p).softmax(dim=-1).reshape(shape)
+
+
+def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] (summing to any positive total), uniform [B] in [0, 1) -> tokens [B]: the
+    first token whose cumulative probability exceeds the uniform's share of the total."""
+    cumulative = probs.cumsum(dim=-1)  # [B, V]
+    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)  # [B]: tokens whose interval ends at or below it
+    return drawn.clamp(max=probs.shape[-1] - 1)
+
+
 def sample(logits: torch.Tensor, generation: GenerationConfig, uniform: torch.Tensor) -> torch.Tensor:
-    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: temperature, top-k, top-p, then the
-    first token whose cumulative probability exceeds the uniform. In float64, so the ports'
-    draws can differ only where their logits do."""
+    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: greedy at temperature 0, else a draw
+    from the filtered probabilities."""
     if generation.greedy:
         return greedy(logits)
-    logits = filter_logits(logits.to(torch.float64) / generation.temperature, generation.top_k, generation.top_p)
-    cumulative = logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
-    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)  # [B]: tokens whose interval ends at or below the draw
-    return drawn.clamp(max=logits.shape[-1] - 1)
+    return draw(probabilities(logits, generation), uniform)
 
 
 # on_token(token [B]) is called as each new token is made (streaming, per-step timing); the

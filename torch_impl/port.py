@@ -12,6 +12,7 @@ import torch
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, as_generation
+from kvports.torch_impl import speculative
 from kvports.torch_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
 
 NAME = "torch"
@@ -65,6 +66,20 @@ def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, Gener
         return result.cpu().numpy(), None
     tokens, logits = result
     return tokens.cpu().numpy(), logits.cpu().numpy()  # [B, P + N], [B, N, V]
+
+
+def generate_speculative(model: TinyModel, draft: Optional[TinyModel], prompts: np.ndarray,
+                         generation: Union[int, GenerationConfig], draft_tokens: int, ngram: int = 2,
+                         on_token: Optional[Callable[[np.ndarray], None]] = None) -> Tuple[np.ndarray, Dict[str, int]]:
+    """The target's own tokens [B, P + N] from draft-and-verify rounds, and their counts. draft:
+    a model loaded with load_model (same vocabulary), or None for prompt lookup of n-grams."""
+    device = model.emb.weight.device
+    prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(device)  # [B, P]
+    to_host = None if on_token is None else (lambda token: on_token(token.cpu().numpy()))
+    with _on_device(device):
+        tokens, counts = speculative.generate_speculative(model, draft, prompt, as_generation(generation), draft_tokens,
+                                                          ngram, to_host)
+    return tokens.cpu().numpy(), counts  # [B, P + N]
 
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
