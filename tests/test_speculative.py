@@ -110,9 +110,10 @@ def test_rollback_leaves_the_cache_as_if_the_rejected_tokens_were_never_written(
                 cache = cache.crop(crop_to)
         return np.asarray(logits), cache
 
-    # 9 tokens, a verified chunk of K + 1 with only 2 kept (crop back to 11), then 3 more.
-    rolled, rolled_cache = run([(0, 9), (9, 14), (11, 14)], crop_to=11)
-    fresh, fresh_cache = run([(0, 9), (9, 11), (11, 14)])
+    # 9 tokens, a verified chunk of K + 1 with only 2 kept (crop back to 11), then 1 more: two
+    # rejected slots stay unwritten, so a crop that only moved the length would show.
+    rolled, rolled_cache = run([(0, 9), (9, 14), (11, 12)], crop_to=11)
+    fresh, fresh_cache = run([(0, 9), (9, 11), (11, 12)])
     np.testing.assert_allclose(rolled, fresh, atol=1e-12, rtol=0)  # the next tokens see exactly the same keys
     positions = np.asarray(rolled_cache.slot_positions)
     assert positions.tolist() == np.asarray(fresh_cache.slot_positions).tolist()
