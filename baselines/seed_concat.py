@@ -105,7 +105,7 @@ def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str =
     check_seed_shaped(config)
     with torch.device("meta"):
         model = SeedModel(config)
-    state = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in tensors.items()}
+    state = {name: torch.tensor(array) for name, array in tensors.items()}  # torch-allocated, as the seed's own model
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device=torch_port.resolve_device(device), dtype=torch_port.TORCH_DTYPES[dtype]).eval()
 
