@@ -16,7 +16,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from kvports.baselines.seed_concat import check_seed_shaped
 from kvports.shared.config import ModelConfig
-from kvports.shared.hf import gpt2_hf_config, gpt2_hf_tensors
+from kvports.shared.hf.config import gpt2_hf_config
+from kvports.shared.hf.tensors import gpt2_hf_tensors
 from kvports.torch_impl import port as torch_port
 
 NAME = "transformers"
@@ -63,8 +64,11 @@ class CallbackStreamer(BaseStreamer):
         pass
 
 
-def generate_stream(model: GPT2LMHeadModel, prompts: np.ndarray, new_tokens: int, mode: str,
-                    on_token: Optional[Callable[[np.ndarray], None]]) -> np.ndarray:
+def generate(model: GPT2LMHeadModel, prompts: np.ndarray, new_tokens: int, mode: str = "cached",
+             return_logits: bool = False, on_token: Optional[Callable[[np.ndarray], None]] = None
+             ) -> Tuple[np.ndarray, None]:
+    """transformers' greedy generate: tokens [B, P + N] and no logits (the bench asks for none);
+    on_token(token [B]) from its streamer, as each new token is chosen."""
     if mode not in MODES:
         raise ValueError(f"{NAME} has modes {MODES}, not {mode!r}")
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(model.device)  # [B, P]
@@ -73,12 +77,7 @@ def generate_stream(model: GPT2LMHeadModel, prompts: np.ndarray, new_tokens: int
         tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                                 do_sample=False, num_beams=1, use_cache=True,
                                 streamer=streamer)  # [B, P + N]
-    return tokens.cpu().numpy()
-
-
-def generate(model: GPT2LMHeadModel, prompts: np.ndarray, new_tokens: int, mode: str = "cached",
-             return_logits: bool = False) -> Tuple[np.ndarray, None]:
-    return generate_stream(model, prompts, new_tokens, mode, None), None
+    return tokens.cpu().numpy(), None
 
 
 def synchronize(model: GPT2LMHeadModel) -> None:

@@ -111,17 +111,15 @@ def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str =
 
 
 def generate(model: SeedModel, prompts: np.ndarray, new_tokens: int, mode: str = "cached",
-             return_logits: bool = False) -> Tuple[np.ndarray, None]:
-    return generate_stream(model, prompts, new_tokens, mode, None), None
-
-
-def generate_stream(model: SeedModel, prompts: np.ndarray, new_tokens: int, mode: str,
-                    on_token: Optional[Callable[[np.ndarray], None]]) -> np.ndarray:
+             return_logits: bool = False, on_token: Optional[Callable[[np.ndarray], None]] = None
+             ) -> Tuple[np.ndarray, None]:
+    """The seed's cached loop: tokens [B, P + N] and no logits (the bench asks for none);
+    on_token(token [B]) as each new token reaches the host."""
     if mode not in MODES:
         raise ValueError(f"{NAME} has modes {MODES}, not {mode!r}")
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(model.emb.weight.device)  # [B, P]
     callback = None if on_token is None else (lambda token: on_token(token.cpu().numpy()))
-    return seed_generate_cached(model.eval(), prompt, new_tokens, callback).cpu().numpy()  # [B, P + N]
+    return seed_generate_cached(model.eval(), prompt, new_tokens, callback).cpu().numpy(), None  # [B, P + N]
 
 
 def synchronize(model: SeedModel) -> None:

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def from_hf(args: argparse.Namespace) -> int:
-    from kvports.shared.hf import import_hf
+    from kvports.shared.hf.importer import import_hf
     from kvports.shared.weights import save_weights
 
     out: Path = args.out
@@ -50,7 +50,8 @@ def from_hf(args: argparse.Namespace) -> int:
 
 
 def to_hf(args: argparse.Namespace) -> int:
-    from kvports.shared.hf import export_gpt2, gpt2_refusal
+    from kvports.shared.hf.config import gpt2_refusal
+    from kvports.shared.hf.exporter import export_gpt2
     from kvports.shared.weights import load_weights
 
     out: Path = args.out
