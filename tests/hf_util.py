@@ -87,7 +87,3 @@ def hf_generate(model, prompts: np.ndarray, new_tokens: int) -> Tuple[np.ndarray
                          return_dict_in_generate=True)
     logits = torch.stack(out.logits, dim=1)  # [B, N, V]
     return out.sequences.numpy(), logits.to(torch.float64).numpy()
-
-
-def prompts_for(vocab_size: int, batch: int, length: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, vocab_size, size=(batch, length), dtype=np.int64)  # [B, P]

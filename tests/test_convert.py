@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from kvports.shared.cli import main
 from kvports.shared.hf import import_hf
 from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
+from tests.helpers import assert_one_error_line, assert_same_tensors, run_cli
 
 D, H, F, V, L = 16, 4, 24, 40, 2
 
@@ -102,16 +102,12 @@ def write_bf16_safetensors(path: Path, tensors: dict) -> None:
 
 def convert(capsys, *argv):
     """(exit status, stdout, stderr) of `kvports convert ...`."""
-    status = main(["convert", *map(str, argv)])
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
+    return run_cli(capsys, "convert", *argv)
 
 
 def refused(capsys, *argv) -> str:
-    status, out, err = convert(capsys, *argv)
-    assert status == 2 and out == ""
-    assert err.startswith("error: ") and err.count("\n") == 1, err  # one line, no traceback
-    return err
+    """The one error line of a refused `kvports convert ...`."""
+    return assert_one_error_line(*convert(capsys, *argv))
 
 
 # --- accepted -------------------------------------------------------------------------
@@ -165,9 +161,7 @@ def test_sharded_checkpoint_converts_like_one_file(llama_dir, tmp_path):
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     _, one = import_hf(llama_dir)
     _, many = import_hf(sharded)
-    assert sorted(one) == sorted(many)
-    for name in one:
-        np.testing.assert_array_equal(one[name], many[name])
+    assert_same_tensors(one, many)
 
 
 def test_float64_checkpoint_stays_float64(llama_dir):
@@ -355,29 +349,30 @@ def llama_with_tokenizer(llama_dir, tmp_path, capsys):
 
 def test_generate_encodes_text_and_prints_decoded_text(llama_with_tokenizer, capsys):
     directory, weights = llama_with_tokenizer
-    status = main(["generate", "--framework", "numpy", "--mode", "cached", "--weights", str(weights),
-                   "--tokenizer", str(directory), "--text", "w3 w1 w4", "--new-tokens", "4", "--json"])
-    result = json.loads(capsys.readouterr().out)
+    status, out, _ = run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached", "--weights", weights,
+                             "--tokenizer", directory, "--text", "w3 w1 w4", "--new-tokens", "4", "--json")
+    result = json.loads(out)
     assert status == 0 and result["tokens"][0][:3] == [3, 1, 4]
     assert result["text"] == [" ".join(f"w{i}" for i in result["tokens"][0])]
 
 
 def test_text_without_tokenizer_is_refused(capsys):
-    status = main(["generate", "--framework", "numpy", "--mode", "cached", "--text", "hello"])
-    err = capsys.readouterr().err
-    assert status == 2 and "--tokenizer" in err and err.count("\n") == 1
+    err = assert_one_error_line(*run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached",
+                                         "--text", "hello"))
+    assert "--tokenizer" in err
 
 
 def test_tokenizer_folder_without_tokenizer_json_is_refused(tmp_path, capsys):
     pytest.importorskip("tokenizers")
-    status = main(["generate", "--framework", "numpy", "--mode", "cached", "--tokenizer", str(tmp_path), "--text", "hi"])
-    err = capsys.readouterr().err
-    assert status == 2 and "no tokenizer.json" in err
+    err = assert_one_error_line(*run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached",
+                                         "--tokenizer", tmp_path, "--text", "hi"))
+    assert "no tokenizer.json" in err
 
 
 def test_compare_reports_the_family(tmp_path, capsys):
     config = mistral_config()
     directory = write_hf_dir(tmp_path / "mistral", config, llama_tensors(config))
     assert convert(capsys, "--from-hf", directory, "--out", tmp_path / "m.safetensors")[0] == 0
-    status = main(["compare", "--weights", str(tmp_path / "m.safetensors"), "--prompt", "1,2,3", "--new-tokens", "2", "--json"])
-    assert status == 0 and json.loads(capsys.readouterr().out)["family"] == "mistral"
+    status, out, _ = run_cli(capsys, "compare", "--weights", tmp_path / "m.safetensors", "--prompt", "1,2,3",
+                             "--new-tokens", "2", "--json")
+    assert status == 0 and json.loads(out)["family"] == "mistral"

@@ -9,11 +9,11 @@ import pytest
 pytest.importorskip("transformers")
 import torch  # noqa: E402
 
-from conftest import GOLDEN, SEED_PROMPT  # noqa: E402
-from hf_util import CASES  # noqa: E402
 from kvports.shared.cli import main  # noqa: E402
 from kvports.shared.hf import import_hf  # noqa: E402
 from kvports.shared.weights import DEFAULT_WEIGHTS  # noqa: E402
+from tests.hf_util import CASES  # noqa: E402
+from tests.helpers import GOLDEN, SEED_PROMPT, assert_same_tensors  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -36,8 +36,7 @@ def test_transformers_sharded_checkpoint_converts_like_one_file(tmp_path):
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     _, one = import_hf(tmp_path / "one")
     _, sharded = import_hf(tmp_path / "sharded")
-    for name in one:
-        np.testing.assert_array_equal(one[name], sharded[name])
+    assert_same_tensors(one, sharded)
 
 
 def test_transformers_bfloat16_checkpoint_casts_to_the_same_values(tmp_path):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvports.shared.config import ModelConfig, kv_cache_bytes
+from tests.helpers import port_or_skip, random_weights
 
 # Same d_model, heads and layers: only the k/v heads and the window differ.
 BASE = ModelConfig(vocab_size=64, d_model=64, n_heads=8, n_layers=2, max_seq_len=256, activation="swiglu",
@@ -52,8 +53,6 @@ def test_windowed_cache_holds_the_window_not_the_sequence(port):
 def test_cached_generation_allocates_through_init_cache(name, monkeypatch):
     """The bytes measured above are the ones generation uses: generate_cached builds its
     cache with init_cache, once, of window size. (JAX allocates inside its compiled call.)"""
-    from conftest import port_or_skip, random_weights
-
     port = port_or_skip(name)
     model_module = importlib.import_module(f"kvports.{name}_impl.model")
     made = []
