@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Dict, NoReturn, Optional, Sequence
+from typing import NoReturn
 
 from kvports.shared import bench
 from kvports.shared.commands import compare, convert, generate, init_weights
@@ -20,7 +21,7 @@ from kvports.shared.errors import UserError
 EXIT_USAGE = 2
 
 # Each module has HELP, add_arguments(parser) and run(args) -> exit status.
-COMMANDS: Dict[str, ModuleType] = {
+COMMANDS: dict[str, ModuleType] = {
     "generate": generate,
     "compare": compare,
     "init-weights": init_weights,
@@ -42,8 +43,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="kvports",
-                    description="Naive vs KV-cached generation of one decoder, in PyTorch, JAX/Flax and NumPy.")
+    parser = Parser(
+        prog="kvports", description="Naive vs KV-cached generation of one decoder, in PyTorch, JAX/Flax and NumPy."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         command = sub.add_parser(name, help=module.HELP)
@@ -52,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return int(args.run(args))

@@ -15,7 +15,8 @@ docs/PORTS.md's tables are rendered from them (`python tools/ports_doc.py`).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Generic, List, Optional, Protocol, Sequence, Set, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol
 
 import numpy as np
 
@@ -30,18 +31,27 @@ class Timed(Protocol):
 
     NAME: str  # a port's framework ("torch", "jax", "numpy"); a baseline's own name ("seed-concat", ...)
 
-    def versions(self) -> Dict[str, str]:
+    def versions(self) -> dict[str, str]:
         """`{library: version}` of what this module runs on."""
         ...
 
-    def load_model(self, config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str = "float32",
-                   device: str = "cpu") -> Model:
+    def load_model(
+        self, config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+    ) -> Model:
         """A model from `shared.weights.load_weights`' tensors (the seed's names, Linear weights `(out, in)`);
         dtype `"float32"` or `"float64"`; device `"cpu"` or `"gpu"`."""
         ...
 
-    def generate(self, model: Model, prompts: np.ndarray, new_tokens: int, mode: str, return_logits: bool = False,
-                 *, on_token: Optional[OnToken] = None) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    def generate(
+        self,
+        model: Model,
+        prompts: np.ndarray,
+        new_tokens: int,
+        mode: str,
+        return_logits: bool = False,
+        *,
+        on_token: OnToken | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """Greedy generation: `(tokens [B, P + N], step logits [B, N, V] or None)`. `on_token(token [B])` is
         called as each new token reaches the host (the first call after the prefill), so the bench can time
         every step."""
@@ -51,7 +61,7 @@ class Timed(Protocol):
         """Waits until the device has finished the work queued so far (timing)."""
         ...
 
-    def matvec_seconds(self, rows: int, cols: int, repeats: int, device: str = "cpu") -> List[float]:
+    def matvec_seconds(self, rows: int, cols: int, repeats: int, device: str = "cpu") -> list[float]:
         """Seconds for each of `repeats` float32 products `[rows, cols] @ [cols]` after an untimed one: the
         streaming bandwidth the bench's roofline divides by."""
         ...
@@ -64,8 +74,16 @@ class Port(Timed, Protocol):
         """`"cpu"` or `"gpu"` -> the framework's device object; a GPU the machine lacks is an error."""
         ...
 
-    def generate(self, model: Model, prompts: np.ndarray, new_tokens: int, mode: str, return_logits: bool = False,
-                 prefill: bool = True, on_token: Optional[OnToken] = None) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    def generate(
+        self,
+        model: Model,
+        prompts: np.ndarray,
+        new_tokens: int,
+        mode: str,
+        return_logits: bool = False,
+        prefill: bool = True,
+        on_token: OnToken | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """Greedy generation, mode `"naive"` (the whole history every step) or `"cached"` (a KV cache):
         `(tokens [B, P + N], step logits [B, N, V] or None)`. `prefill=False` feeds the prompt token by token
         (pitfall 2); `on_token(token [B])` is called as each new token reaches the host."""
@@ -84,15 +102,16 @@ class Port(Timed, Protocol):
 class Runner(Timed, Protocol):
     """A baseline the bench times beside the ports (the seed's concat cache, transformers' GPT-2)."""
 
-    MODES: Tuple[str, ...]  # the modes its generate runs, e.g. ("cached",)
+    MODES: tuple[str, ...]  # the modes its generate runs, e.g. ("cached",)
 
 
 # ---------------------------------------------------------------- checking a module against a protocol
 
-def members(protocol: type) -> Dict[str, Optional[inspect.Signature]]:
+
+def members(protocol: type) -> dict[str, inspect.Signature | None]:
     """The protocol's names in definition order, base classes first: a signature for each call
     (without `self`), None for each data attribute."""
-    found: Dict[str, Optional[inspect.Signature]] = {}
+    found: dict[str, inspect.Signature | None] = {}
     for cls in reversed(protocol.__mro__):
         if cls in (object, Protocol, Generic):
             continue
@@ -105,7 +124,7 @@ def members(protocol: type) -> Dict[str, Optional[inspect.Signature]]:
     return found
 
 
-def mismatches(module: object, protocol: type) -> List[str]:
+def mismatches(module: object, protocol: type) -> list[str]:
     """How `module` falls short of `protocol`: missing names, and calls a caller of the protocol could not
     make (a parameter renamed, moved, missing, without the protocol's default, or an extra one without a
     default). Empty when it conforms. Types are not compared: the tests check the values."""
@@ -127,12 +146,12 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
-def _call_mismatches(wanted: inspect.Signature, actual: inspect.Signature) -> List[str]:
+def _call_mismatches(wanted: inspect.Signature, actual: inspect.Signature) -> list[str]:
     problems = []
     actual_params = [p for p in actual.parameters.values() if p.kind not in _VARIADIC]
     actual_positional = [p for p in actual_params if p.kind in _POSITIONAL]
     by_name = {p.name: p for p in actual_params}
-    used: Set[str] = set()
+    used: set[str] = set()
     for index, param in enumerate(wanted.parameters.values()):
         if param.kind in _POSITIONAL:
             # A caller may pass it by position: the same name must sit at the same place.
@@ -144,14 +163,17 @@ def _call_mismatches(wanted: inspect.Signature, actual: inspect.Signature) -> Li
                 continue
             mine = actual_positional[index]
         else:
-            mine = by_name.get(param.name)
-            if mine is None or mine.kind == inspect.Parameter.POSITIONAL_ONLY:
+            keyword = by_name.get(param.name)
+            if keyword is None or keyword.kind == inspect.Parameter.POSITIONAL_ONLY:
                 problems.append(f"has no keyword parameter {param.name!r}")
                 continue
+            mine = keyword
         used.add(mine.name)
         if param.default is not inspect.Parameter.empty and mine.default != param.default:
-            problems.append(f"{param.name} must default to {param.default!r} (found "
-                            f"{'no default' if mine.default is inspect.Parameter.empty else repr(mine.default)})")
+            problems.append(
+                f"{param.name} must default to {param.default!r} (found "
+                f"{'no default' if mine.default is inspect.Parameter.empty else repr(mine.default)})"
+            )
     for param in actual_params:
         if param.name not in used and param.default is inspect.Parameter.empty:
             problems.append(f"extra parameter {param.name!r} needs a default: the protocol's callers never pass it")

@@ -4,7 +4,7 @@ the others and reports the missing one as unavailable."""
 from __future__ import annotations
 
 import importlib
-from typing import Dict, Optional, cast
+from typing import cast
 
 from kvports.shared.contract import Port
 
@@ -20,7 +20,7 @@ class PortUnavailable(RuntimeError):
         self.reason = reason
 
 
-_loaded: Dict[str, Port] = {}
+_loaded: dict[str, Port] = {}
 
 
 def load_port(name: str) -> Port:
@@ -35,7 +35,7 @@ def load_port(name: str) -> Port:
     return _loaded[name]
 
 
-def available_port(name: str) -> Optional[Port]:
+def available_port(name: str) -> Port | None:
     try:
         return load_port(name)
     except PortUnavailable:

@@ -10,15 +10,16 @@ import pytest
 
 from kvports.shared.ports import PORTS
 from kvports.shared.weights import load_weights
-from tests.helpers import port_or_skip
 
 # Still importable from here for test_generation.py and test_pitfalls.py until they import
 # tests.helpers; remove these three then.
-from tests.helpers import GOLDEN, SEED_PROMPT, random_weights  # noqa: F401
+from tests.helpers import GOLDEN, SEED_PROMPT, port_or_skip, random_weights  # noqa: F401
 
 # JAX keeps what it compiles on disk, so a second run of the suite skips the compiles (most of
 # the JAX tests' time). Set before anything imports jax; a user's own setting wins.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"))
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax")
+)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 

@@ -5,7 +5,6 @@ one way; conftest.py holds only fixtures and session settings."""
 from __future__ import annotations
 
 import warnings
-from typing import Dict, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -16,13 +15,108 @@ from kvports.shared.config import ModelConfig
 from kvports.shared.contract import Port
 from kvports.shared.ports import available_port
 
-GOLDEN = [315, 391, 221, 120, 342, 371, 223, 418, 20, 350, 493, 286, 342, 444, 438, 281,
-          424, 121, 456, 214, 244, 113, 142, 198, 381, 65, 409, 15, 299, 483, 94, 398,
-          454, 387, 344, 214, 477, 230, 223, 421, 43, 481, 172, 103, 26, 252, 226, 134,
-          492, 358, 243, 34, 493, 458, 337, 495, 17, 249, 435, 301, 360, 432, 374, 274,
-          316, 57, 82, 163, 122, 421, 136, 41, 383, 107, 467, 143, 424, 456, 239, 391,
-          253, 301, 279, 358, 491, 390, 366, 444, 476, 464, 136, 428, 29, 194, 175, 46,
-          147, 83, 75, 289]  # the seed's README: torch.manual_seed(0) model, 100 greedy tokens
+GOLDEN = [
+    315,
+    391,
+    221,
+    120,
+    342,
+    371,
+    223,
+    418,
+    20,
+    350,
+    493,
+    286,
+    342,
+    444,
+    438,
+    281,
+    424,
+    121,
+    456,
+    214,
+    244,
+    113,
+    142,
+    198,
+    381,
+    65,
+    409,
+    15,
+    299,
+    483,
+    94,
+    398,
+    454,
+    387,
+    344,
+    214,
+    477,
+    230,
+    223,
+    421,
+    43,
+    481,
+    172,
+    103,
+    26,
+    252,
+    226,
+    134,
+    492,
+    358,
+    243,
+    34,
+    493,
+    458,
+    337,
+    495,
+    17,
+    249,
+    435,
+    301,
+    360,
+    432,
+    374,
+    274,
+    316,
+    57,
+    82,
+    163,
+    122,
+    421,
+    136,
+    41,
+    383,
+    107,
+    467,
+    143,
+    424,
+    456,
+    239,
+    391,
+    253,
+    301,
+    279,
+    358,
+    491,
+    390,
+    366,
+    444,
+    476,
+    464,
+    136,
+    428,
+    29,
+    194,
+    175,
+    46,
+    147,
+    83,
+    75,
+    289,
+]  # the seed's README: torch.manual_seed(0) model, 100 greedy tokens
 SEED_PROMPT = np.array([[160, 248, 104, 209, 394]], dtype=np.int64)  # [1, 5]
 
 
@@ -33,7 +127,7 @@ def port_or_skip(name: str) -> Port:
     return port
 
 
-def random_weights(config: ModelConfig, seed: int = 0) -> Dict[str, np.ndarray]:
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Weights for any config, from the reference initialisation (torch)."""
     return port_or_skip("torch").init_weights(config, seed)  # type: ignore[attr-defined]
 
@@ -42,7 +136,7 @@ def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0) -> n
     return np.random.default_rng(seed).integers(0, vocab_size, size=(batch, length), dtype=np.int64)  # [B, P]
 
 
-def run_cli(capsys: pytest.CaptureFixture, *argv: object) -> Tuple[int, str, str]:
+def run_cli(capsys: pytest.CaptureFixture, *argv: object) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `kvports ARGV...`, run in this process."""
     code = main([str(arg) for arg in argv])
     captured = capsys.readouterr()
@@ -56,14 +150,15 @@ def assert_one_error_line(code: int, out: str, err: str) -> str:
     return err
 
 
-def assert_same_tensors(expected: Dict[str, np.ndarray], actual: Dict[str, np.ndarray]) -> None:
+def assert_same_tensors(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray]) -> None:
     assert sorted(actual) == sorted(expected)
     for name in expected:
         np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)
 
 
-def assert_tokens_agree(reference_tokens: np.ndarray, reference_logits: np.ndarray, tokens: np.ndarray,
-                        prompt_len: int, label: str = "") -> Agreement:
+def assert_tokens_agree(
+    reference_tokens: np.ndarray, reference_logits: np.ndarray, tokens: np.ndarray, prompt_len: int, label: str = ""
+) -> Agreement:
     """Equal tokens, or a divergence at a float near-tie of the reference (margin < NEAR_TIE),
     which is reported, not failed: two frameworks' float32 logits differ in the last bits."""
     agreement = compare_tokens(reference_tokens, tokens, prompt_len, reference_logits)
@@ -74,9 +169,9 @@ def assert_tokens_agree(reference_tokens: np.ndarray, reference_logits: np.ndarr
     return agreement
 
 
-def assert_logits_close(reference_logits: np.ndarray, logits: np.ndarray, atol: float,
-                        agreement: Optional[Agreement] = None, label: str = "") -> None:
+def assert_logits_close(
+    reference_logits: np.ndarray, logits: np.ndarray, atol: float, agreement: Agreement | None = None, label: str = ""
+) -> None:
     """Step logits allclose up to the first divergent step (after it the histories differ)."""
     steps = reference_logits.shape[1] if agreement is None or agreement.agree else agreement.first_divergent_step + 1
     np.testing.assert_allclose(logits[:, :steps], reference_logits[:, :steps], atol=atol, rtol=0, err_msg=label)
-

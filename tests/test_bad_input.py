@@ -24,8 +24,10 @@ from tests.helpers import assert_one_error_line, run_cli
 @pytest.fixture
 def no_port_may_load(monkeypatch):
     """A bad input must be refused before any framework is imported or run."""
+
     def refuse(name):
         raise AssertionError(f"port {name} was loaded before the input was checked")
+
     monkeypatch.setattr(ports, "load_port", refuse)
     monkeypatch.setattr(ports, "available_port", refuse)
 
@@ -35,7 +37,11 @@ def seed_tensors():
 
 
 def write_file(path, tensors, config_json=None, metadata=None):
-    meta = {"config": config_json if config_json is not None else ModelConfig().to_json()} if metadata is None else metadata
+    meta = (
+        {"config": config_json if config_json is not None else ModelConfig().to_json()}
+        if metadata is None
+        else metadata
+    )
     save_file(tensors, str(path), metadata=meta)
     return path
 
@@ -114,8 +120,9 @@ WEIGHT_CASES = {
 @pytest.mark.parametrize("framework", PORTS)
 def test_bad_weights_file_is_one_error_line(tmp_path, capsys, no_port_may_load, case, framework):
     path = bad_weights(tmp_path, case)
-    err = assert_one_error_line(*run_cli(capsys, "generate", "--framework", framework, "--mode", "cached",
-                                         "--weights", path))
+    err = assert_one_error_line(
+        *run_cli(capsys, "generate", "--framework", framework, "--mode", "cached", "--weights", path)
+    )
     assert WEIGHT_CASES[case] in err
 
 
@@ -129,7 +136,10 @@ PROMPT_CASES = {
     "unequal_lengths": (["--prompt", "1,2,3", "--prompt", "4,5"], "prompts have unequal lengths [2, 3]"),
     "zero_new_tokens": (["--new-tokens", "0"], "error: --new-tokens 0 is below 1"),
     "negative_new_tokens": (["--new-tokens", "-3"], "error: --new-tokens -3 is below 1"),
-    "too_long": (["--prompt", "1,2,3", "--new-tokens", "510"], "prompt length 3 + new tokens 510 = 513 exceeds max_seq_len 512"),
+    "too_long": (
+        ["--prompt", "1,2,3", "--new-tokens", "510"],
+        "prompt length 3 + new tokens 510 = 513 exceeds max_seq_len 512",
+    ),
 }
 
 
@@ -139,8 +149,7 @@ def test_bad_prompt_is_the_same_error_for_every_framework(capsys, no_port_may_lo
     messages = set()
     for framework in PORTS:
         for mode in ("naive", "cached"):
-            err = assert_one_error_line(*run_cli(capsys, "generate", "--framework", framework, "--mode", mode,
-                                                 *extra))
+            err = assert_one_error_line(*run_cli(capsys, "generate", "--framework", framework, "--mode", mode, *extra))
             assert expected in err, err
             messages.add(err)
     assert len(messages) == 1
@@ -152,14 +161,17 @@ def test_bad_prompt_is_refused_by_compare_too(capsys, no_port_may_load, case):
     assert expected in assert_one_error_line(*run_cli(capsys, "compare", *extra))
 
 
-@pytest.mark.parametrize("argv", [
-    ["generate", "--framework", "tensorflow", "--mode", "cached"],
-    ["generate", "--framework", "torch", "--mode", "fast"],
-    ["generate", "--framework", "torch", "--mode", "cached", "--new-tokens", "ten"],
-    ["generate", "--framework", "torch", "--mode", "cached", "--dtype", "float16"],
-    ["generate", "--mode", "cached"],
-    ["frobnicate"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--framework", "tensorflow", "--mode", "cached"],
+        ["generate", "--framework", "torch", "--mode", "fast"],
+        ["generate", "--framework", "torch", "--mode", "cached", "--new-tokens", "ten"],
+        ["generate", "--framework", "torch", "--mode", "cached", "--dtype", "float16"],
+        ["generate", "--mode", "cached"],
+        ["frobnicate"],
+    ],
+)
 def test_malformed_flags_get_argparse_usage_and_exit_2(capsys, argv):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
@@ -169,11 +181,14 @@ def test_malformed_flags_get_argparse_usage_and_exit_2(capsys, argv):
     assert "error: " in err.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["init-weights", "--out", "x.safetensors", "--n-layers", "0"], "error: --n-layers 0 is below 1\n"),
-    (["init-weights", "--out", "x.safetensors", "--seed", "-1"], "error: --seed -1 is below 0\n"),
-    (["compare", "--new-tokens", "0"], "error: --new-tokens 0 is below 1\n"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["init-weights", "--out", "x.safetensors", "--n-layers", "0"], "error: --n-layers 0 is below 1\n"),
+        (["init-weights", "--out", "x.safetensors", "--seed", "-1"], "error: --seed -1 is below 0\n"),
+        (["compare", "--new-tokens", "0"], "error: --new-tokens 0 is below 1\n"),
+    ],
+)
 def test_an_integer_outside_its_types_range_is_one_error_line(capsys, no_port_may_load, argv, expected):
     assert assert_one_error_line(*run_cli(capsys, *argv)) == expected
 
@@ -183,7 +198,22 @@ def test_the_integer_types_accept_their_whole_range():
 
 
 def test_console_script_prints_no_traceback():
-    result = subprocess.run([sys.executable, "-m", "kvports.shared.cli", "generate", "--framework", "numpy", "--mode", "naive",
-                             "--prompt", "1,2,999"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvports.shared.cli",
+            "generate",
+            "--framework",
+            "numpy",
+            "--mode",
+            "naive",
+            "--prompt",
+            "1,2,999",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == "error: token id 999 in prompt 0 is outside [0, 500) (vocab_size 500)\n"

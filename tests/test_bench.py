@@ -20,8 +20,19 @@ from kvports.shared.weights import load_weights
 from tests.helpers import GOLDEN, SEED_PROMPT, assert_one_error_line, run_cli
 
 NEW_TOKENS = 4
-ROW_FIELDS = {"framework", "mode", "ttft_ms", "decode_ms_per_token", "decode_ms_p90", "tokens_per_s", "total_s",
-              "compile_s", "kv_cache_bytes", "roofline_ratio", "per_step_ms"}
+ROW_FIELDS = {
+    "framework",
+    "mode",
+    "ttft_ms",
+    "decode_ms_per_token",
+    "decode_ms_p90",
+    "tokens_per_s",
+    "total_s",
+    "compile_s",
+    "kv_cache_bytes",
+    "roofline_ratio",
+    "per_step_ms",
+}
 
 
 def baseline_or_skip(name: str):
@@ -38,16 +49,32 @@ SLOW = ("jax", "transformers")  # JAX compiles seven programs, transformers take
 def run_bench(folder, frameworks, *extra):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):  # a module-scoped fixture has no capsys
-        code = cli.main(["bench", "--json", "--new-tokens", str(NEW_TOKENS), "--repeats", "2",
-                         "--frameworks", ",".join(frameworks), "--plot", str(folder), *extra])
+        code = cli.main(
+            [
+                "bench",
+                "--json",
+                "--new-tokens",
+                str(NEW_TOKENS),
+                "--repeats",
+                "2",
+                "--frameworks",
+                ",".join(frameworks),
+                "--plot",
+                str(folder),
+                *extra,
+            ]
+        )
     assert code == 0
     return json.loads(out.getvalue()), folder
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(QUICK, id="quick"),
-    pytest.param(SLOW, id="jax-transformers", marks=pytest.mark.slow),
-])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(QUICK, id="quick"),
+        pytest.param(SLOW, id="jax-transformers", marks=pytest.mark.slow),
+    ],
+)
 def bench_run(request, tmp_path_factory):
     """A small run, with the roofline, a sweep and plots."""
     return run_bench(tmp_path_factory.mktemp("bench") / "img", request.param, "--roofline", "--sweep", "2,4")
@@ -60,8 +87,9 @@ def test_bench_json_has_settings_machine_and_a_row_per_framework_and_mode(bench_
     assert (settings["batch"], settings["prompt_len"], settings["new_tokens"]) == (1, 5, NEW_TOKENS)
     assert settings["dtype"] == "float32" and settings["device"] == "cpu" and "numpy" in settings["versions"]
     frameworks = {row["framework"] for row in result["rows"]}
-    expected = [(runner.framework, mode) for runner in RUNNERS if runner.framework in frameworks
-                for mode in runner.modes]
+    expected = [
+        (runner.framework, mode) for runner in RUNNERS if runner.framework in frameworks for mode in runner.modes
+    ]
     assert [(row["framework"], row["mode"]) for row in result["rows"]] == expected
     assert frameworks in (set(QUICK), set(SLOW))
     assert result["machine"]["bandwidth_gb_s"]["numpy (cpu)"] > 0
@@ -111,7 +139,9 @@ def test_a_framework_that_is_not_installed_gets_rows_that_say_why(capsys, monkey
         return real(name)
 
     monkeypatch.setattr(ports, "load_port", no_jax)
-    code, out, _ = run_cli(capsys, "bench", "--json", "--new-tokens", "2", "--repeats", "1", "--frameworks", "jax,numpy")
+    code, out, _ = run_cli(
+        capsys, "bench", "--json", "--new-tokens", "2", "--repeats", "1", "--frameworks", "jax,numpy"
+    )
     rows = json.loads(out)["rows"]
     assert code == 0
     assert [(row["framework"], row["available"]) for row in rows] == [("jax", False)] * 2 + [("numpy", True)] * 2
@@ -137,22 +167,26 @@ def test_csv_is_a_header_and_one_line_per_row(capsys):
 
 
 def test_table_is_printed_without_json(capsys):
-    code, out, _ = run_cli(capsys, "bench", "--new-tokens", "2", "--repeats", "1", "--frameworks", "numpy",
-                           "--modes", "cached")
+    code, out, _ = run_cli(
+        capsys, "bench", "--new-tokens", "2", "--repeats", "1", "--frameworks", "numpy", "--modes", "cached"
+    )
     assert code == 0 and "kvports bench: seed" in out and "numpy" in out and "cached" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--new-tokens", "1"], "error: new tokens 1 is below 2"),
-    (["--new-tokens", "600"], "error: prompt length 5 + new tokens 600 = 605 exceeds max_seq_len 512"),
-    (["--frameworks", "tensorflow"], "error: unknown framework 'tensorflow'"),
-    (["--modes", "speculative"], "error: unknown mode 'speculative'"),
-    (["--repeats", "0"], "error: --repeats 0 is below 1"),
-    (["--warmup", "0"], "error: --warmup 0 is below 1"),
-    (["--sweep", "2,x"], "error: --sweep value 'x' is not an integer"),
-    (["--sweep", "600"], "error: --sweep value 600 + prompt length 5 exceeds max_seq_len 512"),
-    (["--plot", "/no/such/folder/img"], "error: folder '/no/such/folder' does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--new-tokens", "1"], "error: new tokens 1 is below 2"),
+        (["--new-tokens", "600"], "error: prompt length 5 + new tokens 600 = 605 exceeds max_seq_len 512"),
+        (["--frameworks", "tensorflow"], "error: unknown framework 'tensorflow'"),
+        (["--modes", "speculative"], "error: unknown mode 'speculative'"),
+        (["--repeats", "0"], "error: --repeats 0 is below 1"),
+        (["--warmup", "0"], "error: --warmup 0 is below 1"),
+        (["--sweep", "2,x"], "error: --sweep value 'x' is not an integer"),
+        (["--sweep", "600"], "error: --sweep value 600 + prompt length 5 exceeds max_seq_len 512"),
+        (["--plot", "/no/such/folder/img"], "error: folder '/no/such/folder' does not exist"),
+    ],
+)
 def test_bad_bench_input_is_one_error_line(capsys, argv, message):
     assert assert_one_error_line(*run_cli(capsys, "bench", "--frameworks", "numpy", *argv)).startswith(message)
 
@@ -161,8 +195,19 @@ def test_gpu_rows_without_a_gpu_are_unavailable_not_a_crash(capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    code, out, _ = run_cli(capsys, "bench", "--json", "--device", "gpu", "--new-tokens", "2", "--repeats", "1",
-                           "--frameworks", "torch,numpy")
+    code, out, _ = run_cli(
+        capsys,
+        "bench",
+        "--json",
+        "--device",
+        "gpu",
+        "--new-tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--frameworks",
+        "torch,numpy",
+    )
     rows = json.loads(out)["rows"]
     assert code == 0
     assert [(row["framework"], row["available"]) for row in rows] == [("torch", False)] * 2 + [("numpy", True)] * 2
@@ -173,8 +218,9 @@ def test_baseline_on_token_reports_each_token(seed_weights):
     baseline = baseline_or_skip("seed_concat")
     config, tensors = seed_weights
     streamed = []
-    tokens, _ = baseline.generate(baseline.load_model(config, tensors), SEED_PROMPT, 3, "cached",
-                                  on_token=streamed.append)
+    tokens, _ = baseline.generate(
+        baseline.load_model(config, tensors), SEED_PROMPT, 3, "cached", on_token=streamed.append
+    )
     assert np.stack(streamed, axis=1).tolist() == [GOLDEN[:3]] and tokens[0, 5:].tolist() == GOLDEN[:3]
 
 
@@ -208,11 +254,17 @@ def test_decode_bytes_count_weights_once_and_the_cache_so_far():
 
 def test_fit_slope_recovers_a_power_law():
     n = [8, 16, 32, 64]
-    assert fit_slope(n, [0.001 * value ** 2 for value in n]) == pytest.approx(2.0)
+    assert fit_slope(n, [0.001 * value**2 for value in n]) == pytest.approx(2.0)
     assert fit_slope([8], [1.0]) is None
 
 
 def test_gpt2_small_preset_has_gpt2_small_sizes():
     config = PRESETS["gpt2-small"]
-    assert (config.d_model, config.n_layers, config.n_heads, config.vocab_size, config.max_seq_len) == (768, 12, 12, 50257, 1024)
+    assert (config.d_model, config.n_layers, config.n_heads, config.vocab_size, config.max_seq_len) == (
+        768,
+        12,
+        12,
+        50257,
+        1024,
+    )
     assert load_weights()[0] == ModelConfig()  # and the seed preset is the shipped seed model

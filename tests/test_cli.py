@@ -18,8 +18,23 @@ from tests.helpers import GOLDEN, assert_one_error_line, port_or_skip, run_cli
 @pytest.mark.parametrize("framework", ports.PORTS)
 def test_generate_json_is_one_object_with_the_contract_fields(capsys, framework, mode, dtype):
     port_or_skip(framework)
-    code, out, _ = run_cli(capsys, "generate", "--framework", framework, "--mode", mode, "--dtype", dtype, "--json",
-                            "--prompt", "160,248,104,209,394", "--prompt", "1,2,3,4,5", "--new-tokens", "6")
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--framework",
+        framework,
+        "--mode",
+        mode,
+        "--dtype",
+        dtype,
+        "--json",
+        "--prompt",
+        "160,248,104,209,394",
+        "--prompt",
+        "1,2,3,4,5",
+        "--new-tokens",
+        "6",
+    )
     assert code == 0
     result = json.loads(out)
     assert {"framework", "mode", "dtype", "tokens", "seconds"} <= set(result)
@@ -45,6 +60,7 @@ def test_generate_without_json_lists_prompt_and_tokens(capsys):
 def test_generate_with_an_uninstalled_framework_is_an_error(capsys, monkeypatch):
     def unavailable(name):
         raise ports.PortUnavailable(name, "No module named 'jax'")
+
     monkeypatch.setattr(ports, "load_port", unavailable)
     err = assert_one_error_line(*run_cli(capsys, "generate", "--framework", "jax", "--mode", "cached"))
     assert err == "error: framework 'jax' is not available (No module named 'jax')\n"
@@ -66,7 +82,13 @@ def test_compare_without_torch_takes_the_first_installed_port_as_reference(capsy
     result = json.loads(out)
     assert code == 0 and result["ok"] and result["reference"] == "numpy naive"
     assert [(row["framework"], row["available"]) for row in result["rows"]] == [
-        ("numpy", True), ("numpy", True), ("torch", False), ("torch", False), ("jax", False), ("jax", False)]
+        ("numpy", True),
+        ("numpy", True),
+        ("torch", False),
+        ("torch", False),
+        ("jax", False),
+        ("jax", False),
+    ]
 
 
 def test_compare_table_says_not_installed(capsys, monkeypatch):
@@ -75,7 +97,11 @@ def test_compare_table_says_not_installed(capsys, monkeypatch):
     code, out, _ = run_cli(capsys, "compare", "--new-tokens", "5")
     assert code == 0 and "reference: numpy naive" in " ".join(out.split())  # the title wraps
     assert re.findall(r"(\w+)\W+(naive|cached)\W+not installed", out) == [
-        ("torch", "naive"), ("torch", "cached"), ("jax", "naive"), ("jax", "cached")]
+        ("torch", "naive"),
+        ("torch", "cached"),
+        ("jax", "naive"),
+        ("jax", "cached"),
+    ]
 
 
 def test_compare_reports_every_path_agreeing_on_the_golden_tokens(capsys):
@@ -107,8 +133,9 @@ def test_compare_exits_1_when_a_path_disagrees(capsys, monkeypatch):
             return tokens, logits
 
     real = ports.available_port
-    monkeypatch.setattr(ports, "available_port",
-                        lambda name: Broken() if name == "numpy" else (None if name == "jax" else real(name)))
+    monkeypatch.setattr(
+        ports, "available_port", lambda name: Broken() if name == "numpy" else (None if name == "jax" else real(name))
+    )
     code, out, _ = run_cli(capsys, "compare", "--json", "--new-tokens", "10")
     result = json.loads(out)
     assert code == 1 and not result["ok"]
@@ -131,12 +158,35 @@ def test_init_weights_seed_0_reproduces_the_shipped_seed_model_bit_for_bit(tmp_p
 def test_init_weights_writes_any_config_and_dtype(tmp_path, capsys):
     port_or_skip("torch")
     out_file = tmp_path / "small.safetensors"
-    code, out, _ = run_cli(capsys, "init-weights", "--out", out_file, "--seed", "3", "--vocab-size", "50",
-                           "--d-model", "32", "--n-heads", "2", "--n-layers", "3", "--max-seq-len", "64",
-                           "--dtype", "float64")
+    code, out, _ = run_cli(
+        capsys,
+        "init-weights",
+        "--out",
+        out_file,
+        "--seed",
+        "3",
+        "--vocab-size",
+        "50",
+        "--d-model",
+        "32",
+        "--n-heads",
+        "2",
+        "--n-layers",
+        "3",
+        "--max-seq-len",
+        "64",
+        "--dtype",
+        "float64",
+    )
     config, tensors = load_weights(out_file)
     assert code == 0 and "wrote" in out
-    assert (config.vocab_size, config.d_model, config.n_heads, config.n_layers, config.max_seq_len) == (50, 32, 2, 3, 64)
+    assert (config.vocab_size, config.d_model, config.n_heads, config.n_layers, config.max_seq_len) == (
+        50,
+        32,
+        2,
+        3,
+        64,
+    )
     assert all(array.dtype == np.float64 for array in tensors.values())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["small.safetensors"]  # no temp file left behind
 
@@ -153,7 +203,8 @@ def test_init_weights_refuses_to_overwrite_without_force(tmp_path, capsys):
 
 
 def test_init_weights_refuses_an_impossible_config(tmp_path, capsys):
-    err = assert_one_error_line(*run_cli(capsys, "init-weights", "--out", tmp_path / "x.safetensors",
-                                         "--d-model", "130", "--n-heads", "4"))
+    err = assert_one_error_line(
+        *run_cli(capsys, "init-weights", "--out", tmp_path / "x.safetensors", "--d-model", "130", "--n-heads", "4")
+    )
     assert "d_model=130 is not divisible by n_heads=4" in err
     assert list(tmp_path.iterdir()) == []

@@ -53,6 +53,7 @@ def test_on_token_reports_each_token_as_generate_returns_it(port, seed_weights, 
 
 # ---------------------------------------------------------------- the checker
 
+
 def conforming_port() -> types.ModuleType:
     """A stand-in module named `fake` with every Port name, each call with the Protocol's own signature."""
     module = types.ModuleType("fake")
@@ -60,8 +61,10 @@ def conforming_port() -> types.ModuleType:
         if signature is None:
             setattr(module, name, "fake")
         else:
+
             def call(*args, **kwargs):
                 return None
+
             call.__signature__ = signature
             setattr(module, name, call)
     return module
@@ -83,12 +86,15 @@ def test_a_missing_name_is_reported():
     assert contract.mismatches(port, contract.Port) == ["fake has no forward_chunks"]
 
 
-@pytest.mark.parametrize("signature, problem", [
-    ("(model, tokens, sizes)", "parameter 3 must be 'chunk_sizes'"),
-    ("(model, chunk_sizes, tokens)", "parameter 2 must be 'tokens'"),
-    ("(model, tokens)", "parameter 3 must be 'chunk_sizes'"),
-    ("(model, tokens, chunk_sizes, extra)", "extra parameter 'extra' needs a default"),
-])
+@pytest.mark.parametrize(
+    "signature, problem",
+    [
+        ("(model, tokens, sizes)", "parameter 3 must be 'chunk_sizes'"),
+        ("(model, chunk_sizes, tokens)", "parameter 2 must be 'tokens'"),
+        ("(model, tokens)", "parameter 3 must be 'chunk_sizes'"),
+        ("(model, tokens, chunk_sizes, extra)", "extra parameter 'extra' needs a default"),
+    ],
+)
 def test_a_call_a_caller_could_not_make_is_reported(signature, problem):
     port = conforming_port()
     port.forward_chunks = with_signature(signature)
@@ -100,23 +106,34 @@ def test_a_different_default_is_reported():
     port = conforming_port()
     port.load_model = with_signature("(config, tensors, dtype='float64', device='cpu')")
     assert contract.mismatches(port, contract.Port) == [
-        "fake.load_model: dtype must default to 'float32' (found 'float64')"]
+        "fake.load_model: dtype must default to 'float32' (found 'float64')"
+    ]
 
 
 def test_an_extra_parameter_with_a_default_and_a_keyword_only_on_token_conform():
     runner = conforming_port()
     runner.MODES = ("cached",)
     # A runner's generate may take more (prefill) as long as on_token is still a keyword.
-    runner.generate = with_signature("(model, prompts, new_tokens, mode='cached', return_logits=False, prefill=True, "
-                                     "on_token=None)")
+    runner.generate = with_signature(
+        "(model, prompts, new_tokens, mode='cached', return_logits=False, prefill=True, on_token=None)"
+    )
     assert contract.mismatches(runner, contract.Runner) == []
 
 
 def test_members_lists_the_port_contract_in_order():
     assert list(contract.members(contract.Port)) == [
-        "NAME", "versions", "load_model", "generate", "synchronize", "matvec_seconds", "resolve_device",
-        "forward_chunks", "clear_compiled"]
+        "NAME",
+        "versions",
+        "load_model",
+        "generate",
+        "synchronize",
+        "matvec_seconds",
+        "resolve_device",
+        "forward_chunks",
+        "clear_compiled",
+    ]
     assert str(contract.members(contract.Port)["generate"]).startswith(
         "(model: 'Model', prompts: 'np.ndarray', new_tokens: 'int', mode: 'str', return_logits: 'bool' = False, "
-        "prefill: 'bool' = True, on_token:")
+        "prefill: 'bool' = True, on_token:"
+    )
     assert inspect.Parameter.KEYWORD_ONLY == contract.members(contract.Runner)["generate"].parameters["on_token"].kind

@@ -25,13 +25,31 @@ D, H, F, V, L = 16, 4, 24, 40, 2
 def llama_config(**changes) -> dict:
     """A config.json as transformers 5.24 writes it for LlamaForCausalLM (GQA 4q/2kv)."""
     config = {
-        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 1, "dtype": "float32", "eos_token_id": 2, "head_dim": D // H, "hidden_act": "silu",
-        "hidden_size": D, "initializer_range": 0.02, "intermediate_size": F, "max_position_embeddings": 32,
-        "mlp_bias": False, "model_type": "llama", "num_attention_heads": H, "num_hidden_layers": L,
-        "num_key_value_heads": 2, "pad_token_id": None, "pretraining_tp": 1, "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "tie_word_embeddings": False,
-        "transformers_version": "5.24.0", "use_cache": True, "vocab_size": V,
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "dtype": "float32",
+        "eos_token_id": 2,
+        "head_dim": D // H,
+        "hidden_act": "silu",
+        "hidden_size": D,
+        "initializer_range": 0.02,
+        "intermediate_size": F,
+        "max_position_embeddings": 32,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": H,
+        "num_hidden_layers": L,
+        "num_key_value_heads": 2,
+        "pad_token_id": None,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": False,
+        "transformers_version": "5.24.0",
+        "use_cache": True,
+        "vocab_size": V,
     }
     config.update(changes)
     return config
@@ -52,11 +70,19 @@ def llama_tensors(config: dict, seed: int = 0) -> dict:
     shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
     for i in range(L):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-                       p + "self_attn.q_proj.weight": (D, D), p + "self_attn.k_proj.weight": (kv, D),
-                       p + "self_attn.v_proj.weight": (kv, D), p + "self_attn.o_proj.weight": (D, D),
-                       p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-                       p + "mlp.down_proj.weight": (D, F)})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (D,),
+                p + "post_attention_layernorm.weight": (D,),
+                p + "self_attn.q_proj.weight": (D, D),
+                p + "self_attn.k_proj.weight": (kv, D),
+                p + "self_attn.v_proj.weight": (kv, D),
+                p + "self_attn.o_proj.weight": (D, D),
+                p + "mlp.gate_proj.weight": (F, D),
+                p + "mlp.up_proj.weight": (F, D),
+                p + "mlp.down_proj.weight": (D, F),
+            }
+        )
     if config.get("tie_word_embeddings"):
         del shapes["lm_head.weight"]
     return {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
@@ -112,6 +138,7 @@ def refused(capsys, *argv) -> str:
 
 # --- accepted -------------------------------------------------------------------------
 
+
 def test_llama_directory_converts_to_our_names_and_layouts(llama_dir, tmp_path, capsys):
     status, out, _ = convert(capsys, "--from-hf", llama_dir, "--out", tmp_path / "m.safetensors")
     assert status == 0 and "llama model (GQA 4q/2kv, untied head)" in out
@@ -119,8 +146,9 @@ def test_llama_directory_converts_to_our_names_and_layouts(llama_dir, tmp_path, 
     hf = load_file(str(llama_dir / "model.safetensors"))
     assert (config.family, config.n_kv_heads, config.positions, config.activation) == ("llama", 2, "rope", "swiglu")
     p = "model.layers.1."
-    expected_qkv = np.concatenate([hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"],
-                                   hf[p + "self_attn.v_proj.weight"]])
+    expected_qkv = np.concatenate(
+        [hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"]]
+    )
     np.testing.assert_array_equal(tensors["blocks.1.qkv.weight"], expected_qkv)
     expected_ffn = np.concatenate([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
     np.testing.assert_array_equal(tensors["blocks.1.ffn.0.weight"], expected_ffn)
@@ -189,26 +217,37 @@ def test_fp16_checkpoint_casts_with_dtype(llama_dir):
 
 # --- refused: config ------------------------------------------------------------------
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("model_type", "bert", 'model_type="bert"'),
-    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling="),
-    ("rope_parameters", {"rope_theta": 10000.0, "rope_type": "llama3", "factor": 8.0}, 'rope_parameters.rope_type="llama3"'),
-    ("head_dim", 8, "head_dim=8"),
-    ("hidden_act", "gelu", 'hidden_act="gelu"'),
-    ("sliding_window", 4, "sliding_window=4"),  # Llama has no window: transformers would ignore it
-    ("qk_layernorm", True, "qk_layernorm=true"),
-    ("num_key_value_heads", 3, "num_key_value_heads=3"),
-])
+
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("model_type", "bert", 'model_type="bert"'),
+        ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling="),
+        (
+            "rope_parameters",
+            {"rope_theta": 10000.0, "rope_type": "llama3", "factor": 8.0},
+            'rope_parameters.rope_type="llama3"',
+        ),
+        ("head_dim", 8, "head_dim=8"),
+        ("hidden_act", "gelu", 'hidden_act="gelu"'),
+        ("sliding_window", 4, "sliding_window=4"),  # Llama has no window: transformers would ignore it
+        ("qk_layernorm", True, "qk_layernorm=true"),
+        ("num_key_value_heads", 3, "num_key_value_heads=3"),
+    ],
+)
 def test_llama_field_we_do_not_model_is_refused_by_name(llama_dir, tmp_path, capsys, field, value, needle):
     edit_config(llama_dir, **{field: value})
     assert needle in refused(capsys, "--from-hf", llama_dir, "--out", tmp_path / "m.safetensors")
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("attention_bias", True, "attention_bias=true"),
-    ("sliding_window", 0, "sliding_window=0"),
-    ("sliding_window", 4.5, "sliding_window=4.5"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("attention_bias", True, "attention_bias=true"),
+        ("sliding_window", 0, "sliding_window=0"),
+        ("sliding_window", 4.5, "sliding_window=4.5"),
+    ],
+)
 def test_mistral_field_we_cannot_honour_is_refused_by_name(tmp_path, capsys, field, value, needle):
     config = mistral_config(**{field: value})
     directory = write_hf_dir(tmp_path / "mistral", config, llama_tensors(config))
@@ -223,18 +262,22 @@ def gpt2_dir(tmp_path, capsys):
     return tmp_path / "gpt2"
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx=true"),
-    ("scale_attn_weights", False, "scale_attn_weights=false"),
-    ("activation_function", "relu", 'activation_function="relu"'),
-    ("add_cross_attention", True, "add_cross_attention=true"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx=true"),
+        ("scale_attn_weights", False, "scale_attn_weights=false"),
+        ("activation_function", "relu", 'activation_function="relu"'),
+        ("add_cross_attention", True, "add_cross_attention=true"),
+    ],
+)
 def test_gpt2_field_we_do_not_model_is_refused_by_name(gpt2_dir, tmp_path, capsys, field, value, needle):
     edit_config(gpt2_dir, **{field: value})
     assert needle in refused(capsys, "--from-hf", gpt2_dir, "--out", tmp_path / "m.safetensors")
 
 
 # --- refused: tensors and files -------------------------------------------------------
+
 
 def test_missing_tensor_is_named(llama_dir, tmp_path, capsys):
     edit_tensors(llama_dir, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
@@ -256,7 +299,9 @@ def test_unexpected_tensor_is_named(llama_dir, tmp_path, capsys):
 
 def test_bias_tensors_without_the_config_flag_are_refused(llama_dir, tmp_path, capsys):
     edit_tensors(llama_dir, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.ones(D, np.float32)}))
-    assert "'model.layers.0.self_attn.o_proj.bias'" in refused(capsys, "--from-hf", llama_dir, "--out", tmp_path / "m.st")
+    assert "'model.layers.0.self_attn.o_proj.bias'" in refused(
+        capsys, "--from-hf", llama_dir, "--out", tmp_path / "m.st"
+    )
 
 
 def test_tied_config_with_a_different_head_is_refused(llama_dir, tmp_path, capsys):
@@ -304,6 +349,7 @@ def test_refused_conversion_writes_nothing(llama_dir, tmp_path, capsys):
 
 # --- export ---------------------------------------------------------------------------
 
+
 def test_to_hf_round_trip_is_exact(gpt2_dir, tmp_path, capsys):
     status, out, _ = convert(capsys, "--from-hf", gpt2_dir, "--out", tmp_path / "back.safetensors")
     assert status == 0 and "seed-gpt model" in out
@@ -334,6 +380,7 @@ def test_to_hf_over_an_existing_model_needs_force(gpt2_dir, capsys):
 
 # --- text prompts and the family on show ----------------------------------------------
 
+
 @pytest.fixture
 def llama_with_tokenizer(llama_dir, tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers")
@@ -349,23 +396,42 @@ def llama_with_tokenizer(llama_dir, tmp_path, capsys):
 
 def test_generate_encodes_text_and_prints_decoded_text(llama_with_tokenizer, capsys):
     directory, weights = llama_with_tokenizer
-    status, out, _ = run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached", "--weights", weights,
-                             "--tokenizer", directory, "--text", "w3 w1 w4", "--new-tokens", "4", "--json")
+    status, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--framework",
+        "numpy",
+        "--mode",
+        "cached",
+        "--weights",
+        weights,
+        "--tokenizer",
+        directory,
+        "--text",
+        "w3 w1 w4",
+        "--new-tokens",
+        "4",
+        "--json",
+    )
     result = json.loads(out)
     assert status == 0 and result["tokens"][0][:3] == [3, 1, 4]
     assert result["text"] == [" ".join(f"w{i}" for i in result["tokens"][0])]
 
 
 def test_text_without_tokenizer_is_refused(capsys):
-    err = assert_one_error_line(*run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached",
-                                         "--text", "hello"))
+    err = assert_one_error_line(
+        *run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached", "--text", "hello")
+    )
     assert "--tokenizer" in err
 
 
 def test_tokenizer_folder_without_tokenizer_json_is_refused(tmp_path, capsys):
     pytest.importorskip("tokenizers")
-    err = assert_one_error_line(*run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached",
-                                         "--tokenizer", tmp_path, "--text", "hi"))
+    err = assert_one_error_line(
+        *run_cli(
+            capsys, "generate", "--framework", "numpy", "--mode", "cached", "--tokenizer", tmp_path, "--text", "hi"
+        )
+    )
     assert "no tokenizer.json" in err
 
 
@@ -373,6 +439,7 @@ def test_compare_reports_the_family(tmp_path, capsys):
     config = mistral_config()
     directory = write_hf_dir(tmp_path / "mistral", config, llama_tensors(config))
     assert convert(capsys, "--from-hf", directory, "--out", tmp_path / "m.safetensors")[0] == 0
-    status, out, _ = run_cli(capsys, "compare", "--weights", tmp_path / "m.safetensors", "--prompt", "1,2,3",
-                             "--new-tokens", "2", "--json")
+    status, out, _ = run_cli(
+        capsys, "compare", "--weights", tmp_path / "m.safetensors", "--prompt", "1,2,3", "--new-tokens", "2", "--json"
+    )
     assert status == 0 and json.loads(out)["family"] == "mistral"

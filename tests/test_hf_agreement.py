@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
-import torch  # noqa: E402  (transformers needs it; after the skip so its absence skips)
+import torch
 
-from kvports.shared.cli import main  # noqa: E402
-from kvports.shared.weights import load_weights  # noqa: E402
-from tests.helpers import random_prompts  # noqa: E402
-from tests.hf_util import CASES, hf_generate, save_hf  # noqa: E402
+from kvports.shared.cli import main
+from kvports.shared.weights import load_weights
+from tests.helpers import random_prompts
+from tests.hf_util import CASES, hf_generate, save_hf
 
 pytestmark = pytest.mark.slow
 

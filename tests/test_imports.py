@@ -9,18 +9,36 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Set
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # The repository's folders and the names they install under (pyproject's package-dir).
-FOLDERS = {"kvports": "kvports", "shared": "kvports.shared", "torch_impl": "kvports.torch_impl",
-           "jax_impl": "kvports.jax_impl", "numpy_impl": "kvports.numpy_impl", "baselines": "kvports.baselines"}
+FOLDERS = {
+    "kvports": "kvports",
+    "shared": "kvports.shared",
+    "torch_impl": "kvports.torch_impl",
+    "jax_impl": "kvports.jax_impl",
+    "numpy_impl": "kvports.numpy_impl",
+    "baselines": "kvports.baselines",
+}
 PORTS = ("kvports.torch_impl", "kvports.jax_impl", "kvports.numpy_impl")
 # shared's core: what a port may import. The tools (cli, commands, bench, hf) sit on top of it.
-CORE = {"kvports", "kvports.shared"} | {f"kvports.shared.{name}" for name in (
-    "checks", "compare", "config", "contract", "errors", "families", "files", "ports", "progress", "weights")}
+CORE = {"kvports", "kvports.shared"} | {
+    f"kvports.shared.{name}"
+    for name in (
+        "checks",
+        "compare",
+        "config",
+        "contract",
+        "errors",
+        "families",
+        "files",
+        "ports",
+        "progress",
+        "weights",
+    )
+}
 FRAMEWORKS = {"torch", "jax", "jaxlib", "flax"}
 LAZY_ONLY = {"transformers", "tokenizers", "matplotlib"}  # shared may use these inside functions only
 
@@ -29,10 +47,10 @@ LAZY_ONLY = {"transformers", "tokenizers", "matplotlib"}  # shared may use these
 class Module:
     name: str
     path: Path
-    imports: Set[str] = field(default_factory=set)  # kvports modules, by import statement
-    loads: Set[str] = field(default_factory=set)  # kvports modules named in a string (importlib)
-    external_at_import: Set[str] = field(default_factory=set)  # top-level names of other packages, module level
-    external_lazy: Set[str] = field(default_factory=set)  # ... inside functions
+    imports: set[str] = field(default_factory=set)  # kvports modules, by import statement
+    loads: set[str] = field(default_factory=set)  # kvports modules named in a string (importlib)
+    external_at_import: set[str] = field(default_factory=set)  # top-level names of other packages, module level
+    external_lazy: set[str] = field(default_factory=set)  # ... inside functions
 
 
 def module_name(folder: str, path: Path) -> str:
@@ -46,7 +64,7 @@ def is_type_checking(node: ast.If) -> bool:
     return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
-def read_modules() -> Dict[str, Module]:
+def read_modules() -> dict[str, Module]:
     paths = {module_name(folder, path): path for folder in FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))}
     modules = {name: Module(name, path) for name, path in paths.items()}
     for module in modules.values():
@@ -55,7 +73,7 @@ def read_modules() -> Dict[str, Module]:
     return modules
 
 
-def visit(node: ast.AST, module: Module, package: str, known: Set[str], lazy: bool) -> None:
+def visit(node: ast.AST, module: Module, package: str, known: set[str], lazy: bool) -> None:
     for child in ast.iter_child_nodes(node):
         if isinstance(child, ast.If) and is_type_checking(child):
             continue  # never runs
@@ -64,11 +82,16 @@ def visit(node: ast.AST, module: Module, package: str, known: Set[str], lazy: bo
                 record(module, target, lazy)
         elif isinstance(child, ast.Constant) and isinstance(child.value, str) and child.value in known:
             module.loads.add(child.value)
-        visit(child, module, package, known,
-              lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+        visit(
+            child,
+            module,
+            package,
+            known,
+            lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)),
+        )
 
 
-def imported(node: ast.stmt, package: str, known: Set[str]) -> List[str]:
+def imported(node: ast.stmt, package: str, known: set[str]) -> list[str]:
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     assert isinstance(node, ast.ImportFrom)
@@ -91,17 +114,17 @@ def is_stdlib(name: str) -> bool:
     return name.split(".")[0] in sys.stdlib_module_names or name == "__future__"
 
 
-def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One cycle of the directed graph as [a, b, ..., a], or None."""
-    state: Dict[str, int] = {}  # 1: on the current path, 2: done
-    path: List[str] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
 
-    def walk(node: str) -> Optional[List[str]]:
+    def walk(node: str) -> list[str] | None:
         state[node] = 1
         path.append(node)
         for target in sorted(graph.get(node, ())):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state:
                 found = walk(target)
                 if found:
@@ -125,11 +148,12 @@ def within(name: str, package: str) -> bool:
 MODULES = read_modules()
 
 
-def edges(module: Module, dynamic: bool = False) -> Set[str]:
+def edges(module: Module, dynamic: bool = False) -> set[str]:
     return module.imports | (module.loads if dynamic else set())
 
 
 # ---------------------------------------------------------------- the rules
+
 
 def test_kvports_modules_import_each_other_without_a_cycle():
     # Loads by name (importlib) count too: the bench loading a port that imports the bench is a cycle.
@@ -149,8 +173,9 @@ def test_a_port_imports_only_shared_core_and_itself(port):
 
 
 def test_baselines_import_no_tool_of_shared():
-    found = {target for module in MODULES.values() if within(module.name, "kvports.baselines")
-             for target in edges(module)}
+    found = {
+        target for module in MODULES.values() if within(module.name, "kvports.baselines") for target in edges(module)
+    }
     tools = ("kvports.shared.cli", "kvports.shared.commands", "kvports.shared.bench")
     assert sorted(target for target in found if any(within(target, tool) for tool in tools)) == []
 
@@ -165,13 +190,16 @@ def test_shared_imports_no_framework_and_heavy_libraries_only_inside_functions(n
 def test_importing_all_of_shared_loads_no_framework():
     """The AST rules above, as Python sees them: every module of shared imported, no framework loaded."""
     shared = [name for name in MODULES if within(name, "kvports.shared")]
-    code = (f"import importlib, sys\nfor name in {shared!r}: importlib.import_module(name)\n"
-            f"print(sorted(set(sys.modules) & set({sorted(FRAMEWORKS | LAZY_ONLY)!r})))")
+    code = (
+        f"import importlib, sys\nfor name in {shared!r}: importlib.import_module(name)\n"
+        f"print(sorted(set(sys.modules) & set({sorted(FRAMEWORKS | LAZY_ONLY)!r})))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert (result.returncode, result.stdout.strip()) == (0, "[]"), result.stderr
 
 
 # ---------------------------------------------------------------- the readers themselves
+
 
 def test_find_cycle_finds_one_and_only_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]

@@ -41,9 +41,13 @@ def test_random_config_cached_equals_naive_and_matches_torch(port, reference, co
     tensors = random_weights(config, seed)
     prompts = random_prompts(config.vocab_size, batch, prompt_len, seed)
     new_tokens = 32 - prompt_len - np.random.default_rng(seed).integers(0, 10)
-    expected, expected_logits = reference.generate(reference.load_model(config, tensors, "float64"), prompts, new_tokens, "naive", return_logits=True)
+    expected, expected_logits = reference.generate(
+        reference.load_model(config, tensors, "float64"), prompts, new_tokens, "naive", return_logits=True
+    )
     for mode in ("naive", "cached"):
-        tokens, logits = port.generate(port.load_model(config, tensors, "float64"), prompts, new_tokens, mode, return_logits=True)
+        tokens, logits = port.generate(
+            port.load_model(config, tensors, "float64"), prompts, new_tokens, mode, return_logits=True
+        )
         agreement = assert_tokens_agree(expected, expected_logits, tokens, prompt_len, f"{port.NAME} {mode} {config}")
         assert agreement.agree, agreement.describe()
         assert_logits_close(expected_logits, logits, 1e-9, agreement, f"{port.NAME} {mode}")

@@ -42,14 +42,16 @@ def table(protocol: type) -> str:
 
 
 def section() -> str:
-    return "\n\n".join([
-        BEGIN,
-        f"### `Port`: every `port.py`\n{' '.join(inspect.getdoc(contract.Port).split())}",
-        table(contract.Port),
-        f"### `Runner`: every baseline in `baselines/`\n{' '.join(inspect.getdoc(contract.Runner).split())}",
-        table(contract.Runner),
-        END,
-    ])
+    return "\n\n".join(
+        [
+            BEGIN,
+            f"### `Port`: every `port.py`\n{' '.join(inspect.getdoc(contract.Port).split())}",
+            table(contract.Port),
+            f"### `Runner`: every baseline in `baselines/`\n{' '.join(inspect.getdoc(contract.Runner).split())}",
+            table(contract.Runner),
+            END,
+        ]
+    )
 
 
 def rewritten(text: str) -> str:

@@ -32,4 +32,3 @@ from kvports.shared.bench.command import run
 HELP = "time every framework x mode against the seed's cache and transformers: table, JSON, CSV, plots"
 
 __all__ = ["HELP", "add_arguments", "run"]
-

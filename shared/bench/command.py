@@ -8,7 +8,7 @@ import json
 import os
 import platform
 import time
-from typing import Any, Dict
+from typing import Any
 
 from kvports.shared.bench.arguments import check_counts, parse_choices, parse_sweep
 from kvports.shared.bench.measure import load_average, threads_info
@@ -37,20 +37,35 @@ def run(args: argparse.Namespace) -> int:
     runners = [runner for runner in RUNNERS if runner.framework in frameworks]
     if args.compile:
         runners.append(COMPILED_RUNNER)
-    settings: Dict[str, Any] = {
-        "preset": preset, "config": json.loads(config.to_json()),
-        "parameters": int(sum(a.size for a in tensors.values())), "batch": args.batch,
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtype": args.dtype, "device": args.device,
-        "repeats": args.repeats, "warmup": args.warmup, "sweep": sweep, "prompt": prompts[0].tolist()}
+    settings: dict[str, Any] = {
+        "preset": preset,
+        "config": json.loads(config.to_json()),
+        "parameters": int(sum(a.size for a in tensors.values())),
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "dtype": args.dtype,
+        "device": args.device,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "sweep": sweep,
+        "prompt": prompts[0].tolist(),
+    }
     start, load_before = time.perf_counter(), load_average()
     with make_progress(args.json or args.csv) as progress:
         rows, machine_info = run_rows(runners, modes, config, tensors, prompts, args, sweep, roofline, progress)
     settings["versions"] = machine_info.pop("versions")
     settings["threads"] = threads_info()
-    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-               "python": platform.python_version(), "cpu_count": os.cpu_count(), **machine_info,
-               "bench_seconds": time.perf_counter() - start, "load_average": [load_before, load_average()]}
-    result: Dict[str, Any] = {"settings": settings, "machine": machine, "rows": rows}
+    machine = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        **machine_info,
+        "bench_seconds": time.perf_counter() - start,
+        "load_average": [load_before, load_average()],
+    }
+    result: dict[str, Any] = {"settings": settings, "machine": machine, "rows": rows}
     result["targets"] = targets(rows, settings)
     if args.plot is not None:
         args.plot.mkdir(exist_ok=True)

@@ -7,7 +7,8 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,18 +24,20 @@ def median(values: Sequence[float]) -> float:
     return float(np.median(np.asarray(values, dtype=np.float64)))
 
 
-def time_generate(module: Timed, model: Any, prompts: np.ndarray, new_tokens: int,
-                  mode: str) -> Tuple[np.ndarray, float]:
+def time_generate(
+    module: Timed, model: Any, prompts: np.ndarray, new_tokens: int, mode: str
+) -> tuple[np.ndarray, float]:
     start = time.perf_counter()
     tokens, _ = module.generate(model, prompts, new_tokens, mode)
     module.synchronize(model)
     return tokens, time.perf_counter() - start
 
 
-def time_stream(module: Timed, model: Any, prompts: np.ndarray, new_tokens: int,
-                mode: str) -> Tuple[np.ndarray, List[float]]:
+def time_stream(
+    module: Timed, model: Any, prompts: np.ndarray, new_tokens: int, mode: str
+) -> tuple[np.ndarray, list[float]]:
     """Milliseconds per step: step 0 ends when the first new token is on the host."""
-    stamps: List[float] = []
+    stamps: list[float] = []
 
     def on_token(token: np.ndarray) -> None:
         stamps.append(time.perf_counter())
@@ -46,23 +49,35 @@ def time_stream(module: Timed, model: Any, prompts: np.ndarray, new_tokens: int,
     return tokens, [1e3 * step for step in np.diff([start] + stamps)]
 
 
-def step_figures(step_ms: Sequence[float]) -> Dict[str, float]:
+def step_figures(step_ms: Sequence[float]) -> dict[str, float]:
     decode = np.asarray(step_ms[1:], dtype=np.float64)  # [N - 1]
-    return {"ttft_ms": float(step_ms[0]), "decode_ms_per_token": float(np.median(decode)),
-            "decode_ms_p90": float(np.percentile(decode, 90))}
+    return {
+        "ttft_ms": float(step_ms[0]),
+        "decode_ms_per_token": float(np.median(decode)),
+        "decode_ms_p90": float(np.percentile(decode, 90)),
+    }
 
 
-def fit_slope(new_tokens: Sequence[int], seconds: Sequence[float]) -> Optional[float]:
+def fit_slope(new_tokens: Sequence[int], seconds: Sequence[float]) -> float | None:
     """Slope of log(total time) against log(new tokens): ~1 for flat per-step cost, ->2 for linear growth."""
     if len(new_tokens) < 2:
         return None
-    slope, _ = np.polyfit(np.log(np.asarray(new_tokens, dtype=np.float64)),
-                          np.log(np.asarray(seconds, dtype=np.float64)), 1)
+    slope, _ = np.polyfit(
+        np.log(np.asarray(new_tokens, dtype=np.float64)), np.log(np.asarray(seconds, dtype=np.float64)), 1
+    )
     return float(slope)
 
 
-def measure_row(runner: Runner, module: Timed, model: Any, mode: str, prompts: np.ndarray, args: argparse.Namespace,
-                sweep: List[int], tick: Callable[[str], None]) -> Dict[str, Any]:
+def measure_row(
+    runner: Runner,
+    module: Timed,
+    model: Any,
+    mode: str,
+    prompts: np.ndarray,
+    args: argparse.Namespace,
+    sweep: list[int],
+    tick: Callable[[str], None],
+) -> dict[str, Any]:
     """Warm-up, then --repeats timed whole generations and streamed ones; medians, every repeat, the sweep."""
     new_tokens = args.new_tokens
     label = f"{runner.label} {mode}"
@@ -74,12 +89,19 @@ def measure_row(runner: Runner, module: Timed, model: Any, mode: str, prompts: n
     for _ in range(args.warmup):
         time_stream(module, model, prompts, new_tokens, mode)
         tick(f"{label} warm-up")
-    repeats, tokens = [], None
+    repeats: list[dict[str, Any]] = []
+    tokens = None
     for index in range(args.repeats):
         tokens, total_s = time_generate(module, model, prompts, new_tokens, mode)
         stream_tokens, step_ms = time_stream(module, model, prompts, new_tokens, mode)
-        repeats.append({"total_s": total_s, **step_figures(step_ms), "per_step_ms": step_ms,
-                        "stream_tokens_equal": bool(np.array_equal(stream_tokens, tokens))})
+        repeats.append(
+            {
+                "total_s": total_s,
+                **step_figures(step_ms),
+                "per_step_ms": step_ms,
+                "stream_tokens_equal": bool(np.array_equal(stream_tokens, tokens)),
+            }
+        )
         tick(f"{label} {index + 1}/{args.repeats}")
     total_s = median([r["total_s"] for r in repeats])
     row = {
@@ -103,8 +125,7 @@ def measure_row(runner: Runner, module: Timed, model: Any, mode: str, prompts: n
             else:
                 for _ in range(args.warmup):
                     time_generate(module, model, prompts, n, mode)  # a new n is a new compile for JAX
-                sweep_s.append(median([time_generate(module, model, prompts, n, mode)[1]
-                                       for _ in range(args.repeats)]))
+                sweep_s.append(median([time_generate(module, model, prompts, n, mode)[1] for _ in range(args.repeats)]))
             tick(f"{label} sweep {n}")
         row["sweep"] = {"new_tokens": list(sweep), "total_s": sweep_s, "slope": fit_slope(sweep, sweep_s)}
     else:
@@ -118,8 +139,9 @@ def matvec_bandwidth(seconds: Sequence[float]) -> float:
     return rows * cols * 4 / median(seconds)
 
 
-def decode_bytes(config: ModelConfig, tensors: Dict[str, np.ndarray], batch: int, prompt_len: int,
-                 new_tokens: int, itemsize: int) -> float:
+def decode_bytes(
+    config: ModelConfig, tensors: dict[str, np.ndarray], batch: int, prompt_len: int, new_tokens: int, itemsize: int
+) -> float:
     """Bytes one decode step must read at the least, averaged over steps 1..N-1: every weight
     once (the embedding tables only for their looked-up rows, unless the head reuses `emb`),
     plus the keys and values of every earlier position."""
@@ -131,13 +153,13 @@ def decode_bytes(config: ModelConfig, tensors: Dict[str, np.ndarray], batch: int
     return float(weights + per_position * positions.mean())
 
 
-def load_average() -> Optional[float]:
+def load_average() -> float | None:
     """The 1-minute load average: other work on the machine shows up in every timing."""
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
-def threads_info() -> Dict[str, Any]:
-    info: Dict[str, Any] = {"cpu_count": os.cpu_count()}
+def threads_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"cpu_count": os.cpu_count()}
     if hasattr(os, "sched_getaffinity"):
         info["usable_cpus"] = len(os.sched_getaffinity(0))
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "XLA_FLAGS"):

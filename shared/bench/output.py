@@ -7,17 +7,34 @@ import csv
 import io
 import json
 import sys
-from typing import Any, Dict
+from typing import Any
 
 from kvports.shared.bench.table import print_table
 
+CSV_FIELDS = (
+    "framework",
+    "variant",
+    "mode",
+    "available",
+    "device",
+    "dtype",
+    "ttft_ms",
+    "decode_ms_per_token",
+    "decode_ms_p90",
+    "tokens_per_s",
+    "total_s",
+    "compile_s",
+    "kv_cache_bytes",
+    "roofline_ms",
+    "roofline_ratio",
+    "decode_speedup_vs_seed_concat",
+    "total_speedup_vs_naive",
+    "tokens_agree",
+    "reason",
+)
 
-CSV_FIELDS = ("framework", "variant", "mode", "available", "device", "dtype", "ttft_ms", "decode_ms_per_token",
-              "decode_ms_p90", "tokens_per_s", "total_s", "compile_s", "kv_cache_bytes", "roofline_ms", "roofline_ratio",
-              "decode_speedup_vs_seed_concat", "total_speedup_vs_naive", "tokens_agree", "reason")
 
-
-def to_csv(result: Dict[str, Any]) -> str:
+def to_csv(result: dict[str, Any]) -> str:
     settings = result["settings"]
     columns = ("preset", "batch", "prompt_len", "new_tokens") + CSV_FIELDS
     buffer = io.StringIO()
@@ -28,8 +45,7 @@ def to_csv(result: Dict[str, Any]) -> str:
     return buffer.getvalue()
 
 
-
-def print_result(result: Dict[str, Any], form: str) -> None:
+def print_result(result: dict[str, Any], form: str) -> None:
     """`json`: one object; `csv`: to_csv's lines; `table`: the table, then the plots written."""
     if form == "json":
         print(json.dumps(result))

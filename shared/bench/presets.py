@@ -4,7 +4,6 @@ random weights, or a weights file."""
 from __future__ import annotations
 
 import argparse
-from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -12,14 +11,14 @@ from kvports.shared.checks import SEED_PROMPT, check_prompts
 from kvports.shared.config import ModelConfig
 from kvports.shared.weights import DEFAULT_WEIGHTS, expected_shapes, load_weights
 
-PRESETS: Dict[str, Optional[ModelConfig]] = {
+PRESETS: dict[str, ModelConfig | None] = {
     "seed": None,  # the seed's model, shipped as the default weights file
     # GPT-2 small's sizes in the seed's architecture (exact GELU, untied head), random weights.
     "gpt2-small": ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, max_seq_len=1024),
 }
 
 
-def random_weights(config: ModelConfig, seed: int = 0) -> Dict[str, np.ndarray]:
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """GPT-2's initialisation in NumPy (N(0, 0.02) matrices, zero biases, unit norms): timing
     needs a model of the right size, not a trained one, and NumPy draws it in seconds."""
     rng = np.random.default_rng(seed)
@@ -35,7 +34,7 @@ def random_weights(config: ModelConfig, seed: int = 0) -> Dict[str, np.ndarray]:
     return tensors
 
 
-def load_bench_model(args: argparse.Namespace) -> Tuple[str, ModelConfig, Dict[str, np.ndarray]]:
+def load_bench_model(args: argparse.Namespace) -> tuple[str, ModelConfig, dict[str, np.ndarray]]:
     """(the name the results go by, config, tensors) for --weights or --preset."""
     if args.weights is not None:
         config, tensors = load_weights(args.weights)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -47,26 +47,44 @@ def non_negative_int(text: str) -> int:
 
 
 def add_input_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--weights", type=Path, default=None,
-                        help="safetensors weights file (default: the seed's model, shipped with kvports)")
-    parser.add_argument("--prompt", action="append", default=None, metavar="IDS",
-                        help="comma-separated token ids; repeat for a batch of equal-length prompts "
-                             f"(default: {','.join(map(str, SEED_PROMPT))})")
-    parser.add_argument("--new-tokens", type=positive_int, default=100, metavar="N",
-                        help="tokens to generate (default 100)")
+    parser.add_argument(
+        "--weights",
+        type=Path,
+        default=None,
+        help="safetensors weights file (default: the seed's model, shipped with kvports)",
+    )
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        metavar="IDS",
+        help="comma-separated token ids; repeat for a batch of equal-length prompts "
+        f"(default: {','.join(map(str, SEED_PROMPT))})",
+    )
+    parser.add_argument(
+        "--new-tokens", type=positive_int, default=100, metavar="N", help="tokens to generate (default 100)"
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def add_text_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--text", action="append", default=None,
-                        help="prompt text, encoded with --tokenizer; repeat for a batch (equal token counts)")
-    parser.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
-                        help="folder holding tokenizer.json (e.g. the Hugging Face directory converted with "
-                             "--from-hf)")
+    parser.add_argument(
+        "--text",
+        action="append",
+        default=None,
+        help="prompt text, encoded with --tokenizer; repeat for a batch (equal token counts)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="folder holding tokenizer.json (e.g. the Hugging Face directory converted with --from-hf)",
+    )
 
 
-def load_inputs(args: argparse.Namespace) -> Tuple[ModelConfig, Dict[str, np.ndarray], np.ndarray]:
+def load_inputs(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, np.ndarray], np.ndarray]:
     """Weights and prompts [B, P], checked: everything a port needs, before any port is imported."""
     config, tensors = load_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS)
     if getattr(args, "text", None) is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -31,14 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config, tensors, prompts = load_inputs(args)
     P = prompts.shape[1]
-    available: Dict[str, Optional[Port]] = {name: ports.available_port(name) for name in ports.PORTS}
+    available: dict[str, Port | None] = {name: ports.available_port(name) for name in ports.PORTS}
     installed = [name for name in ports.PORTS if available[name] is not None]
     if not installed:
         raise UserError("no framework is installed: install kvports[torch], kvports[jax] or use numpy")
     reference = ports.REFERENCE if ports.REFERENCE in installed else installed[0]
     order = [reference] + [name for name in ports.PORTS if name != reference]
-    rows: List[Dict[str, Any]] = []
-    results: Dict[Tuple[str, str], Tuple[np.ndarray, Optional[np.ndarray]]] = {}
+    rows: list[dict[str, Any]] = []
+    results: dict[tuple[str, str], tuple[np.ndarray, np.ndarray | None]] = {}
     with make_progress(args.json) as progress:
         task = progress.add_task("compare", total=2 * len(order))
         for name in order:
@@ -54,8 +54,15 @@ def run(args: argparse.Namespace) -> int:
                 tokens, logits, first_seconds = timed_generate(port, model, prompts, args.new_tokens, mode, True)
                 _, _, seconds = timed_generate(port, model, prompts, args.new_tokens, mode, False)
                 results[(name, mode)] = (tokens, logits)
-                rows.append({"framework": name, "mode": mode, "available": True, "seconds": seconds,
-                             "first_call_seconds": first_seconds})
+                rows.append(
+                    {
+                        "framework": name,
+                        "mode": mode,
+                        "available": True,
+                        "seconds": seconds,
+                        "first_call_seconds": first_seconds,
+                    }
+                )
                 progress.advance(task)
     ref_tokens, ref_logits = results[(reference, "naive")]
     assert ref_logits is not None  # asked for with return_logits=True
@@ -68,23 +75,44 @@ def run(args: argparse.Namespace) -> int:
         row["cached_speedup"] = naive["seconds"] / row["seconds"] if row["mode"] == "cached" else None
     ok = all(row["explained"] for row in rows if row["available"])
     if args.json:
-        print(json.dumps({"reference": f"{reference} naive", "family": config.family, "dtype": args.dtype,
-                          "prompt": prompts.tolist(), "new_tokens": args.new_tokens,
-                          "tokens": ref_tokens.tolist(), "rows": rows, "ok": ok}))
+        print(
+            json.dumps(
+                {
+                    "reference": f"{reference} naive",
+                    "family": config.family,
+                    "dtype": args.dtype,
+                    "prompt": prompts.tolist(),
+                    "new_tokens": args.new_tokens,
+                    "tokens": ref_tokens.tolist(),
+                    "rows": rows,
+                    "ok": ok,
+                }
+            )
+        )
     else:
         print_table(rows, reference, config, args, prompts)
     return 0 if ok else EXIT_DISAGREE
 
 
-def print_table(rows: List[Dict[str, Any]], reference: str, config: ModelConfig, args: argparse.Namespace,
-                prompts: np.ndarray) -> None:
+def print_table(
+    rows: list[dict[str, Any]], reference: str, config: ModelConfig, args: argparse.Namespace, prompts: np.ndarray
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kvports compare: {describe(config)}, {prompts.shape[0]} x {prompts.shape[1]}-token prompt, "
-                        f"{args.new_tokens} new tokens, {args.dtype}; reference: {reference} naive")
-    for column in ("framework", "mode", f"vs {reference}", "first divergent step", "top-2 margin there", "seconds",
-                   "cached speedup"):
+    table = Table(
+        title=f"kvports compare: {describe(config)}, {prompts.shape[0]} x {prompts.shape[1]}-token prompt, "
+        f"{args.new_tokens} new tokens, {args.dtype}; reference: {reference} naive"
+    )
+    for column in (
+        "framework",
+        "mode",
+        f"vs {reference}",
+        "first divergent step",
+        "top-2 margin there",
+        "seconds",
+        "cached speedup",
+    ):
         table.add_column(column, justify="left" if column in ("framework", "mode") else "right")
     for row in rows:
         if not row["available"]:

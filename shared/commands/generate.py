@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -25,8 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_text_arguments(parser)
 
 
-def timed_generate(port: Port, model: Any, prompts: np.ndarray, new_tokens: int, mode: str,
-                   return_logits: bool) -> Tuple[np.ndarray, Optional[np.ndarray], float]:
+def timed_generate(
+    port: Port, model: Any, prompts: np.ndarray, new_tokens: int, mode: str, return_logits: bool
+) -> tuple[np.ndarray, np.ndarray | None, float]:
     """(tokens, logits or None, seconds until the device is done)."""
     start = time.perf_counter()
     tokens, logits = port.generate(model, prompts, new_tokens, mode, return_logits=return_logits)
@@ -49,16 +50,24 @@ def run(args: argparse.Namespace) -> int:
 
         texts = [decode(tokenizer, row) for row in tokens]
     if args.json:
-        result = {"framework": args.framework, "mode": args.mode, "dtype": args.dtype, "family": config.family,
-                  "tokens": tokens.tolist(), "seconds": seconds}
+        result = {
+            "framework": args.framework,
+            "mode": args.mode,
+            "dtype": args.dtype,
+            "family": config.family,
+            "tokens": tokens.tolist(),
+            "seconds": seconds,
+        }
         if texts is not None:
             result["text"] = texts
         print(json.dumps(result))
         return 0
     P = prompts.shape[1]
-    print(f"{args.framework} {args.mode} {args.dtype}, {describe(config)}, {args.new_tokens} new tokens in "
-          f"{seconds:.3f} s")
-    for index, (row, prompt) in enumerate(zip(tokens, prompts)):
+    print(
+        f"{args.framework} {args.mode} {args.dtype}, {describe(config)}, {args.new_tokens} new tokens in "
+        f"{seconds:.3f} s"
+    )
+    for index, (row, prompt) in enumerate(zip(tokens, prompts, strict=True)):
         print(f"  prompt    {' '.join(map(str, prompt))}")
         print(f"  generated {' '.join(map(str, row[P:]))}")
         if texts is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -35,7 +34,7 @@ def read_hf_config(directory: Path) -> dict:
     return data
 
 
-def safetensors_files(directory: Path) -> List[Path]:
+def safetensors_files(directory: Path) -> list[Path]:
     """The shards the index names, or every *.safetensors; a pickle-only directory is refused."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -56,13 +55,13 @@ def safetensors_files(directory: Path) -> List[Path]:
     return files
 
 
-def read_safetensors(path: Path) -> Dict[str, Tuple[str, np.ndarray]]:
+def read_safetensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
     """{name: (safetensors dtype, raw array)}, memory-mapped; bf16 comes back as uint16 bits."""
     header, _ = read_header(path)
     with path.open("rb") as handle:
         data_start = 8 + int.from_bytes(handle.read(8), "little")
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    out: Dict[str, Tuple[str, np.ndarray]] = {}
+    out: dict[str, tuple[str, np.ndarray]] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -74,8 +73,10 @@ def read_safetensors(path: Path) -> Dict[str, Tuple[str, np.ndarray]]:
         start, end = info["data_offsets"]
         numpy_dtype = np.dtype(RAW_DTYPES[dtype])
         if end - start != math.prod(shape) * numpy_dtype.itemsize:
-            raise UserError(f"tensor {name!r} in {path.name}: shape {shape} of {dtype} needs "
-                            f"{math.prod(shape) * numpy_dtype.itemsize} bytes, its offsets hold {end - start}")
+            raise UserError(
+                f"tensor {name!r} in {path.name}: shape {shape} of {dtype} needs "
+                f"{math.prod(shape) * numpy_dtype.itemsize} bytes, its offsets hold {end - start}"
+            )
         out[name] = (dtype, raw[data_start + start : data_start + end].view(numpy_dtype).reshape(shape))
     return out
 
@@ -86,10 +87,10 @@ def to_float(dtype: str, array: np.ndarray, target: str) -> np.ndarray:
     return np.array(array, dtype=target)  # a copy: the memmap closes with the file
 
 
-def load_hf_tensors(directory: Path, dtype: Optional[str]) -> Tuple[Dict[str, np.ndarray], str]:
+def load_hf_tensors(directory: Path, dtype: str | None) -> tuple[dict[str, np.ndarray], str]:
     """All tensors of the directory as float arrays of one dtype: the file's own (F32 or
     F64) or, if `dtype` is given, that one. Half-precision files need `dtype`."""
-    raw: Dict[str, Tuple[str, np.ndarray]] = {}
+    raw: dict[str, tuple[str, np.ndarray]] = {}
     for path in safetensors_files(directory):
         for name, item in read_safetensors(path).items():
             if name in raw:
@@ -100,10 +101,11 @@ def load_hf_tensors(directory: Path, dtype: Optional[str]) -> Tuple[Dict[str, np
         unkeepable = [dt for dt in found if dt not in KEEPABLE]
         if unkeepable:
             example = next(name for name, (dt, _) in raw.items() if dt == unkeepable[0])
-            raise UserError(f"tensor {example!r} has dtype {unkeepable[0]}; our weights hold {', '.join(DTYPES)}: "
-                            "pass --dtype float32 or --dtype float64 to cast it")
+            raise UserError(
+                f"tensor {example!r} has dtype {unkeepable[0]}; our weights hold {', '.join(DTYPES)}: "
+                "pass --dtype float32 or --dtype float64 to cast it"
+            )
         if len(found) > 1:
             raise UserError(f"{str(directory)!r} mixes dtypes {', '.join(found)}; pass --dtype to choose one")
         dtype = KEEPABLE[found[0]] if found else "float32"
     return {name: to_float(dt, array, dtype) for name, (dt, array) in raw.items()}, dtype
-

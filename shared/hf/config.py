@@ -9,7 +9,7 @@ could change the model's output without a word.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Tuple
+from typing import Any
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
@@ -19,26 +19,81 @@ MODEL_TYPES = ("gpt2", "llama", "mistral")
 # Fields that never change the forward pass of a causal LM at inference: identity,
 # token ids, bookkeeping, training-only dropout, generation defaults (we are greedy).
 IGNORED_COMMON = {
-    "_name_or_path", "architectures", "model_type", "dtype", "torch_dtype", "transformers_version",
-    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
-    "initializer_range", "use_cache", "tokenizer_class", "id2label", "label2id", "num_labels",
-    "problem_type", "task_specific_params", "prefix", "return_dict", "output_hidden_states",
-    "output_attentions", "torchscript", "use_bfloat16", "tf_legacy_loss", "finetuning_task",
-    "gradient_checkpointing", "chunk_size_feed_forward", "is_decoder", "is_encoder_decoder",
-    "tie_encoder_decoder", "cross_attention_hidden_size", "max_length", "min_length", "do_sample",
-    "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k",
-    "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
-    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
-    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
-    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "_name_or_path",
+    "architectures",
+    "model_type",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "initializer_range",
+    "use_cache",
+    "tokenizer_class",
+    "id2label",
+    "label2id",
+    "num_labels",
+    "problem_type",
+    "task_specific_params",
+    "prefix",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "torchscript",
+    "use_bfloat16",
+    "tf_legacy_loss",
+    "finetuning_task",
+    "gradient_checkpointing",
+    "chunk_size_feed_forward",
+    "is_decoder",
+    "is_encoder_decoder",
+    "tie_encoder_decoder",
+    "cross_attention_hidden_size",
+    "max_length",
+    "min_length",
+    "do_sample",
+    "early_stopping",
+    "num_beams",
+    "num_beam_groups",
+    "diversity_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "repetition_penalty",
+    "length_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "num_return_sequences",
+    "output_scores",
+    "return_dict_in_generate",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
 }
 IGNORED = {
     # Dropout is training-only; summary_* configure GPT2DoubleHeadsModel's extra head;
     # n_ctx is the pre-2020 duplicate of n_positions; reorder_and_upcast_attn only
     # changes the order of a float32 upcast used in mixed-precision training.
-    "gpt2": {"attn_pdrop", "embd_pdrop", "resid_pdrop", "summary_type", "summary_use_proj",
-             "summary_activation", "summary_proj_to_labels", "summary_first_dropout", "n_ctx",
-             "reorder_and_upcast_attn"},
+    "gpt2": {
+        "attn_pdrop",
+        "embd_pdrop",
+        "resid_pdrop",
+        "summary_type",
+        "summary_use_proj",
+        "summary_activation",
+        "summary_proj_to_labels",
+        "summary_first_dropout",
+        "n_ctx",
+        "reorder_and_upcast_attn",
+    },
     # pretraining_tp only split matmuls into slices (same result) and is unused in transformers 5.
     "llama": {"attention_dropout", "pretraining_tp"},
     "mistral": {"attention_dropout"},
@@ -79,7 +134,7 @@ class Fields:
             raise refuse(name, value, "must be true or false")
         return value
 
-    def require(self, name: str, allowed: Tuple[Any, ...], why: str) -> Any:
+    def require(self, name: str, allowed: tuple[Any, ...], why: str) -> Any:
         """A field we implement for one value (or a few) only."""
         self.seen.add(name)
         value = self.data.get(name, allowed[0])
@@ -90,15 +145,19 @@ class Fields:
     def refuse_unread(self) -> None:
         for name in sorted(self.data):
             if name not in self.seen:
-                raise refuse(name, self.data[name], f"kvports does not model this {self.model_type} field; "
-                                                    "refusing rather than ignoring it")
+                raise refuse(
+                    name,
+                    self.data[name],
+                    f"kvports does not model this {self.model_type} field; refusing rather than ignoring it",
+                )
 
 
 def gpt2_config(fields: Fields) -> ModelConfig:
     activations = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
     # GPT2Config's default is "gelu_new" (tanh); "gelu" is the exact erf form.
-    activation = fields.require("activation_function", ("gelu_new", "gelu", "gelu_pytorch_tanh"),
-                                f"supported: {', '.join(activations)}")
+    activation = fields.require(
+        "activation_function", ("gelu_new", "gelu", "gelu_pytorch_tanh"), f"supported: {', '.join(activations)}"
+    )
     fields.require("scale_attn_weights", (True,), "kvports always scales attention by 1/sqrt(head_dim)")
     fields.require("scale_attn_by_inverse_layer_idx", (False,), "kvports does not scale attention by layer index")
     fields.require("add_cross_attention", (False,), "kvports is decoder-only, without cross-attention")
@@ -106,11 +165,20 @@ def gpt2_config(fields: Fields) -> ModelConfig:
     n_embd = fields.integer("n_embd", 768)
     n_inner = fields.get("n_inner")
     return ModelConfig(
-        vocab_size=fields.integer("vocab_size", 50257), d_model=n_embd, n_heads=fields.integer("n_head", 12),
-        n_layers=fields.integer("n_layer", 12), max_seq_len=fields.integer("n_positions", 1024),
-        activation=activations[activation], ffn_hidden=None if n_inner is None else fields.integer("n_inner"),
-        norm="layernorm", norm_eps=fields.number("layer_norm_epsilon", 1e-5), positions="learned",
-        tie_embeddings=fields.flag("tie_word_embeddings", True), attn_bias=True, ffn_bias=True)
+        vocab_size=fields.integer("vocab_size", 50257),
+        d_model=n_embd,
+        n_heads=fields.integer("n_head", 12),
+        n_layers=fields.integer("n_layer", 12),
+        max_seq_len=fields.integer("n_positions", 1024),
+        activation=activations[activation],
+        ffn_hidden=None if n_inner is None else fields.integer("n_inner"),
+        norm="layernorm",
+        norm_eps=fields.number("layer_norm_epsilon", 1e-5),
+        positions="learned",
+        tie_embeddings=fields.flag("tie_word_embeddings", True),
+        attn_bias=True,
+        ffn_bias=True,
+    )
 
 
 def rope_theta(fields: Fields) -> float:
@@ -152,7 +220,9 @@ def llama_config(fields: Fields) -> ModelConfig:
         raise refuse("hidden_size", hidden, f"is not divisible by num_attention_heads={heads}")
     head_dim = fields.get("head_dim")
     if head_dim is not None and head_dim != hidden // heads:
-        raise refuse("head_dim", head_dim, f"kvports needs head_dim = hidden_size / num_attention_heads = {hidden // heads}")
+        raise refuse(
+            "head_dim", head_dim, f"kvports needs head_dim = hidden_size / num_attention_heads = {hidden // heads}"
+        )
     if heads % kv_heads:
         raise refuse("num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
     layer_types = fields.get("layer_types")
@@ -164,20 +234,32 @@ def llama_config(fields: Fields) -> ModelConfig:
             fields.require(name, (False,), "transformers' Mistral has no biases; kvports will not guess")
         window = fields.get("sliding_window")
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-            raise refuse("sliding_window", window, "must be null or an integer >= 1 (the keys a query sees, itself included)")
+            raise refuse(
+                "sliding_window", window, "must be null or an integer >= 1 (the keys a query sees, itself included)"
+            )
         attn_bias = ffn_bias = False
     else:
         # Llama's attention_bias puts a bias on q, k, v and o alike: our qkv and proj
         # biases. mlp_bias puts one on gate, up and down: our ffn.0 and ffn.2.
         attn_bias, ffn_bias, window = fields.flag("attention_bias", False), fields.flag("mlp_bias", False), None
     return ModelConfig(
-        vocab_size=fields.integer("vocab_size", 32000), d_model=hidden, n_heads=heads,
+        vocab_size=fields.integer("vocab_size", 32000),
+        d_model=hidden,
+        n_heads=heads,
         n_layers=fields.integer("num_hidden_layers", 32),
         max_seq_len=fields.integer("max_position_embeddings", 4096 * 32 if mistral else 2048),
-        n_kv_heads=kv_heads, activation="swiglu", ffn_hidden=fields.integer("intermediate_size", 14336 if mistral else 11008),
-        norm="rmsnorm", norm_eps=fields.number("rms_norm_eps", 1e-6), positions="rope", rope_theta=rope_theta(fields),
-        tie_embeddings=fields.flag("tie_word_embeddings", False), attn_bias=attn_bias, ffn_bias=ffn_bias,
-        sliding_window=window)
+        n_kv_heads=kv_heads,
+        activation="swiglu",
+        ffn_hidden=fields.integer("intermediate_size", 14336 if mistral else 11008),
+        norm="rmsnorm",
+        norm_eps=fields.number("rms_norm_eps", 1e-6),
+        positions="rope",
+        rope_theta=rope_theta(fields),
+        tie_embeddings=fields.flag("tie_word_embeddings", False),
+        attn_bias=attn_bias,
+        ffn_bias=ffn_bias,
+        sliding_window=window,
+    )
 
 
 def config_from_hf(data: dict) -> ModelConfig:
@@ -192,7 +274,8 @@ def config_from_hf(data: dict) -> ModelConfig:
 
 # --- export: what GPT-2 can express, and its config.json ------------------------------
 
-def gpt2_refusal(config: ModelConfig) -> Optional[str]:
+
+def gpt2_refusal(config: ModelConfig) -> str | None:
     """Why GPT-2 cannot express this model, or None if it can."""
     if config.positions != "learned":
         return f"positions={config.positions!r}: GPT-2 has learned positions"
@@ -209,15 +292,28 @@ def gpt2_refusal(config: ModelConfig) -> Optional[str]:
 
 def gpt2_hf_config(config: ModelConfig, dtype: str) -> dict:
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
-        "n_positions": config.max_seq_len, "n_embd": config.d_model, "n_layer": config.n_layers,
-        "n_head": config.n_heads, "n_inner": config.ffn_hidden,  # null: 4 * n_embd, as ours
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.max_seq_len,
+        "n_embd": config.d_model,
+        "n_layer": config.n_layers,
+        "n_head": config.n_heads,
+        "n_inner": config.ffn_hidden,  # null: 4 * n_embd, as ours
         "activation_function": "gelu" if config.activation == "gelu" else "gelu_new",
-        "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-        "add_cross_attention": False, "attn_pdrop": config.dropout, "embd_pdrop": config.dropout,
-        "resid_pdrop": config.dropout, "use_cache": True, "dtype": dtype,
+        "layer_norm_epsilon": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "add_cross_attention": False,
+        "attn_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "resid_pdrop": config.dropout,
+        "use_cache": True,
+        "dtype": dtype,
         # Our vocab has no special tokens; GPT2Config's default 50256 would point outside it.
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
     }
-

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Dict
 
 import numpy as np
 
@@ -16,7 +15,7 @@ from kvports.shared.hf.config import gpt2_hf_config, gpt2_refusal
 from kvports.shared.hf.tensors import gpt2_hf_tensors
 
 
-def export_gpt2(config: ModelConfig, tensors: Dict[str, np.ndarray], directory: os.PathLike) -> None:
+def export_gpt2(config: ModelConfig, tensors: dict[str, np.ndarray], directory: os.PathLike) -> None:
     """Write config.json and model.safetensors for transformers' GPT2LMHeadModel."""
     from safetensors.numpy import save
 
@@ -30,4 +29,6 @@ def export_gpt2(config: ModelConfig, tensors: Dict[str, np.ndarray], directory: 
     payload = save(gpt2_hf_tensors(config, tensors), metadata={"format": "pt"})
     # Weights first, config last: a directory with a config.json is a complete one.
     write_atomic(directory / "model.safetensors", payload)
-    write_atomic(directory / "config.json", (json.dumps(gpt2_hf_config(config, dtype), indent=2, sort_keys=True) + "\n").encode())
+    write_atomic(
+        directory / "config.json", (json.dumps(gpt2_hf_config(config, dtype), indent=2, sort_keys=True) + "\n").encode()
+    )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -15,7 +14,7 @@ from kvports.shared.hf.tensors import HFTensors, gpt2_tensors, llama_tensors
 from kvports.shared.weights import check_tensors, expected_shapes
 
 
-def import_hf(directory: os.PathLike, dtype: Optional[str] = None) -> Tuple[ModelConfig, Dict[str, np.ndarray]]:
+def import_hf(directory: os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """A local Hugging Face directory -> (config, tensors in our names). Nothing is fetched."""
     directory = Path(directory)
     config = config_from_hf(read_hf_config(directory))
@@ -27,4 +26,3 @@ def import_hf(directory: os.PathLike, dtype: Optional[str] = None) -> Tuple[Mode
     ours = {name: np.ascontiguousarray(ours[name], dtype=dtype) for name in expected_shapes(config)}
     check_tensors(ours, config, source=str(directory))
     return config, ours
-
