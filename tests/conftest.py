@@ -6,21 +6,25 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
-from kvports.shared.ports import PORTS
-from kvports.shared.weights import load_weights
-
-# Still importable from here for test_generation.py and test_pitfalls.py until they import
-# tests.helpers; remove these three then.
-from tests.helpers import GOLDEN, SEED_PROMPT, port_or_skip, random_weights  # noqa: F401
-
-# JAX keeps what it compiles on disk, so a second run of the suite skips the compiles (most of
-# the JAX tests' time). Set before anything imports jax; a user's own setting wins.
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax")
-)
+# Set before anything imports numpy, torch or jax; a user's own settings win.
+# One thread per BLAS/OpenMP pool: the models here are tiny, and on two cores shared with
+# other work, pools whose threads spin while they wait for each other made the torch and
+# NumPy tests ten times slower.
+for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+# JAX keeps what it compiles on disk, so a second run of the suite skips the compiles (most
+# of the JAX tests' time on a first run).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache/jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+import pytest  # noqa: E402
+
+from kvports.shared.ports import PORTS  # noqa: E402
+from kvports.shared.weights import load_weights  # noqa: E402
+
+# GOLDEN, SEED_PROMPT and random_weights stay importable from here for test_generation.py and
+# test_pitfalls.py until they import them from tests.helpers; import port_or_skip alone then.
+from tests.helpers import GOLDEN, SEED_PROMPT, port_or_skip, random_weights  # noqa: E402, F401
 
 
 @pytest.fixture(params=PORTS)
