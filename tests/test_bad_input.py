@@ -198,22 +198,8 @@ def test_the_integer_types_accept_their_whole_range():
 
 
 def test_console_script_prints_no_traceback():
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvports.shared.cli",
-            "generate",
-            "--framework",
-            "numpy",
-            "--mode",
-            "naive",
-            "--prompt",
-            "1,2,999",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    argv = "generate --framework numpy --mode naive --prompt 1,2,999".split()
+    command = [sys.executable, "-m", "kvports.shared.cli", *argv]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == "error: token id 999 in prompt 0 is outside [0, 500) (vocab_size 500)\n"
