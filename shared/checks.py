@@ -7,7 +7,7 @@ here, once, and every port gets the same message.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from kvports.shared.errors import UserError
 SEED_PROMPT = (160, 248, 104, 209, 394)
 
 
-def parse_prompt(text: str) -> List[int]:
+def parse_prompt(text: str) -> list[int]:
     """'1,2,3' -> [1, 2, 3]; anything but comma-separated integers is refused."""
     parts = [part.strip() for part in text.split(",")]
     if parts == [""]:
@@ -46,18 +46,26 @@ def check_prompts(prompts: Sequence[Sequence[object]], config: ModelConfig, new_
     new_tokens = check_new_tokens(new_tokens)
     if len(prompts) == 0:
         raise UserError("no prompt given")
+    batch: list[list[int]] = []
     for index, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise UserError(f"prompt {index} is empty: give at least one token id")
+        batch.append([])
         for token in prompt:
             if not isinstance(token, (int, np.integer)) or isinstance(token, bool):
                 raise UserError(f"token id {token!r} in prompt {index} is not an integer")
             if not 0 <= token < config.vocab_size:
-                raise UserError(f"token id {token} in prompt {index} is outside [0, {config.vocab_size}) (vocab_size {config.vocab_size})")
+                raise UserError(
+                    f"token id {token} in prompt {index} is outside [0, {config.vocab_size}) "
+                    f"(vocab_size {config.vocab_size})"
+                )
+            batch[-1].append(int(token))
     lengths = sorted({len(prompt) for prompt in prompts})
     if len(lengths) > 1:
         raise UserError(f"prompts have unequal lengths {lengths}; a batch needs equal lengths")
     total = lengths[0] + new_tokens
     if total > config.max_seq_len:
-        raise UserError(f"prompt length {lengths[0]} + new tokens {new_tokens} = {total} exceeds max_seq_len {config.max_seq_len}")
-    return np.asarray([[int(token) for token in prompt] for prompt in prompts], dtype=np.int64)  # [B, P]
+        raise UserError(
+            f"prompt length {lengths[0]} + new tokens {new_tokens} = {total} exceeds max_seq_len {config.max_seq_len}"
+        )
+    return np.asarray(batch, dtype=np.int64)  # [B, P]

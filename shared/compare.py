@@ -9,7 +9,6 @@ the first divergent step and the reference's top-2 margin there.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -19,9 +18,9 @@ NEAR_TIE = 1e-4  # far above float32 noise between frameworks (~1e-6), far below
 @dataclass
 class Agreement:
     agree: bool  # every token equal
-    first_divergent_step: Optional[int]  # 0-based index among the generated tokens
-    divergent_row: Optional[int]  # which prompt of the batch
-    reference_margin: Optional[float]  # top-1 minus top-2 logit of the reference at that step
+    first_divergent_step: int | None  # 0-based index among the generated tokens
+    divergent_row: int | None  # which prompt of the batch
+    reference_margin: float | None  # top-1 minus top-2 logit of the reference at that step
     explained: bool  # agree, or diverged at a near-tie (margin below NEAR_TIE)
 
     def as_dict(self) -> dict:
@@ -30,8 +29,10 @@ class Agreement:
     def describe(self) -> str:
         if self.agree:
             return "agrees"
-        return (f"diverges at step {self.first_divergent_step} (row {self.divergent_row}), reference top-2 margin "
-                f"{self.reference_margin:.2e}: " + ("a float near-tie" if self.explained else "NOT a near-tie"))
+        return (
+            f"diverges at step {self.first_divergent_step} (row {self.divergent_row}), reference top-2 margin "
+            f"{self.reference_margin:.2e}: " + ("a float near-tie" if self.explained else "NOT a near-tie")
+        )
 
 
 def top2_margin(logits: np.ndarray) -> float:
@@ -40,8 +41,9 @@ def top2_margin(logits: np.ndarray) -> float:
     return float(top2[1] - top2[0])
 
 
-def compare_tokens(reference_tokens: np.ndarray, tokens: np.ndarray, prompt_len: int,
-                   reference_logits: np.ndarray) -> Agreement:
+def compare_tokens(
+    reference_tokens: np.ndarray, tokens: np.ndarray, prompt_len: int, reference_logits: np.ndarray
+) -> Agreement:
     """reference_tokens, tokens: [B, P + N]; reference_logits: [B, N, V] (the reference's step logits)."""
     generated_ref = np.asarray(reference_tokens)[:, prompt_len:]  # [B, N]
     generated = np.asarray(tokens)[:, prompt_len:]  # [B, N]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from kvports.shared.errors import UserError
 
@@ -28,9 +28,9 @@ class ModelConfig:
     n_heads: int = 4
     n_layers: int = 2
     max_seq_len: int = 512
-    n_kv_heads: Optional[int] = None  # None: = n_heads (MHA); 1: MQA; between: GQA
+    n_kv_heads: int | None = None  # None: = n_heads (MHA); 1: MQA; between: GQA
     activation: str = "gelu"  # exact erf GELU, as the seed's nn.GELU()
-    ffn_hidden: Optional[int] = None  # None: 4 * d_model
+    ffn_hidden: int | None = None  # None: 4 * d_model
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     positions: str = "learned"
@@ -38,7 +38,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     attn_bias: bool = True  # bias on qkv and proj
     ffn_bias: bool = True
-    sliding_window: Optional[int] = None  # None: full causal attention
+    sliding_window: int | None = None  # None: full causal attention
     dropout: float = 0.0  # training-only; generation always runs in eval mode
 
     # Derived sizes, so no port recomputes them its own way.
@@ -66,7 +66,7 @@ class ModelConfig:
             return "gpt2" if self.activation == "gelu_tanh" and self.tie_embeddings else "seed-gpt"
         return "mistral" if self.sliding_window is not None else "llama"
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         def positive_int(name: str, value: Any) -> None:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"config field {name}={value!r} must be an integer >= 1")
@@ -103,7 +103,7 @@ class ModelConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelConfig":
+    def from_json(cls, text: str) -> ModelConfig:
         try:
             data = json.loads(text)
         except (TypeError, ValueError) as exc:
@@ -111,7 +111,7 @@ class ModelConfig:
         return cls.from_dict(data)
 
     @classmethod
-    def from_dict(cls, data: Any) -> "ModelConfig":
+    def from_dict(cls, data: Any) -> ModelConfig:
         if not isinstance(data, dict):
             raise UserError(f"config metadata must be a JSON object, got {type(data).__name__}")
         known = {field.name for field in dataclasses.fields(cls)}

@@ -11,7 +11,6 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Dict, Tuple
 
 import numpy as np
 
@@ -24,11 +23,11 @@ DEFAULT_WEIGHTS = Path(__file__).parent / "data" / "seed_model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
-def expected_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor's name and shape, in the seed's state_dict order."""
     D, V = config.d_model, config.vocab_size
     gated = 2 if config.activation == "swiglu" else 1
-    shapes: Dict[str, Tuple[int, ...]] = {"emb.weight": (V, D)}
+    shapes: dict[str, tuple[int, ...]] = {"emb.weight": (V, D)}
     if config.positions == "learned":
         shapes["pos.weight"] = (config.max_seq_len, D)
 
@@ -55,17 +54,20 @@ def expected_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
-def save_weights(path: os.PathLike, tensors: Dict[str, np.ndarray], config: ModelConfig) -> None:
+def save_weights(path: os.PathLike, tensors: dict[str, np.ndarray], config: ModelConfig) -> None:
     """Write atomically: a reader never sees a half-written file."""
     from safetensors.numpy import save
 
     config.validate()
     check_tensors(tensors, config, source=str(path))
-    payload = save({name: np.ascontiguousarray(tensors[name]) for name in expected_shapes(config)},
-                   metadata={"config": config.to_json()})
+    payload = save(
+        {name: np.ascontiguousarray(tensors[name]) for name in expected_shapes(config)},
+        metadata={"config": config.to_json()},
+    )
     write_atomic(path, payload)
 
-def read_header(path: Path) -> Tuple[dict, int]:
+
+def read_header(path: Path) -> tuple[dict, int]:
     """The safetensors JSON header and the file's data size, checked for truncation."""
     if not path.exists():
         raise UserError(f"weights file {str(path)!r} does not exist")
@@ -77,10 +79,16 @@ def read_header(path: Path) -> Tuple[dict, int]:
     with open(path, "rb") as handle:
         head = handle.read(8)
         if len(head) < 8:
-            raise UserError(f"weights file {str(path)!r} is not a safetensors file ({size} bytes, shorter than its 8-byte header length)")
+            raise UserError(
+                f"weights file {str(path)!r} is not a safetensors file ({size} bytes, shorter than its 8-byte "
+                "header length)"
+            )
         (header_len,) = struct.unpack("<Q", head)
         if header_len == 0 or header_len > min(MAX_HEADER_BYTES, size - 8):
-            raise UserError(f"weights file {str(path)!r} is not a safetensors file (header length {header_len} does not fit its {size} bytes)")
+            raise UserError(
+                f"weights file {str(path)!r} is not a safetensors file (header length {header_len} does not fit "
+                f"its {size} bytes)"
+            )
         raw = handle.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -96,7 +104,10 @@ def read_header(path: Path) -> Tuple[dict, int]:
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
             raise UserError(f"weights file {str(path)!r}: tensor {name!r} has a malformed header entry")
         if offsets[1] > data_size or offsets[0] > offsets[1]:
-            raise UserError(f"weights file {str(path)!r} is truncated: tensor {name!r} needs bytes up to {offsets[1]}, the file holds {data_size}")
+            raise UserError(
+                f"weights file {str(path)!r} is truncated: tensor {name!r} needs bytes up to {offsets[1]}, "
+                f"the file holds {data_size}"
+            )
     return header, data_size
 
 
@@ -108,7 +119,7 @@ def read_config(path: os.PathLike) -> ModelConfig:
     return ModelConfig.from_json(metadata["config"])
 
 
-def load_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> Tuple[ModelConfig, Dict[str, np.ndarray]]:
+def load_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read and check a weights file; every error names the tensor or field at fault."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
@@ -116,7 +127,6 @@ def load_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> Tuple[ModelConfig, Dict
     path = Path(path)
     header, _ = read_header(path)
     config = read_config(path)
-    expected = expected_shapes(config)
     names = [name for name in header if name != "__metadata__"]
     for name in names:
         dtype = header[name].get("dtype")
@@ -130,11 +140,13 @@ def load_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> Tuple[ModelConfig, Dict
     return config, tensors
 
 
-def check_tensors(tensors: Dict[str, np.ndarray], config: ModelConfig, source: str) -> None:
+def check_tensors(tensors: dict[str, np.ndarray], config: ModelConfig, source: str) -> None:
     expected = expected_shapes(config)
     missing = [name for name in expected if name not in tensors]
     if missing:
-        raise UserError(f"weights {source!r}: missing tensor {missing[0]!r} (expected shape {list(expected[missing[0]])})")
+        raise UserError(
+            f"weights {source!r}: missing tensor {missing[0]!r} (expected shape {list(expected[missing[0]])})"
+        )
     extra = sorted(set(tensors) - set(expected))
     if extra:
         raise UserError(f"weights {source!r}: unexpected tensor {extra[0]!r} (not in this config's model)")
@@ -144,7 +156,9 @@ def check_tensors(tensors: Dict[str, np.ndarray], config: ModelConfig, source: s
         if str(array.dtype) not in DTYPES:
             raise UserError(f"tensor {name!r} has dtype {array.dtype}; supported: {', '.join(DTYPES)}")
         if tuple(array.shape) != shape:
-            raise UserError(f"weights {source!r}: tensor {name!r} has shape {list(array.shape)}, the config needs {list(shape)}")
+            raise UserError(
+                f"weights {source!r}: tensor {name!r} has shape {list(array.shape)}, the config needs {list(shape)}"
+            )
         if not np.all(np.isfinite(array)):
             raise UserError(f"weights {source!r}: tensor {name!r} has non-finite values")
         dtypes.add(str(array.dtype))

@@ -13,25 +13,23 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from kvports.shared import cli
+from kvports.shared import cli, ports
+from kvports.shared.commands.arguments import non_negative_int, positive_int
 from kvports.shared.config import ModelConfig
 from kvports.shared.ports import PORTS
 from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
+from tests.helpers import assert_one_error_line, run_cli
 
 
 @pytest.fixture
 def no_port_may_load(monkeypatch):
     """A bad input must be refused before any framework is imported or run."""
+
     def refuse(name):
         raise AssertionError(f"port {name} was loaded before the input was checked")
-    monkeypatch.setattr(cli, "load_port", refuse)
-    monkeypatch.setattr(cli, "available_port", refuse)
 
-
-def run_cli(argv, capsys):
-    code = cli.main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    monkeypatch.setattr(ports, "load_port", refuse)
+    monkeypatch.setattr(ports, "available_port", refuse)
 
 
 def seed_tensors():
@@ -39,7 +37,11 @@ def seed_tensors():
 
 
 def write_file(path, tensors, config_json=None, metadata=None):
-    meta = {"config": config_json if config_json is not None else ModelConfig().to_json()} if metadata is None else metadata
+    meta = (
+        {"config": config_json if config_json is not None else ModelConfig().to_json()}
+        if metadata is None
+        else metadata
+    )
     save_file(tensors, str(path), metadata=meta)
     return path
 
@@ -118,9 +120,9 @@ WEIGHT_CASES = {
 @pytest.mark.parametrize("framework", PORTS)
 def test_bad_weights_file_is_one_error_line(tmp_path, capsys, no_port_may_load, case, framework):
     path = bad_weights(tmp_path, case)
-    code, out, err = run_cli(["generate", "--framework", framework, "--mode", "cached", "--weights", str(path)], capsys)
-    assert (code, out) == (2, "")
-    assert err.count("\n") == 1 and err.startswith("error: ")
+    err = assert_one_error_line(
+        *run_cli(capsys, "generate", "--framework", framework, "--mode", "cached", "--weights", path)
+    )
     assert WEIGHT_CASES[case] in err
 
 
@@ -132,9 +134,12 @@ PROMPT_CASES = {
     "empty": (["--prompt", ""], "empty prompt"),
     "stray_comma": (["--prompt", "1,,2"], "empty token id"),
     "unequal_lengths": (["--prompt", "1,2,3", "--prompt", "4,5"], "prompts have unequal lengths [2, 3]"),
-    "zero_new_tokens": (["--new-tokens", "0"], "new tokens 0 is below 1"),
-    "negative_new_tokens": (["--new-tokens", "-3"], "new tokens -3 is below 1"),
-    "too_long": (["--prompt", "1,2,3", "--new-tokens", "510"], "prompt length 3 + new tokens 510 = 513 exceeds max_seq_len 512"),
+    "zero_new_tokens": (["--new-tokens", "0"], "error: --new-tokens 0 is below 1"),
+    "negative_new_tokens": (["--new-tokens", "-3"], "error: --new-tokens -3 is below 1"),
+    "too_long": (
+        ["--prompt", "1,2,3", "--new-tokens", "510"],
+        "prompt length 3 + new tokens 510 = 513 exceeds max_seq_len 512",
+    ),
 }
 
 
@@ -144,9 +149,8 @@ def test_bad_prompt_is_the_same_error_for_every_framework(capsys, no_port_may_lo
     messages = set()
     for framework in PORTS:
         for mode in ("naive", "cached"):
-            code, out, err = run_cli(["generate", "--framework", framework, "--mode", mode, *extra], capsys)
-            assert (code, out) == (2, "")
-            assert err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
+            err = assert_one_error_line(*run_cli(capsys, "generate", "--framework", framework, "--mode", mode, *extra))
+            assert expected in err, err
             messages.add(err)
     assert len(messages) == 1
 
@@ -154,18 +158,20 @@ def test_bad_prompt_is_the_same_error_for_every_framework(capsys, no_port_may_lo
 @pytest.mark.parametrize("case", sorted(PROMPT_CASES))
 def test_bad_prompt_is_refused_by_compare_too(capsys, no_port_may_load, case):
     extra, expected = PROMPT_CASES[case]
-    code, out, err = run_cli(["compare", *extra], capsys)
-    assert (code, out) == (2, "") and expected in err
+    assert expected in assert_one_error_line(*run_cli(capsys, "compare", *extra))
 
 
-@pytest.mark.parametrize("argv", [
-    ["generate", "--framework", "tensorflow", "--mode", "cached"],
-    ["generate", "--framework", "torch", "--mode", "fast"],
-    ["generate", "--framework", "torch", "--mode", "cached", "--new-tokens", "ten"],
-    ["generate", "--framework", "torch", "--mode", "cached", "--dtype", "float16"],
-    ["generate", "--mode", "cached"],
-    ["frobnicate"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--framework", "tensorflow", "--mode", "cached"],
+        ["generate", "--framework", "torch", "--mode", "fast"],
+        ["generate", "--framework", "torch", "--mode", "cached", "--new-tokens", "ten"],
+        ["generate", "--framework", "torch", "--mode", "cached", "--dtype", "float16"],
+        ["generate", "--mode", "cached"],
+        ["frobnicate"],
+    ],
+)
 def test_malformed_flags_get_argparse_usage_and_exit_2(capsys, argv):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
@@ -175,8 +181,25 @@ def test_malformed_flags_get_argparse_usage_and_exit_2(capsys, argv):
     assert "error: " in err.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["init-weights", "--out", "x.safetensors", "--n-layers", "0"], "error: --n-layers 0 is below 1\n"),
+        (["init-weights", "--out", "x.safetensors", "--seed", "-1"], "error: --seed -1 is below 0\n"),
+        (["compare", "--new-tokens", "0"], "error: --new-tokens 0 is below 1\n"),
+    ],
+)
+def test_an_integer_outside_its_types_range_is_one_error_line(capsys, no_port_may_load, argv, expected):
+    assert assert_one_error_line(*run_cli(capsys, *argv)) == expected
+
+
+def test_the_integer_types_accept_their_whole_range():
+    assert (positive_int("1"), non_negative_int("0"), non_negative_int("7")) == (1, 0, 7)
+
+
 def test_console_script_prints_no_traceback():
-    result = subprocess.run([sys.executable, "-m", "kvports.shared.cli", "generate", "--framework", "numpy", "--mode", "naive",
-                             "--prompt", "1,2,999"], capture_output=True, text=True, timeout=120)
+    argv = "generate --framework numpy --mode naive --prompt 1,2,999".split()
+    command = [sys.executable, "-m", "kvports.shared.cli", *argv]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == "error: token id 999 in prompt 0 is outside [0, 500) (vocab_size 500)\n"

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
-import torch  # noqa: E402  (transformers needs it; after the skip so its absence skips)
+import torch
 
-from hf_util import CASES, hf_generate, prompts_for, save_hf  # noqa: E402
-from kvports.shared.cli import main  # noqa: E402
-from kvports.shared.weights import load_weights  # noqa: E402
+from kvports.shared.cli import main
+from kvports.shared.weights import load_weights
+from tests.helpers import random_prompts
+from tests.hf_util import CASES, hf_generate, save_hf
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +47,7 @@ class Runs:
             assert main(["convert", "--from-hf", str(directory), "--out", str(out)]) == 0
             config, tensors = load_weights(out)
             batch, length = CASES[case_name].prompt
-            prompts = prompts_for(config.vocab_size, batch, length, seed=length)
+            prompts = random_prompts(config.vocab_size, batch, length, seed=length)
             self.hf[(case_name, dtype)] = (config, tensors, (prompts, *hf_generate(model, prompts, NEW_TOKENS)))
         return self.hf[(case_name, dtype)]
 

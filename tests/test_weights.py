@@ -38,6 +38,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path, seed_weights, 
 
     def crash(src, dst):
         raise OSError("disk full")
+
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError):
         save_weights(target, tensors, config)

@@ -3,13 +3,14 @@ only when text is asked for; nothing is fetched)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Sequence
+from typing import Any
 
 from kvports.shared.errors import UserError
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path) -> Any:
     """A Hugging Face directory holding tokenizer.json, or the tokenizer.json itself."""
     try:
         from tokenizers import Tokenizer
@@ -24,10 +25,10 @@ def load_tokenizer(path: Path):
         raise UserError(f"{str(file)!r} is not a tokenizer.json the tokenizers package can read ({exc})") from None
 
 
-def encode(tokenizer, texts: Sequence[str]) -> List[List[int]]:
+def encode(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     # Special tokens (a BOS, say) are added as transformers' tokenizer would by default.
     return [tokenizer.encode(text).ids for text in texts]
 
 
-def decode(tokenizer, ids: Sequence[int]) -> str:
+def decode(tokenizer: Any, ids: Sequence[int]) -> str:
     return tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -12,17 +12,29 @@ from kvports.shared.config import DTYPES
 from kvports.shared.errors import UserError
 from kvports.shared.families import describe
 
-HELP = "convert a local Hugging Face model directory (gpt2, llama, mistral) to a weights file, or a weights file to gpt2"
+HELP = (
+    "convert a local Hugging Face model directory (gpt2, llama, mistral) to a weights file, or a weights file to gpt2"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--from-hf", type=Path, metavar="DIR",
-                        help="Hugging Face directory: config.json and *.safetensors (sharded or not)")
+    source.add_argument(
+        "--from-hf",
+        type=Path,
+        metavar="DIR",
+        help="Hugging Face directory: config.json and *.safetensors (sharded or not)",
+    )
     source.add_argument("--to-hf", type=Path, metavar="FILE", help="our weights file, written as a gpt2-type directory")
-    parser.add_argument("--out", type=Path, required=True, help="the weights file (--from-hf) or directory (--to-hf) to write")
-    parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="cast to this dtype (needed for bf16/fp16 checkpoints; default: keep float32/float64)")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="the weights file (--from-hf) or directory (--to-hf) to write"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="cast to this dtype (needed for bf16/fp16 checkpoints; default: keep float32/float64)",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite an existing output")
 
 
@@ -31,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def from_hf(args: argparse.Namespace) -> int:
-    from kvports.shared.hf import import_hf
+    from kvports.shared.hf.importer import import_hf
     from kvports.shared.weights import save_weights
 
     out: Path = args.out
@@ -50,7 +62,8 @@ def from_hf(args: argparse.Namespace) -> int:
 
 
 def to_hf(args: argparse.Namespace) -> int:
-    from kvports.shared.hf import export_gpt2, gpt2_refusal
+    from kvports.shared.hf.config import gpt2_refusal
+    from kvports.shared.hf.exporter import export_gpt2
     from kvports.shared.weights import load_weights
 
     out: Path = args.out
