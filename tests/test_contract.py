@@ -16,9 +16,6 @@ from kvports.shared.ports import MODULES, PORTS
 from tests.helpers import SEED_PROMPT
 
 BASELINES = ("seed_concat", "hf_gpt2", "torch_compile")
-# TRANSITIONAL (issue 7): the ports' and torch_compile's generate take on_token there. These then
-# pass, strict xfail turns that into a failure, and the commit that added this is reverted.
-BEFORE_ISSUE_7 = pytest.mark.xfail(strict=True, reason="issue 7: generate(..., on_token=None)")
 
 
 def import_or_skip(module_name: str) -> types.ModuleType:
@@ -28,7 +25,6 @@ def import_or_skip(module_name: str) -> types.ModuleType:
         pytest.skip(f"{module_name} needs a missing package ({exc})")
 
 
-@BEFORE_ISSUE_7
 @pytest.mark.parametrize("name", PORTS)
 def test_port_satisfies_the_port_protocol(name):
     port = import_or_skip(MODULES[name])
@@ -36,13 +32,12 @@ def test_port_satisfies_the_port_protocol(name):
     assert port.NAME == name
 
 
-@pytest.mark.parametrize("name", [*BASELINES[:2], pytest.param(BASELINES[2], marks=BEFORE_ISSUE_7)])
+@pytest.mark.parametrize("name", BASELINES)
 def test_baseline_satisfies_the_runner_protocol(name):
     baseline = import_or_skip(f"kvports.baselines.{name}")
     assert contract.mismatches(baseline, contract.Runner) == []
 
 
-@BEFORE_ISSUE_7
 @pytest.mark.parametrize("mode", ["naive", "cached"])
 def test_on_token_reports_each_token_as_generate_returns_it(port, seed_weights, mode):
     config, tensors = seed_weights

@@ -148,13 +148,8 @@ def within(name: str, package: str) -> bool:
 MODULES = read_modules()
 
 
-# TRANSITIONAL (issue 7): numpy_impl/port.py still takes its matvec from the bench; revert this commit then.
-ALLOWED_FOR_NOW = {("kvports.numpy_impl.port", "kvports.shared.bench")}
-
-
 def edges(module: Module, dynamic: bool = False) -> set[str]:
-    found = module.imports | (module.loads if dynamic else set())
-    return {target for target in found if (module.name, target) not in ALLOWED_FOR_NOW}
+    return module.imports | (module.loads if dynamic else set())
 
 
 # ---------------------------------------------------------------- the rules

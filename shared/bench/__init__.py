@@ -32,20 +32,3 @@ from kvports.shared.bench.command import run
 HELP = "time every framework x mode against the seed's cache and transformers: table, JSON, CSV, plots"
 
 __all__ = ["HELP", "add_arguments", "run"]
-
-
-def numpy_matvec_seconds(rows: int, cols: int, repeats: int) -> list[float]:
-    """TRANSITIONAL (issue 7): numpy_impl/port.py's matvec_seconds still calls this here; once
-    it measures on its own, revert the commit that added this."""
-    import time
-
-    import numpy as np
-
-    matrix = np.ones((rows, cols), dtype=np.float32)  # [rows, cols]
-    vector = np.ones(cols, dtype=np.float32)  # [cols]
-    seconds = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        matrix @ vector  # [rows]
-        seconds.append(time.perf_counter() - start)
-    return seconds[1:]  # the first call pays for page faults and thread start-up

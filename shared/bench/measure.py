@@ -4,7 +4,6 @@ bandwidth, and the bytes a decode step must read (the roofline's numerator)."""
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
 import time
@@ -44,10 +43,7 @@ def time_stream(
         stamps.append(time.perf_counter())
 
     start = time.perf_counter()
-    if "on_token" in inspect.signature(module.generate).parameters:
-        tokens, _ = module.generate(model, prompts, new_tokens, mode, on_token=on_token)
-    else:  # TRANSITIONAL (issue 7): a port from before generate took on_token; revert this commit then
-        tokens = module.generate_stream(model, prompts, new_tokens, mode, on_token)  # type: ignore[attr-defined]
+    tokens, _ = module.generate(model, prompts, new_tokens, mode, on_token=on_token)
     if len(stamps) != new_tokens:
         raise RuntimeError(f"{module.NAME}: generate called on_token {len(stamps)} times, expected {new_tokens}")
     return tokens, [1e3 * step for step in np.diff([start] + stamps)]
