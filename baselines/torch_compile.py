@@ -7,7 +7,7 @@ bench reports its extra time as compile time, apart from the steady state.
 
 from __future__ import annotations
 
-from typing import Dict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,18 +19,30 @@ NAME = "torch"
 MODES = ("cached",)
 
 
-def versions() -> Dict[str, str]:
+def versions() -> dict[str, str]:
     return torch_port.versions()
 
 
-def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu") -> TinyModel:
-    import torch
+def load_model(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+) -> TinyModel:
 
     model = torch_port.load_model(config, tensors, dtype, device)
     model.compile(dynamic=True)  # one graph per call shape, not one per cache length
     return model
 
 
-generate = torch_port.generate
+def generate(
+    model: TinyModel,
+    prompts: np.ndarray,
+    new_tokens: int,
+    mode: str = "cached",
+    return_logits: bool = False,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The torch port's greedy generation, through the compiled forward."""
+    return torch_port.generate(model, prompts, new_tokens, mode, return_logits, on_token=on_token)
+
+
 synchronize = torch_port.synchronize
 matvec_seconds = torch_port.matvec_seconds

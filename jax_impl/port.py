@@ -4,7 +4,7 @@ The same names in every port (the contract: docs/PORTS.md); only the framework c
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
 
 import flax
 import jax
@@ -13,17 +13,17 @@ import jaxlib
 import numpy as np
 from flax import nnx
 
-from kvports.shared.config import ModelConfig
-from kvports.shared.generation import GenerationConfig, as_generation
 from kvports.jax_impl import speculative
 from kvports.jax_impl.model import TinyModel, generate_cached, generate_naive, init_cache
 from kvports.jax_impl.model import prefill as prefill_step
+from kvports.shared.config import ModelConfig
+from kvports.shared.generation import GenerationConfig, as_generation
 
 NAME = "jax"
 JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64}
 
 
-def versions() -> Dict[str, str]:
+def versions() -> dict[str, str]:
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__}
 
 
@@ -37,12 +37,12 @@ def resolve_device(device: str) -> jax.Device:
     return jax.devices("cpu")[0]
 
 
-def _parameter_slots(model: TinyModel) -> Dict[str, Tuple[nnx.Variable, bool]]:
+def _parameter_slots(model: TinyModel) -> dict[str, tuple[nnx.Variable, bool]]:
     """Every torch state_dict name -> (the nnx parameter it fills, transpose?).
     nnx.Linear keeps its kernel (in, out), the transpose of torch's (out, in) weight;
     nnx.LayerNorm calls its weight `scale`."""
     config = model.config
-    slots: Dict[str, Tuple[nnx.Variable, bool]] = {"emb.weight": (model.emb.embedding, False)}
+    slots: dict[str, tuple[nnx.Variable, bool]] = {"emb.weight": (model.emb.embedding, False)}
     if config.positions == "learned":
         slots["pos.weight"] = (model.pos.embedding, False)
 
@@ -71,7 +71,9 @@ def _parameter_slots(model: TinyModel) -> Dict[str, Tuple[nnx.Variable, bool]]:
     return slots
 
 
-def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu") -> TinyModel:
+def load_model(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+) -> TinyModel:
     target = resolve_device(device)
     with jax.default_device(target):
         model = TinyModel(config, dtype=JAX_DTYPES[dtype], rngs=nnx.Rngs(0))  # every parameter is overwritten below
@@ -91,9 +93,15 @@ def _model_device(model: TinyModel) -> jax.Device:
     return next(iter(model.emb.embedding[...].devices()))
 
 
-def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, GenerationConfig], mode: str,
-             return_logits: bool = False, prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
-             ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+def generate(
+    model: TinyModel,
+    prompts: np.ndarray,
+    generation: int | GenerationConfig,
+    mode: str,
+    return_logits: bool = False,
+    prefill: bool = True,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
     """prompts [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N] (PAD after a row
     stops) and step logits [B, steps, V]; on_token(token [B]) as each token reaches the host.
     generation: a GenerationConfig, or a number of greedy tokens."""
@@ -110,16 +118,23 @@ def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, Gener
     return np.asarray(tokens, dtype=np.int64), np.asarray(logits)  # [B, P + N], [B, N, V]
 
 
-def generate_speculative(model: TinyModel, draft: Optional[TinyModel], prompts: np.ndarray,
-                         generation: Union[int, GenerationConfig], draft_tokens: int, ngram: int = 2,
-                         on_token: Optional[Callable[[np.ndarray], None]] = None) -> Tuple[np.ndarray, Dict[str, int]]:
+def generate_speculative(
+    model: TinyModel,
+    draft: TinyModel | None,
+    prompts: np.ndarray,
+    generation: int | GenerationConfig,
+    draft_tokens: int,
+    ngram: int = 2,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, dict[str, int]]:
     """The target's own tokens [B, P + N] from draft-and-verify rounds, and their counts. draft:
     a model loaded with load_model (same vocabulary), or None for prompt lookup of n-grams."""
     prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), _model_device(model))  # [B, P]
     to_host = None if on_token is None else (lambda token: on_token(token.astype(np.int64)))
     with jax.default_device(_model_device(model)):
-        tokens, counts = speculative.generate_speculative(model, draft, prompt, as_generation(generation), draft_tokens,
-                                                          ngram, to_host)
+        tokens, counts = speculative.generate_speculative(
+            model, draft, prompt, as_generation(generation), draft_tokens, ngram, to_host
+        )
     return np.asarray(tokens, dtype=np.int64), counts  # [B, P + N]
 
 
@@ -148,7 +163,7 @@ def synchronize(model: TinyModel) -> None:
     jax.block_until_ready(jax.live_arrays(_model_device(model).platform))
 
 
-def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> List[float]:
+def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> list[float]:
     """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
     call (which also compiles): the matrix's bytes over this time is the streaming bandwidth
     a roofline divides by."""

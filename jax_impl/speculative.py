@@ -18,16 +18,15 @@ Shapes: B batch, P prompt, N new tokens, K proposals per round, V vocabulary, L 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvports.jax_impl.model import (TinyModel, _merge, _split, draw, init_cache, probabilities, sample,
-                                    start_generation)
+from kvports.jax_impl.model import TinyModel, _merge, _split, draw, init_cache, probabilities, sample, start_generation
 from kvports.shared.generation import PAD, GenerationConfig, speculative_uniforms
 
 
@@ -45,8 +44,16 @@ def propose_ngram(tokens: jax.Array, end: jax.Array, n: int, draft_tokens: int) 
     return jnp.take_along_axis(tokens, index, axis=1)  # [B, K]
 
 
-def propose_draft(draft: TinyModel, draft_cache, tokens: jax.Array, end: jax.Array, pad: Optional[jax.Array],
-                  generation: GenerationConfig, uniform: jax.Array, draft_tokens: int):
+def propose_draft(
+    draft: TinyModel,
+    draft_cache,
+    tokens: jax.Array,
+    end: jax.Array,
+    pad: jax.Array | None,
+    generation: GenerationConfig,
+    uniform: jax.Array,
+    draft_tokens: int,
+):
     """K proposals [B, K] from the draft model, and the probabilities they were drawn from
     [B, K, V] (None when greedy). The draft's cache always lacks the last two tokens here: the
     one before the last is fed again (the same key and value in the same slot), so one rule
@@ -54,12 +61,20 @@ def propose_draft(draft: TinyModel, draft_cache, tokens: jax.Array, end: jax.Arr
     draft_cache = draft_cache.crop(end - 2)
     logits, draft_cache = draft(jnp.maximum(lax.dynamic_slice_in_dim(tokens, end - 2, 2, axis=1), 0), draft_cache, pad)
     B, V = logits.shape[0], logits.shape[-1]
-    proposals = jnp.zeros((B, draft_tokens), dtype=jnp.int32).at[:, 0].set(sample(logits[:, -1], generation, uniform[:, 0]))
-    q = None if generation.greedy else jnp.zeros((B, draft_tokens, V)).at[:, 0].set(probabilities(logits[:, -1], generation))
+    proposals = (
+        jnp.zeros((B, draft_tokens), dtype=jnp.int32).at[:, 0].set(sample(logits[:, -1], generation, uniform[:, 0]))
+    )
+    q = (
+        None
+        if generation.greedy
+        else jnp.zeros((B, draft_tokens, V)).at[:, 0].set(probabilities(logits[:, -1], generation))
+    )
 
     def propose(i, carry):  # K - 1 more draft steps, one compiled body
         proposals, q, draft_cache = carry
-        logits, draft_cache = draft(lax.dynamic_slice_in_dim(proposals, i - 1, 1, axis=1), draft_cache, pad)  # [B, 1, V]
+        logits, draft_cache = draft(
+            lax.dynamic_slice_in_dim(proposals, i - 1, 1, axis=1), draft_cache, pad
+        )  # [B, 1, V]
         proposals = proposals.at[:, i].set(sample(logits[:, -1], generation, uniform[:, i]))  # [B, K]
         if q is not None:
             q = q.at[:, i].set(probabilities(logits[:, -1], generation))  # [B, K, V]
@@ -69,22 +84,31 @@ def propose_draft(draft: TinyModel, draft_cache, tokens: jax.Array, end: jax.Arr
     return proposals, q, draft_cache  # [B, K]
 
 
-def verify(target_logits: jax.Array, q: Optional[jax.Array], proposals: jax.Array,
-           generation: GenerationConfig, uniform: jax.Array) -> Tuple[jax.Array, jax.Array]:
+def verify(
+    target_logits: jax.Array,
+    q: jax.Array | None,
+    proposals: jax.Array,
+    generation: GenerationConfig,
+    uniform: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
     """target_logits [B, K + 1, V] for the last token and the K proposals; q [B, K, V] what the
     proposals were drawn from (None: greedy, or a lookup's certain proposals); uniform [B, K + 1].
     -> accepted [B], how many proposals each row keeps, and final [B], its token after them."""
     K = proposals.shape[1]
     if generation.greedy:
-        choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K + 1]: what the target itself emits at each place
+        choice = jnp.argmax(target_logits, axis=-1).astype(
+            jnp.int32
+        )  # [B, K + 1]: what the target itself emits at each place
         accepted = jnp.cumprod(proposals == choice[:, :K], axis=1).sum(axis=1)  # [B]: the longest agreeing prefix
-        return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]  # its correction, or the bonus token
+        return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[
+            :, 0
+        ]  # its correction, or the bonus token
     p = probabilities(target_logits, generation)  # [B, K + 1, V]
     if q is None:
         q = jax.nn.one_hot(proposals, p.shape[-1], dtype=p.dtype)  # [B, K, V]: a lookup proposes for certain
     p_proposed = jnp.take_along_axis(p[:, :K], proposals[..., None], axis=2)[..., 0]  # [B, K]
     q_proposed = jnp.take_along_axis(q, proposals[..., None], axis=2)[..., 0]  # [B, K]
-    # Keep a proposal with probability min(1, p / q): what the draft proposes too often is thinned to the target's share...
+    # Keep a proposal with probability min(1, p / q): what the draft proposes too often is cut to the target's share...
     accepted = jnp.cumprod(uniform[:, :K] * q_proposed < p_proposed, axis=1).sum(axis=1)  # [B]
     # ...and after the last one kept, draw from what the draft proposed too rarely, max(p - q, 0); after all K, from p.
     residual = jnp.concatenate([jnp.maximum(p[:, :K] - q, 0), p[:, K:]], axis=1)  # [B, K + 1, V]
@@ -92,9 +116,15 @@ def verify(target_logits: jax.Array, q: Optional[jax.Array], proposals: jax.Arra
     return accepted, draw(at_rejection, uniform[:, K])
 
 
-def generate_speculative(model: TinyModel, draft: Optional[TinyModel], prompt: jax.Array,
-                         generation: GenerationConfig, draft_tokens: int, ngram: int = 2,
-                         on_token: Optional[Callable[[np.ndarray], None]] = None):
+def generate_speculative(
+    model: TinyModel,
+    draft: TinyModel | None,
+    prompt: jax.Array,
+    generation: GenerationConfig,
+    draft_tokens: int,
+    ngram: int = 2,
+    on_token: Callable[[np.ndarray], None] | None = None,
+):
     """prompt [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N], the target's own
     output, and counts: rounds, target forwards, proposals made and accepted. One compiled
     call: on_token hears each token when it returns, not as it is made."""
@@ -108,20 +138,45 @@ def generate_speculative(model: TinyModel, draft: Optional[TinyModel], prompt: j
     first, rounds = speculative_uniforms(generation.seed, B, N, K)  # [B], [B, N, 2K + 1]
     static, leaves = _split(model)
     draft_static, draft_leaves = _split(draft) if draft is not None else (None, None)
-    tokens, counts = _speculative_loop(static, leaves, draft_static, draft_leaves, prompt, tokens, pad,
-                                       jnp.asarray(first), jnp.asarray(rounds), stops, generation, K, ngram)
+    tokens, counts = _speculative_loop(
+        static,
+        leaves,
+        draft_static,
+        draft_leaves,
+        prompt,
+        tokens,
+        pad,
+        jnp.asarray(first),
+        jnp.asarray(rounds),
+        stops,
+        generation,
+        K,
+        ngram,
+    )
     tokens = np.asarray(tokens)[:, : P + N]  # [B, P + N]
     if on_token is not None:
         for column in range(P, P + N):
             on_token(tokens[:, column])
     names = ("rounds", "target_forwards", "proposed", "accepted")
-    return jnp.asarray(tokens), {name: int(value) for name, value in zip(names, np.asarray(counts))}
+    return jnp.asarray(tokens), {name: int(value) for name, value in zip(names, np.asarray(counts), strict=True)}
 
 
 @partial(jax.jit, static_argnums=(0, 2, 10, 11, 12))
-def _speculative_loop(static, leaves, draft_static, draft_leaves, prompt: jax.Array, tokens: jax.Array,
-                      pad: Optional[jax.Array], first: jax.Array, rounds: jax.Array, stops: jax.Array,
-                      generation: GenerationConfig, draft_tokens: int, ngram: int):
+def _speculative_loop(
+    static,
+    leaves,
+    draft_static,
+    draft_leaves,
+    prompt: jax.Array,
+    tokens: jax.Array,
+    pad: jax.Array | None,
+    first: jax.Array,
+    rounds: jax.Array,
+    stops: jax.Array,
+    generation: GenerationConfig,
+    draft_tokens: int,
+    ngram: int,
+):
     model = _merge(static, leaves)
     draft = _merge(draft_static, draft_leaves) if draft_static is not None else None
     B, P = prompt.shape
@@ -150,7 +205,9 @@ def _speculative_loop(static, leaves, draft_static, draft_leaves, prompt: jax.Ar
             proposals, q = propose_ngram(tokens, end, ngram, K), None  # [B, K]
         else:
             proposals, q, draft_cache = propose_draft(draft, draft_cache, tokens, end, pad, generation, uniform, K)
-        chunk = jnp.maximum(jnp.concatenate([lax.dynamic_slice_in_dim(tokens, end - 1, 1, axis=1), proposals], axis=1), 0)  # [B, K + 1]
+        chunk = jnp.maximum(
+            jnp.concatenate([lax.dynamic_slice_in_dim(tokens, end - 1, 1, axis=1), proposals], axis=1), 0
+        )  # [B, K + 1]
         logits, cache = model(chunk, cache, pad)  # [B, K + 1, V]: one target forward checks all K
         accepted, final = verify(logits, q, proposals, generation, uniform[:, K:])  # [B], [B]
         kept = jnp.min(jnp.where(done, K, accepted))  # the batch moves as one: as far as its least lucky row

@@ -19,8 +19,7 @@ import numpy as np
 
 import kvports.numpy_impl.functional as F
 import kvports.numpy_impl.nn as nn
-from kvports.shared.config import ModelConfig
-from kvports.shared.config import cache_slots
+from kvports.shared.config import ModelConfig, cache_slots
 from kvports.shared.generation import PAD, GenerationConfig, uniforms
 
 
@@ -48,7 +47,9 @@ class KVCache:
         slots = self.keys.shape[3]
         if not self.writes_first(T):
             filled = min(self.length, slots)
-            key_positions = np.concatenate([self.slot_positions[:, :filled], np.broadcast_to(positions, (self.slot_positions.shape[0], T))], axis=1)
+            key_positions = np.concatenate(
+                [self.slot_positions[:, :filled], np.broadcast_to(positions, (self.slot_positions.shape[0], T))], axis=1
+            )
             return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
         filled = min(self.length + T, slots)
         if T == 1 and not padded and (self.window is None or filled <= self.window):
@@ -109,7 +110,9 @@ def token_positions(start: int, length: int, pad: Optional[np.ndarray]) -> np.nd
     positions = start + np.arange(length, dtype=np.int64)[None, :]  # [1, T]; [B, T] where start is per row, [B, 1]
     if pad is None:
         return positions
-    return np.maximum(positions - pad[:, None], -1)  # [B, T]: a left-padded row counts from its first token; -1 on padding
+    return np.maximum(
+        positions - pad[:, None], -1
+    )  # [B, T]: a left-padded row counts from its first token; -1 on padding
 
 
 def attention_mask(query_positions: np.ndarray, key_positions: np.ndarray, window: Optional[int]) -> np.ndarray:
@@ -144,7 +147,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         # NumPy has no rsqrt.
-        return x * (1.0 / np.sqrt((x ** 2).mean(-1, keepdims=True) + self.eps)) * self.weight  # [B, T, D]
+        return x * (1.0 / np.sqrt((x**2).mean(-1, keepdims=True) + self.eps)) * self.weight  # [B, T, D]
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -268,14 +271,18 @@ def probabilities(logits: np.ndarray, generation: GenerationConfig) -> np.ndarra
     then softmax. In float64, so the ports' draws can differ only where their logits do."""
     logits = logits.astype(np.float64) / generation.temperature  # [..., V]
     shape = logits.shape
-    return F.softmax(filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p), axis=-1).reshape(shape)
+    return F.softmax(filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p), axis=-1).reshape(
+        shape
+    )
 
 
 def draw(probs: np.ndarray, uniform: np.ndarray) -> np.ndarray:
     """probs [B, V] (summing to any positive total), uniform [B] in [0, 1) -> tokens [B]: the
     first token whose cumulative probability exceeds the uniform's share of the total."""
     cumulative = probs.cumsum(axis=-1)  # [B, V]
-    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(axis=-1)  # [B]: tokens whose interval ends at or below it
+    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(
+        axis=-1
+    )  # [B]: tokens whose interval ends at or below it
     return np.minimum(drawn, probs.shape[-1] - 1)
 
 
@@ -305,8 +312,13 @@ def start_generation(prompt: np.ndarray, generation: GenerationConfig):
 
 
 # No inference_mode decorator: NumPy records no autograd graph to switch off.
-def generate_naive(model: TinyModel, prompt: np.ndarray, generation: GenerationConfig, return_logits: bool = False,
-                   on_token: OnToken = None):
+def generate_naive(
+    model: TinyModel,
+    prompt: np.ndarray,
+    generation: GenerationConfig,
+    return_logits: bool = False,
+    on_token: OnToken = None,
+):
     """Recompute the whole history every step: O(n^2) work per token.
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
@@ -318,7 +330,9 @@ def generate_naive(model: TinyModel, prompt: np.ndarray, generation: GenerationC
         logits, _ = model(np.maximum(tokens[:, : P + step], 0), pad=pad)  # [B, P + step, V]: the whole history again
         if return_logits:
             step_logits.append(logits[:, -1])
-        token = np.where(done, PAD, sample(logits[:, -1], generation, draws[:, step]))  # [B]; a stopped row stays stopped
+        token = np.where(
+            done, PAD, sample(logits[:, -1], generation, draws[:, step])
+        )  # [B]; a stopped row stays stopped
         tokens[:, P + step] = token
         if on_token is not None:
             on_token(token)
@@ -328,8 +342,14 @@ def generate_naive(model: TinyModel, prompt: np.ndarray, generation: GenerationC
     return (tokens, np.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
 
-def generate_cached(model: TinyModel, prompt: np.ndarray, generation: GenerationConfig, return_logits: bool = False,
-                    prefill: bool = True, on_token: OnToken = None):
+def generate_cached(
+    model: TinyModel,
+    prompt: np.ndarray,
+    generation: GenerationConfig,
+    return_logits: bool = False,
+    prefill: bool = True,
+    on_token: OnToken = None,
+):
     """Prefill the prompt in one forward, then one token per step against the cache.
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
@@ -349,7 +369,9 @@ def generate_cached(model: TinyModel, prompt: np.ndarray, generation: Generation
             logits, cache = model(np.maximum(tokens[:, P + step - 1 : P + step], 0), cache, pad)  # [B, 1, V]
         if return_logits:
             step_logits.append(logits[:, -1])
-        token = np.where(done, PAD, sample(logits[:, -1], generation, draws[:, step]))  # [B]; a stopped row stays stopped
+        token = np.where(
+            done, PAD, sample(logits[:, -1], generation, draws[:, step])
+        )  # [B]; a stopped row stays stopped
         tokens[:, P + step] = token
         if on_token is not None:
             on_token(token)

@@ -4,20 +4,20 @@ The same names in every port (the contract: docs/PORTS.md); only the framework c
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvports.shared.config import ModelConfig
-from kvports.shared.generation import GenerationConfig, as_generation
 from kvports.numpy_impl import speculative
 from kvports.numpy_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
+from kvports.shared.config import ModelConfig
+from kvports.shared.generation import GenerationConfig, as_generation
 
 NAME = "numpy"
 NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
-def versions() -> Dict[str, str]:
+def versions() -> dict[str, str]:
     return {"numpy": np.__version__}
 
 
@@ -27,16 +27,24 @@ def resolve_device(device: str) -> str:
     return "cpu"
 
 
-def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu") -> TinyModel:
+def load_model(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+) -> TinyModel:
     resolve_device(device)
     model = TinyModel(config)  # placeholder weights: every tensor comes from the file
     model.load_state_dict(tensors)
     return model.to(NUMPY_DTYPES[dtype]).eval()
 
 
-def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, GenerationConfig], mode: str,
-             return_logits: bool = False, prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
-             ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+def generate(
+    model: TinyModel,
+    prompts: np.ndarray,
+    generation: int | GenerationConfig,
+    mode: str,
+    return_logits: bool = False,
+    prefill: bool = True,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
     """prompts [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N] (PAD after a row
     stops) and step logits [B, steps, V]; on_token(token [B]) as each token is made.
     generation: a GenerationConfig, or a number of greedy tokens."""
@@ -52,14 +60,22 @@ def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, Gener
     return tokens, logits  # [B, P + N], [B, N, V]
 
 
-def generate_speculative(model: TinyModel, draft: Optional[TinyModel], prompts: np.ndarray,
-                         generation: Union[int, GenerationConfig], draft_tokens: int, ngram: int = 2,
-                         on_token: Optional[Callable[[np.ndarray], None]] = None) -> Tuple[np.ndarray, Dict[str, int]]:
+def generate_speculative(
+    model: TinyModel,
+    draft: TinyModel | None,
+    prompts: np.ndarray,
+    generation: int | GenerationConfig,
+    draft_tokens: int,
+    ngram: int = 2,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, dict[str, int]]:
     """The target's own tokens [B, P + N] from draft-and-verify rounds, and their counts. draft:
     a model loaded with load_model (same vocabulary), or None for prompt lookup of n-grams."""
     prompt = np.asarray(prompts, dtype=np.int64)  # [B, P]
     to_host = None if on_token is None else (lambda token: on_token(token.copy()))  # a copy: the caller may keep it
-    return speculative.generate_speculative(model, draft, prompt, as_generation(generation), draft_tokens, ngram, to_host)
+    return speculative.generate_speculative(
+        model, draft, prompt, as_generation(generation), draft_tokens, ngram, to_host
+    )
 
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
@@ -79,7 +95,7 @@ def synchronize(model: TinyModel) -> None:
     pass  # NumPy returns only when the work is done: nothing to wait for
 
 
-def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> List[float]:
+def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> list[float]:
     """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
     call (page faults, thread start-up): the matrix's bytes over this time is the streaming
     bandwidth a roofline divides by."""

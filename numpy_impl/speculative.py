@@ -17,7 +17,7 @@ Shapes: B batch, P prompt, N new tokens, K proposals per round, V vocabulary, E 
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 import numpy as np
 
@@ -39,8 +39,16 @@ def propose_ngram(tokens: np.ndarray, end: int, n: int, draft_tokens: int) -> np
     return np.take_along_axis(history, index, axis=1)  # [B, K]
 
 
-def propose_draft(draft: TinyModel, draft_cache, tokens: np.ndarray, end: int, pad: Optional[np.ndarray],
-                  generation: GenerationConfig, uniform: np.ndarray, draft_tokens: int):
+def propose_draft(
+    draft: TinyModel,
+    draft_cache,
+    tokens: np.ndarray,
+    end: int,
+    pad: np.ndarray | None,
+    generation: GenerationConfig,
+    uniform: np.ndarray,
+    draft_tokens: int,
+):
     """K proposals [B, K] from the draft model, and the probabilities they were drawn from
     [B, K, V] (None when greedy). The draft's cache always lacks the last two tokens here: the
     one before the last is fed again (the same key and value in the same slot), so one rule
@@ -58,8 +66,13 @@ def propose_draft(draft: TinyModel, draft_cache, tokens: np.ndarray, end: int, p
     return np.stack(proposals, axis=1), q, draft_cache  # [B, K]
 
 
-def verify(target_logits: np.ndarray, q: Optional[np.ndarray], proposals: np.ndarray,
-           generation: GenerationConfig, uniform: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def verify(
+    target_logits: np.ndarray,
+    q: np.ndarray | None,
+    proposals: np.ndarray,
+    generation: GenerationConfig,
+    uniform: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """target_logits [B, K + 1, V] for the last token and the K proposals; q [B, K, V] what the
     proposals were drawn from (None: greedy, or a lookup's certain proposals); uniform [B, K + 1].
     -> accepted [B], how many proposals each row keeps, and final [B], its token after them."""
@@ -67,13 +80,15 @@ def verify(target_logits: np.ndarray, q: Optional[np.ndarray], proposals: np.nda
     if generation.greedy:
         choice = target_logits.argmax(axis=-1)  # [B, K + 1]: what the target itself emits at each place
         accepted = (proposals == choice[:, :K]).cumprod(axis=1).sum(axis=1)  # [B]: the longest agreeing prefix
-        return accepted, np.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]  # its correction, or the bonus token
+        return accepted, np.take_along_axis(choice, accepted[:, None], axis=1)[
+            :, 0
+        ]  # its correction, or the bonus token
     p = probabilities(target_logits, generation)  # [B, K + 1, V]
     if q is None:
         q = (proposals[..., None] == np.arange(p.shape[-1])).astype(p.dtype)  # [B, K, V]: a lookup proposes for certain
     p_proposed = np.take_along_axis(p[:, :K], proposals[..., None], axis=2)[..., 0]  # [B, K]
     q_proposed = np.take_along_axis(q, proposals[..., None], axis=2)[..., 0]  # [B, K]
-    # Keep a proposal with probability min(1, p / q): what the draft proposes too often is thinned to the target's share...
+    # Keep a proposal with probability min(1, p / q): what the draft proposes too often is cut to the target's share...
     accepted = (uniform[:, :K] * q_proposed < p_proposed).cumprod(axis=1).sum(axis=1)  # [B]
     # ...and after the last one kept, draw from what the draft proposed too rarely, max(p - q, 0); after all K, from p.
     residual = np.concatenate([np.maximum(p[:, :K] - q, 0), p[:, K:]], axis=1)  # [B, K + 1, V]
@@ -81,9 +96,15 @@ def verify(target_logits: np.ndarray, q: Optional[np.ndarray], proposals: np.nda
     return accepted, draw(at_rejection, uniform[:, K])
 
 
-def generate_speculative(model: TinyModel, draft: Optional[TinyModel], prompt: np.ndarray,
-                         generation: GenerationConfig, draft_tokens: int, ngram: int = 2,
-                         on_token: Optional[Callable[[np.ndarray], None]] = None):
+def generate_speculative(
+    model: TinyModel,
+    draft: TinyModel | None,
+    prompt: np.ndarray,
+    generation: GenerationConfig,
+    draft_tokens: int,
+    ngram: int = 2,
+    on_token: Callable[[np.ndarray], None] | None = None,
+):
     """prompt [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N], the target's own
     output, and counts: rounds, target forwards, proposals made and accepted."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
@@ -113,11 +134,15 @@ def generate_speculative(model: TinyModel, draft: Optional[TinyModel], prompt: n
             proposals, q = propose_ngram(tokens, end, ngram, K), None  # [B, K]
         else:
             proposals, q, draft_cache = propose_draft(draft, draft_cache, tokens, end, pad, generation, uniform, K)
-        chunk = np.maximum(np.concatenate([tokens[:, end - 1 : end], proposals], axis=1), 0)  # [B, K + 1]: the last token, then the proposals
+        chunk = np.maximum(
+            np.concatenate([tokens[:, end - 1 : end], proposals], axis=1), 0
+        )  # [B, K + 1]: the last token, then the proposals
         logits, cache = model(chunk, cache, pad)  # [B, K + 1, V]: one target forward checks all K
         accepted, final = verify(logits, q, proposals, generation, uniform[:, K:])  # [B], [B]
         kept = int(accepted[~done].min())  # the batch moves as one: as far as its least lucky row
-        extra = np.where(accepted > kept, proposals[:, min(kept, K - 1)], final)  # [B]: agreed proposal, or the target's token
+        extra = np.where(
+            accepted > kept, proposals[:, min(kept, K - 1)], final
+        )  # [B]: agreed proposal, or the target's token
         emitted = np.concatenate([proposals[:, :kept], extra[:, None]], axis=1)  # [B, kept + 1]
         cache = cache.crop(end + kept)  # the last token and the kept proposals stay; the rest never happened
         counts["rounds"] += 1

@@ -6,6 +6,7 @@ The core, which the ports import:
 - `weights`: the safetensors weights file every port loads
 - `checks`: input checks that run before any framework code
 - `compare`: token comparison with float32's near-ties explained
+- `generation`: how to generate (sampling settings, stop ids, seed), the shared random draws, ragged prompts
 - `contract`: what a port must provide (`Port`), and a bench baseline (`Runner`)
 - `ports`: ports imported by name, lazily; a missing one is reported as unavailable
 - `errors`, `files`, `families`, `progress`: small pieces the above and the tools share

@@ -21,6 +21,7 @@ from typing import Any, Generic, Protocol
 import numpy as np
 
 from kvports.shared.config import ModelConfig
+from kvports.shared.generation import GenerationConfig
 
 Model = Any  # each framework's own model object; only its port looks inside
 OnToken = Callable[[np.ndarray], None]  # called with the new token of every row, [B] int64
@@ -78,15 +79,32 @@ class Port(Timed, Protocol):
         self,
         model: Model,
         prompts: np.ndarray,
-        new_tokens: int,
+        generation: int | GenerationConfig,
         mode: str,
         return_logits: bool = False,
         prefill: bool = True,
         on_token: OnToken | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Greedy generation, mode `"naive"` (the whole history every step) or `"cached"` (a KV cache):
-        `(tokens [B, P + N], step logits [B, N, V] or None)`. `prefill=False` feeds the prompt token by token
-        (pitfall 2); `on_token(token [B])` is called as each new token reaches the host."""
+        """Generation, mode `"naive"` (the whole history every step) or `"cached"` (a KV cache). prompts `[B, P]`,
+        `PAD` (-1) on the left of shorter rows; generation a `GenerationConfig` (sampling, seed, stop ids) or a
+        number of greedy tokens. `(tokens [B, P + N], PAD after a row stops; step logits [B, steps, V] or None)`.
+        `prefill=False` feeds the prompt token by token (pitfall 2); `on_token(token [B])` is called as each new
+        token reaches the host."""
+        ...
+
+    def generate_speculative(
+        self,
+        model: Model,
+        draft: Model | None,
+        prompts: np.ndarray,
+        generation: int | GenerationConfig,
+        draft_tokens: int,
+        ngram: int = 2,
+        on_token: OnToken | None = None,
+    ) -> tuple[np.ndarray, dict[str, int]]:
+        """The target's own tokens `[B, P + N]` from rounds in which a draft (a model loaded by `load_model` with
+        the same vocabulary, or None: prompt lookup of `ngram`-grams) proposes `draft_tokens` tokens and one
+        target forward verifies them; and the counts `rounds`, `target_forwards`, `proposed`, `accepted`."""
         ...
 
     def forward_chunks(self, model: Model, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:

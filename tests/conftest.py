@@ -21,10 +21,7 @@ import pytest  # noqa: E402
 
 from kvports.shared.ports import PORTS  # noqa: E402
 from kvports.shared.weights import load_weights  # noqa: E402
-
-# GOLDEN, SEED_PROMPT and random_weights stay importable from here for test_generation.py and
-# test_pitfalls.py until they import them from tests.helpers; import port_or_skip alone then.
-from tests.helpers import GOLDEN, SEED_PROMPT, port_or_skip, random_weights  # noqa: E402, F401
+from tests.helpers import port_or_skip  # noqa: E402
 
 
 @pytest.fixture(params=PORTS)

@@ -129,11 +129,13 @@ def test_members_lists_the_port_contract_in_order():
         "synchronize",
         "matvec_seconds",
         "resolve_device",
+        "generate_speculative",
         "forward_chunks",
         "clear_compiled",
     ]
     assert str(contract.members(contract.Port)["generate"]).startswith(
-        "(model: 'Model', prompts: 'np.ndarray', new_tokens: 'int', mode: 'str', return_logits: 'bool' = False, "
+        "(model: 'Model', prompts: 'np.ndarray', generation: 'int | GenerationConfig', mode: 'str', return_logits: "
+        "'bool' = False, "
         "prefill: 'bool' = True, on_token:"
     )
     assert inspect.Parameter.KEYWORD_ONLY == contract.members(contract.Runner)["generate"].parameters["on_token"].kind

@@ -34,6 +34,7 @@ CORE = {"kvports", "kvports.shared"} | {
         "errors",
         "families",
         "files",
+        "generation",
         "ports",
         "progress",
         "weights",

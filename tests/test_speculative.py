@@ -11,15 +11,24 @@ import pytest
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, pad_prompts
-from tests.conftest import random_weights
+from tests.helpers import random_weights
 
 BASE = ModelConfig(vocab_size=48, d_model=32, n_heads=4, n_layers=3, max_seq_len=96)
 ATTENTION = {
     "mha": BASE,
-    "gqa": dataclasses.replace(BASE, n_kv_heads=2, positions="rope", norm="rmsnorm", activation="swiglu",
-                               attn_bias=False, ffn_bias=False),
-    "window": dataclasses.replace(BASE, n_kv_heads=1, positions="rope", norm="rmsnorm", activation="swiglu",
-                                  attn_bias=False, ffn_bias=False, sliding_window=5),  # shorter than the generation
+    "gqa": dataclasses.replace(
+        BASE, n_kv_heads=2, positions="rope", norm="rmsnorm", activation="swiglu", attn_bias=False, ffn_bias=False
+    ),
+    "window": dataclasses.replace(
+        BASE,
+        n_kv_heads=1,
+        positions="rope",
+        norm="rmsnorm",
+        activation="swiglu",
+        attn_bias=False,
+        ffn_bias=False,
+        sliding_window=5,
+    ),  # shorter than the generation
 }
 # Repetitive rows, so prompt lookup finds something; of different lengths, so rows accept differently.
 PROMPTS = pad_prompts([[3, 7, 9, 3, 7, 9, 3, 7], [11, 4, 11, 4, 11], [30, 2, 8, 30, 2, 8, 30, 2]])[0]
@@ -27,8 +36,11 @@ PROMPTS = pad_prompts([[3, 7, 9, 3, 7, 9, 3, 7], [11, 4, 11, 4, 11], [30, 2, 8, 
 
 def first_layers(tensors, layers: int):
     """The target's first layers as a draft: a cheap model whose guesses are often right."""
-    return {name: array for name, array in tensors.items()
-            if not name.startswith("blocks.") or int(name.split(".")[1]) < layers}
+    return {
+        name: array
+        for name, array in tensors.items()
+        if not name.startswith("blocks.") or int(name.split(".")[1]) < layers
+    }
 
 
 @pytest.fixture(scope="module", params=sorted(ATTENTION))
@@ -86,10 +98,12 @@ def test_an_always_right_draft_makes_one_target_forward_per_k_plus_one_tokens(po
 def test_speculative_counts_are_the_same_in_every_port(port, reference, pair):
     config, tensors, draft_config, draft_tensors = pair
     generation = GenerationConfig(15, temperature=0.9, top_k=20, seed=4)
-    expected = reference.generate_speculative(load(reference, config, tensors), load(reference, draft_config, draft_tensors),
-                                              PROMPTS, generation, 3)
-    tokens, counts = port.generate_speculative(load(port, config, tensors), load(port, draft_config, draft_tensors),
-                                               PROMPTS, generation, 3)
+    expected = reference.generate_speculative(
+        load(reference, config, tensors), load(reference, draft_config, draft_tensors), PROMPTS, generation, 3
+    )
+    tokens, counts = port.generate_speculative(
+        load(port, config, tensors), load(port, draft_config, draft_tensors), PROMPTS, generation, 3
+    )
     assert tokens.tolist() == expected[0].tolist()
     assert counts == expected[1]
 
@@ -127,7 +141,9 @@ def test_rollback_leaves_the_cache_as_if_the_rejected_tokens_were_never_written(
     assert positions.tolist() == still_needed(fresh_cache).tolist()
     filled = positions >= 0  # [B, S]
     for name in ("keys", "values"):
-        rolled_buffer = np.moveaxis(np.asarray(getattr(rolled_cache, name)), 3, 2)[:, filled]  # [L, slots in use, Hkv, Dh]
+        rolled_buffer = np.moveaxis(np.asarray(getattr(rolled_cache, name)), 3, 2)[
+            :, filled
+        ]  # [L, slots in use, Hkv, Dh]
         fresh_buffer = np.moveaxis(np.asarray(getattr(fresh_cache, name)), 3, 2)[:, filled]
         # The kept keys were computed in a wider chunk: BLAS may round their last bit differently.
         np.testing.assert_allclose(rolled_buffer, fresh_buffer, atol=1e-12, rtol=0)
@@ -160,14 +176,20 @@ def verify_many(port, target_logits, q, proposals, generation, uniform):
     if port.NAME == "torch":
         import torch
 
-        accepted, final = module.verify(torch.from_numpy(target_logits), torch.from_numpy(q), torch.from_numpy(proposals),
-                                        generation, torch.from_numpy(uniform))
+        accepted, final = module.verify(
+            torch.from_numpy(target_logits),
+            torch.from_numpy(q),
+            torch.from_numpy(proposals),
+            generation,
+            torch.from_numpy(uniform),
+        )
         return accepted.numpy(), final.numpy()
     if port.NAME == "jax":
         import jax.numpy as jnp
 
-        accepted, final = module.verify(jnp.asarray(target_logits), jnp.asarray(q), jnp.asarray(proposals),
-                                        generation, jnp.asarray(uniform))
+        accepted, final = module.verify(
+            jnp.asarray(target_logits), jnp.asarray(q), jnp.asarray(proposals), generation, jnp.asarray(uniform)
+        )
         return np.asarray(accepted), np.asarray(final)
     return module.verify(target_logits, q, proposals, generation, uniform)
 
@@ -176,7 +198,9 @@ def test_the_accept_resample_rule_keeps_the_targets_distribution(port):
     V, K, M = 8, 2, 40_000
     rng = np.random.default_rng(0)  # fixed: the test is deterministic, never flaky
     generation = GenerationConfig(4, temperature=1.0)
-    target_logits = np.repeat(rng.normal(0, 1.5, size=(1, K + 1, V)), M, axis=0)  # [M, K + 1, V]: one target distribution
+    target_logits = np.repeat(
+        rng.normal(0, 1.5, size=(1, K + 1, V)), M, axis=0
+    )  # [M, K + 1, V]: one target distribution
     draft_probs = np.exp(rng.normal(0, 1.5, size=(K, V)))
     draft_probs /= draft_probs.sum(-1, keepdims=True)  # [K, V]: a draft that disagrees with it
     proposals = np.stack([rng.choice(V, size=M, p=draft_probs[i]) for i in range(K)], axis=1)  # [M, K], drawn from q

@@ -17,8 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kvports.shared.config import ModelConfig
-from kvports.shared.config import cache_slots
+from kvports.shared.config import ModelConfig, cache_slots
 from kvports.shared.generation import PAD, GenerationConfig, uniforms
 
 
@@ -46,7 +45,9 @@ class KVCache:
         slots = self.keys.shape[3]
         if not self.writes_first(T):
             filled = min(self.length, slots)
-            key_positions = torch.cat([self.slot_positions[:, :filled], positions.expand(self.slot_positions.shape[0], T)], dim=1)
+            key_positions = torch.cat(
+                [self.slot_positions[:, :filled], positions.expand(self.slot_positions.shape[0], T)], dim=1
+            )
             return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
         filled = min(self.length + T, slots)
         if T == 1 and not padded and (self.window is None or filled <= self.window):
@@ -83,7 +84,9 @@ class KVCache:
         """Take back every column from `length` on (rejected speculative tokens): their slots read
         as empty again, as if never written. A ring sized with spare slots lost nothing still needed."""
         slots = self.keys.shape[3]
-        newest = self.length - 1 - (self.length - 1 - torch.arange(slots)) % slots  # [S]: the last column each slot took
+        newest = (
+            self.length - 1 - (self.length - 1 - torch.arange(slots)) % slots
+        )  # [S]: the last column each slot took
         self.slot_positions[:, newest >= length] = -1
         self.length = length
         return self
@@ -107,7 +110,9 @@ def token_positions(start: int, length: int, pad: Optional[torch.Tensor]) -> tor
     positions = start + torch.arange(length)[None, :]  # [1, T]; [B, T] where start is per row, [B, 1]
     if pad is None:
         return positions
-    return (positions - pad[:, None]).clamp(min=-1)  # [B, T]: a left-padded row counts from its first token; -1 on padding
+    return (positions - pad[:, None]).clamp(
+        min=-1
+    )  # [B, T]: a left-padded row counts from its first token; -1 on padding
 
 
 def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -265,14 +270,18 @@ def probabilities(logits: torch.Tensor, generation: GenerationConfig) -> torch.T
     then softmax. In float64, so the ports' draws can differ only where their logits do."""
     logits = logits.to(torch.float64) / generation.temperature  # [..., V]
     shape = logits.shape
-    return filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p).softmax(dim=-1).reshape(shape)
+    return (
+        filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p).softmax(dim=-1).reshape(shape)
+    )
 
 
 def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """probs [B, V] (summing to any positive total), uniform [B] in [0, 1) -> tokens [B]: the
     first token whose cumulative probability exceeds the uniform's share of the total."""
     cumulative = probs.cumsum(dim=-1)  # [B, V]
-    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)  # [B]: tokens whose interval ends at or below it
+    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(
+        dim=-1
+    )  # [B]: tokens whose interval ends at or below it
     return drawn.clamp(max=probs.shape[-1] - 1)
 
 
@@ -294,7 +303,9 @@ def start_generation(prompt: torch.Tensor, generation: GenerationConfig):
     row's draws [B, N], the stop ids, and the token buffer [B, P + N] with the prompt in it."""
     B, P = prompt.shape
     pad = (prompt == PAD).sum(dim=1)  # [B]
-    pad = pad if bool(pad.any()) else None  # the one host look before the loop: unpadded batches skip every mask they can
+    pad = (
+        pad if bool(pad.any()) else None
+    )  # the one host look before the loop: unpadded batches skip every mask they can
     draws = torch.from_numpy(uniforms(generation.seed, B, generation.max_new_tokens)).to(prompt.device)  # [B, N]
     stops = torch.tensor(generation.stop_ids, dtype=prompt.dtype, device=prompt.device)  # [K]
     tokens = torch.full((B, P + generation.max_new_tokens), PAD, dtype=prompt.dtype, device=prompt.device)  # [B, P + N]
@@ -303,8 +314,13 @@ def start_generation(prompt: torch.Tensor, generation: GenerationConfig):
 
 
 @torch.inference_mode()
-def generate_naive(model: TinyModel, prompt: torch.Tensor, generation: GenerationConfig, return_logits: bool = False,
-                   on_token: OnToken = None):
+def generate_naive(
+    model: TinyModel,
+    prompt: torch.Tensor,
+    generation: GenerationConfig,
+    return_logits: bool = False,
+    on_token: OnToken = None,
+):
     """Recompute the whole history every step: O(n^2) work per token.
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
@@ -316,7 +332,9 @@ def generate_naive(model: TinyModel, prompt: torch.Tensor, generation: Generatio
         logits, _ = model(tokens[:, : P + step].clamp(min=0), pad=pad)  # [B, P + step, V]: the whole history again
         if return_logits:
             step_logits.append(logits[:, -1])
-        token = sample(logits[:, -1], generation, draws[:, step]).masked_fill(done, PAD)  # [B]; a stopped row stays stopped
+        token = sample(logits[:, -1], generation, draws[:, step]).masked_fill(
+            done, PAD
+        )  # [B]; a stopped row stays stopped
         tokens[:, P + step] = token
         if on_token is not None:
             on_token(token)
@@ -327,8 +345,14 @@ def generate_naive(model: TinyModel, prompt: torch.Tensor, generation: Generatio
 
 
 @torch.inference_mode()
-def generate_cached(model: TinyModel, prompt: torch.Tensor, generation: GenerationConfig, return_logits: bool = False,
-                    prefill: bool = True, on_token: OnToken = None):
+def generate_cached(
+    model: TinyModel,
+    prompt: torch.Tensor,
+    generation: GenerationConfig,
+    return_logits: bool = False,
+    prefill: bool = True,
+    on_token: OnToken = None,
+):
     """Prefill the prompt in one forward, then one token per step against the cache.
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
@@ -348,7 +372,9 @@ def generate_cached(model: TinyModel, prompt: torch.Tensor, generation: Generati
             logits, cache = model(tokens[:, P + step - 1 : P + step].clamp(min=0), cache, pad)  # [B, 1, V]
         if return_logits:
             step_logits.append(logits[:, -1])
-        token = sample(logits[:, -1], generation, draws[:, step]).masked_fill(done, PAD)  # [B]; a stopped row stays stopped
+        token = sample(logits[:, -1], generation, draws[:, step]).masked_fill(
+            done, PAD
+        )  # [B]; a stopped row stays stopped
         tokens[:, P + step] = token
         if on_token is not None:
             on_token(token)

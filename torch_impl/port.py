@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ NAME = "torch"
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def versions() -> Dict[str, str]:
+def versions() -> dict[str, str]:
     return {"torch": torch.__version__}
 
 
@@ -40,7 +40,9 @@ def _on_device(device: torch.device):
     return device if device.type != "cpu" else contextlib.nullcontext()
 
 
-def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu") -> TinyModel:
+def load_model(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+) -> TinyModel:
     with torch.device("meta"):
         model = TinyModel(config)  # no random init: every tensor comes from the file
     # Copied into torch's own allocations: the file's arrays sit at arbitrary offsets, and MKL's
@@ -50,9 +52,15 @@ def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str =
     return model.to(device=resolve_device(device), dtype=TORCH_DTYPES[dtype]).eval()
 
 
-def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, GenerationConfig], mode: str,
-             return_logits: bool = False, prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
-             ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+def generate(
+    model: TinyModel,
+    prompts: np.ndarray,
+    generation: int | GenerationConfig,
+    mode: str,
+    return_logits: bool = False,
+    prefill: bool = True,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
     """prompts [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N] (PAD after a row
     stops) and step logits [B, steps, V]; on_token(token [B]) as each token reaches the host.
     generation: a GenerationConfig, or a number of greedy tokens."""
@@ -70,17 +78,24 @@ def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, Gener
     return tokens.cpu().numpy(), logits.cpu().numpy()  # [B, P + N], [B, N, V]
 
 
-def generate_speculative(model: TinyModel, draft: Optional[TinyModel], prompts: np.ndarray,
-                         generation: Union[int, GenerationConfig], draft_tokens: int, ngram: int = 2,
-                         on_token: Optional[Callable[[np.ndarray], None]] = None) -> Tuple[np.ndarray, Dict[str, int]]:
+def generate_speculative(
+    model: TinyModel,
+    draft: TinyModel | None,
+    prompts: np.ndarray,
+    generation: int | GenerationConfig,
+    draft_tokens: int,
+    ngram: int = 2,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, dict[str, int]]:
     """The target's own tokens [B, P + N] from draft-and-verify rounds, and their counts. draft:
     a model loaded with load_model (same vocabulary), or None for prompt lookup of n-grams."""
     device = model.emb.weight.device
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(device)  # [B, P]
     to_host = None if on_token is None else (lambda token: on_token(token.cpu().numpy()))
     with _on_device(device):
-        tokens, counts = speculative.generate_speculative(model, draft, prompt, as_generation(generation), draft_tokens,
-                                                          ngram, to_host)
+        tokens, counts = speculative.generate_speculative(
+            model, draft, prompt, as_generation(generation), draft_tokens, ngram, to_host
+        )
     return tokens.cpu().numpy(), counts  # [B, P + N]
 
 
@@ -104,7 +119,7 @@ def synchronize(model: TinyModel) -> None:
         torch.cuda.synchronize()
 
 
-def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> List[float]:
+def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> list[float]:
     """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
     call: the matrix's bytes over this time is the streaming bandwidth a roofline divides by."""
     target = resolve_device(device)
@@ -122,7 +137,7 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> L
     return seconds[1:]
 
 
-def init_weights(config: ModelConfig, seed: int) -> Dict[str, np.ndarray]:
+def init_weights(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """The reference initialisation: seed 0 with the default config is the seed's model."""
     torch.manual_seed(seed)
     model = TinyModel(config)

@@ -17,7 +17,7 @@ Shapes: B batch, P prompt, N new tokens, K proposals per round, V vocabulary, E 
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 import torch
 
@@ -31,7 +31,9 @@ def propose_ngram(tokens: torch.Tensor, end: int, n: int, draft_tokens: int) -> 
     history = tokens[:, :end]  # [B, E]
     if end <= n:
         return history[:, -1:].expand(-1, draft_tokens)  # [B, K]: too short to hold an earlier n-gram
-    windows = torch.stack([history[:, i : end - n + i] for i in range(n)], dim=-1)  # [B, E - n, n]: every earlier n-gram
+    windows = torch.stack(
+        [history[:, i : end - n + i] for i in range(n)], dim=-1
+    )  # [B, E - n, n]: every earlier n-gram
     found = (windows == history[:, None, end - n :]).all(dim=-1)  # [B, E - n]
     latest = torch.where(found, torch.arange(end - n), -1).max(dim=1).values  # [B], -1 where none
     start = torch.where(latest >= 0, latest + n, end - 1)  # [B]: where the proposal is copied from
@@ -39,8 +41,16 @@ def propose_ngram(tokens: torch.Tensor, end: int, n: int, draft_tokens: int) -> 
     return history.gather(1, index)  # [B, K]
 
 
-def propose_draft(draft: TinyModel, draft_cache, tokens: torch.Tensor, end: int, pad: Optional[torch.Tensor],
-                  generation: GenerationConfig, uniform: torch.Tensor, draft_tokens: int):
+def propose_draft(
+    draft: TinyModel,
+    draft_cache,
+    tokens: torch.Tensor,
+    end: int,
+    pad: torch.Tensor | None,
+    generation: GenerationConfig,
+    uniform: torch.Tensor,
+    draft_tokens: int,
+):
     """K proposals [B, K] from the draft model, and the probabilities they were drawn from
     [B, K, V] (None when greedy). The draft's cache always lacks the last two tokens here: the
     one before the last is fed again (the same key and value in the same slot), so one rule
@@ -58,8 +68,13 @@ def propose_draft(draft: TinyModel, draft_cache, tokens: torch.Tensor, end: int,
     return torch.stack(proposals, dim=1), q, draft_cache  # [B, K]
 
 
-def verify(target_logits: torch.Tensor, q: Optional[torch.Tensor], proposals: torch.Tensor,
-           generation: GenerationConfig, uniform: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def verify(
+    target_logits: torch.Tensor,
+    q: torch.Tensor | None,
+    proposals: torch.Tensor,
+    generation: GenerationConfig,
+    uniform: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """target_logits [B, K + 1, V] for the last token and the K proposals; q [B, K, V] what the
     proposals were drawn from (None: greedy, or a lookup's certain proposals); uniform [B, K + 1].
     -> accepted [B], how many proposals each row keeps, and final [B], its token after them."""
@@ -73,7 +88,7 @@ def verify(target_logits: torch.Tensor, q: Optional[torch.Tensor], proposals: to
         q = torch.nn.functional.one_hot(proposals, p.shape[-1]).to(p.dtype)  # [B, K, V]: a lookup proposes for certain
     p_proposed = p[:, :K].gather(2, proposals[..., None])[..., 0]  # [B, K]
     q_proposed = q.gather(2, proposals[..., None])[..., 0]  # [B, K]
-    # Keep a proposal with probability min(1, p / q): what the draft proposes too often is thinned to the target's share...
+    # Keep a proposal with probability min(1, p / q): what the draft proposes too often is cut to the target's share...
     accepted = (uniform[:, :K] * q_proposed < p_proposed).cumprod(dim=1).sum(dim=1)  # [B]
     # ...and after the last one kept, draw from what the draft proposed too rarely, max(p - q, 0); after all K, from p.
     residual = torch.cat([(p[:, :K] - q).clamp(min=0), p[:, K:]], dim=1)  # [B, K + 1, V]
@@ -82,16 +97,24 @@ def verify(target_logits: torch.Tensor, q: Optional[torch.Tensor], proposals: to
 
 
 @torch.inference_mode()
-def generate_speculative(model: TinyModel, draft: Optional[TinyModel], prompt: torch.Tensor,
-                         generation: GenerationConfig, draft_tokens: int, ngram: int = 2,
-                         on_token: Optional[Callable[[torch.Tensor], None]] = None):
+def generate_speculative(
+    model: TinyModel,
+    draft: TinyModel | None,
+    prompt: torch.Tensor,
+    generation: GenerationConfig,
+    draft_tokens: int,
+    ngram: int = 2,
+    on_token: Callable[[torch.Tensor], None] | None = None,
+):
     """prompt [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N], the target's own
     output, and counts: rounds, target forwards, proposals made and accepted."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
     N, K = generation.max_new_tokens, draft_tokens
     pad, _, stops, tokens = start_generation(prompt, generation)
-    tokens = torch.cat([tokens, torch.full((B, K + 1), PAD, dtype=tokens.dtype, device=tokens.device)], dim=1)  # room for a round past N
+    tokens = torch.cat(
+        [tokens, torch.full((B, K + 1), PAD, dtype=tokens.dtype, device=tokens.device)], dim=1
+    )  # room for a round past N
     first, rounds = speculative_uniforms(generation.seed, B, N, K)  # [B], [B, N, 2K + 1]
     first, rounds = torch.from_numpy(first).to(prompt.device), torch.from_numpy(rounds).to(prompt.device)
     # A verified chunk is K + 1 wide and partly taken back: a ring keeps K spare slots for it.
@@ -115,11 +138,15 @@ def generate_speculative(model: TinyModel, draft: Optional[TinyModel], prompt: t
             proposals, q = propose_ngram(tokens, end, ngram, K), None  # [B, K]
         else:
             proposals, q, draft_cache = propose_draft(draft, draft_cache, tokens, end, pad, generation, uniform, K)
-        chunk = torch.cat([tokens[:, end - 1 : end], proposals], dim=1).clamp(min=0)  # [B, K + 1]: the last token, then the proposals
+        chunk = torch.cat([tokens[:, end - 1 : end], proposals], dim=1).clamp(
+            min=0
+        )  # [B, K + 1]: the last token, then the proposals
         logits, cache = model(chunk, cache, pad)  # [B, K + 1, V]: one target forward checks all K
         accepted, final = verify(logits, q, proposals, generation, uniform[:, K:])  # [B], [B]
         kept = int(accepted[~done].min())  # the batch moves as one: as far as its least lucky row
-        extra = torch.where(accepted > kept, proposals[:, min(kept, K - 1)], final)  # [B]: agreed proposal, or the target's token
+        extra = torch.where(
+            accepted > kept, proposals[:, min(kept, K - 1)], final
+        )  # [B]: agreed proposal, or the target's token
         emitted = torch.cat([proposals[:, :kept], extra[:, None]], dim=1)  # [B, kept + 1]
         cache = cache.crop(end + kept)  # the last token and the kept proposals stay; the rest never happened
         counts["rounds"] += 1
