@@ -13,6 +13,7 @@ import numpy as np
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
+from kvports.shared.generation import pad_prompts
 
 SEED_PROMPT = (160, 248, 104, 209, 394)
 
@@ -42,7 +43,8 @@ def check_new_tokens(new_tokens: object) -> int:
 
 
 def check_prompts(prompts: Sequence[Sequence[object]], config: ModelConfig, new_tokens: object) -> np.ndarray:
-    """The prompts as one int64 batch [B, P], or a UserError naming the value and the limit."""
+    """The prompts as one int64 batch [B, P] (PAD on the left of shorter rows), or a UserError
+    naming the value and the limit."""
     new_tokens = check_new_tokens(new_tokens)
     if len(prompts) == 0:
         raise UserError("no prompt given")
@@ -60,12 +62,11 @@ def check_prompts(prompts: Sequence[Sequence[object]], config: ModelConfig, new_
                     f"(vocab_size {config.vocab_size})"
                 )
             batch[-1].append(int(token))
-    lengths = sorted({len(prompt) for prompt in prompts})
-    if len(lengths) > 1:
-        raise UserError(f"prompts have unequal lengths {lengths}; a batch needs equal lengths")
-    total = lengths[0] + new_tokens
+    longest = max(len(prompt) for prompt in batch)
+    total = longest + new_tokens
     if total > config.max_seq_len:
         raise UserError(
-            f"prompt length {lengths[0]} + new tokens {new_tokens} = {total} exceeds max_seq_len {config.max_seq_len}"
+            f"prompt length {longest} + new tokens {new_tokens} = {total} exceeds max_seq_len {config.max_seq_len}"
         )
-    return np.asarray(batch, dtype=np.int64)  # [B, P]
+    # Rows of different lengths are left-padded with PAD: every row's last prompt token in the same column.
+    return pad_prompts(batch)[0]  # [B, P]

@@ -40,6 +40,7 @@ class ModelConfig:
     ffn_bias: bool = True
     sliding_window: int | None = None  # None: full causal attention
     dropout: float = 0.0  # training-only; generation always runs in eval mode
+    eos_token_ids: tuple[int, ...] = ()  # where generation stops by default (a converted checkpoint's eos_token_id)
 
     # Derived sizes, so no port recomputes them its own way.
     @property
@@ -97,6 +98,11 @@ class ModelConfig:
         for name in ("tie_embeddings", "attn_bias", "ffn_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"config field {name}={getattr(self, name)!r} must be true or false")
+        if not isinstance(self.eos_token_ids, tuple):
+            raise UserError(f"config field eos_token_ids={self.eos_token_ids!r} must be a list of token ids")
+        for token in self.eos_token_ids:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
+                raise UserError(f"config field eos_token_ids has {token!r}, not a token id in [0, {self.vocab_size})")
         return self
 
     def to_json(self) -> str:
@@ -118,6 +124,8 @@ class ModelConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise UserError(f"config metadata has unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        if isinstance(data.get("eos_token_ids"), list):  # JSON has lists, the frozen config tuples
+            data = {**data, "eos_token_ids": tuple(data["eos_token_ids"])}
         # Absent fields take the seed's values, so older files stay valid.
         return cls(**data).validate()
 

@@ -133,7 +133,6 @@ PROMPT_CASES = {
     "word": (["--prompt", "hello"], "prompt token 'hello' is not an integer"),
     "empty": (["--prompt", ""], "empty prompt"),
     "stray_comma": (["--prompt", "1,,2"], "empty token id"),
-    "unequal_lengths": (["--prompt", "1,2,3", "--prompt", "4,5"], "prompts have unequal lengths [2, 3]"),
     "zero_new_tokens": (["--new-tokens", "0"], "error: --new-tokens 0 is below 1"),
     "negative_new_tokens": (["--new-tokens", "-3"], "error: --new-tokens -3 is below 1"),
     "too_long": (

@@ -8,6 +8,7 @@ could change the model's output without a word.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -26,7 +27,6 @@ IGNORED_COMMON = {
     "torch_dtype",
     "transformers_version",
     "bos_token_id",
-    "eos_token_id",
     "pad_token_id",
     "sep_token_id",
     "decoder_start_token_id",
@@ -262,12 +262,23 @@ def llama_config(fields: Fields) -> ModelConfig:
     )
 
 
+def eos_token_ids(fields: Fields) -> tuple[int, ...]:
+    """eos_token_id: one id, a list of them (Llama 3), or null."""
+    value = fields.get("eos_token_id")
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    for token in ids:
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise refuse("eos_token_id", value, "must be null, a token id or a list of token ids")
+    return tuple(ids)
+
+
 def config_from_hf(data: dict) -> ModelConfig:
     model_type = data.get("model_type")
     if model_type not in MODEL_TYPES:
         raise refuse("model_type", model_type, f"supported: {', '.join(MODEL_TYPES)}")
     fields = Fields(data, model_type)
     config = gpt2_config(fields) if model_type == "gpt2" else llama_config(fields)
+    config = dataclasses.replace(config, eos_token_ids=eos_token_ids(fields))
     fields.refuse_unread()
     return config.validate()
 
@@ -312,8 +323,14 @@ def gpt2_hf_config(config: ModelConfig, dtype: str) -> dict:
         "resid_pdrop": config.dropout,
         "use_cache": True,
         "dtype": dtype,
-        # Our vocab has no special tokens; GPT2Config's default 50256 would point outside it.
+        # GPT2Config's default 50256 would point outside a small vocab: only the ids we know.
         "bos_token_id": None,
-        "eos_token_id": None,
+        "eos_token_id": (
+            list(config.eos_token_ids)
+            if len(config.eos_token_ids) > 1
+            else config.eos_token_ids[0]
+            if config.eos_token_ids
+            else None
+        ),
         "pad_token_id": None,
     }
