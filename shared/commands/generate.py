@@ -60,22 +60,23 @@ class Stream:
 
     def __init__(self, batch: int, tokenizer: Any, as_json: bool):
         self.batch, self.tokenizer, self.as_json = batch, tokenizer, as_json
-        self.step, self.generated, self.shown = 0, [], ""
+        self.step, self.shown = 0, ""
+        self.generated: list[int] = []
 
     def __call__(self, token: np.ndarray) -> None:
-        token = [int(t) for t in token]
+        ids = [int(t) for t in token]
         if self.as_json:
-            print(json.dumps({"step": self.step, "tokens": token}), flush=True)
+            print(json.dumps({"step": self.step, "tokens": ids}), flush=True)
         elif self.batch == 1 and self.tokenizer is not None:
             from kvports.shared.hf.text import decode
 
-            if token[0] != PAD:
-                self.generated.append(token[0])
+            if ids[0] != PAD:
+                self.generated.append(ids[0])
                 text = decode(self.tokenizer, self.generated)  # the whole text again: pieces may merge
                 print(text[len(self.shown) :], end="", flush=True)
                 self.shown = text
         else:
-            print(f"  step {self.step:>4}  " + " ".join("-" if t == PAD else str(t) for t in token), flush=True)
+            print(f"  step {self.step:>4}  " + " ".join("-" if t == PAD else str(t) for t in ids), flush=True)
         self.step += 1
 
     def close(self) -> None:
