@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, as_generation
 from kvports.torch_impl import speculative
@@ -101,6 +102,7 @@ def generate_speculative(
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
     """Feed tokens [B, T] into one cache in chunks of the given sizes; the logits [B, T, V]."""
+    chunk_sizes = check_chunk_sizes(chunk_sizes, np.shape(tokens)[1])
     device = model.emb.weight.device
     tokens = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(device)  # [B, T]
     pieces, start = [], 0
