@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -208,3 +210,24 @@ def test_init_weights_refuses_an_impossible_config(tmp_path, capsys):
     )
     assert "d_model=130 is not divisible by n_heads=4" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_version_prints_the_package_version(capsys):
+    import kvports
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(capsys, "--version")
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"kvports {kvports.__version__}\n"
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    # `kvports generate --stream ... | head -1`: the reader leaves after one line; the writer
+    # must stop without a traceback.
+    command = [sys.executable, "-m", "kvports.shared.cli", "generate", "--framework", "numpy", "--mode", "cached"]
+    process = subprocess.Popen(
+        [*command, "--stream", "--new-tokens", "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout.readline().startswith(b"  step")
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141 and stderr == ""
