@@ -52,3 +52,17 @@ def test_side_by_side_has_help_and_refuses_a_name_not_in_every_port(capsys):
         side_by_side.main(["KVCache.write"])
     assert exit_info.value.code == 2
     assert "KVCache.write is not defined in torch_impl/model.py" in capsys.readouterr().err
+
+
+def markdown_files() -> list[Path]:
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("document", markdown_files(), ids=lambda path: path.name)
+def test_documents_point_only_inside_the_repository(document):
+    text = document.read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)[^)]*\)", text)  # Markdown links and images
+    local = [target for target in targets if "://" not in target]
+    missing = [target for target in local if not (document.parent / target).resolve().is_relative_to(ROOT)]
+    missing += [target for target in local if not (document.parent / target).exists()]
+    assert missing == [] and "../shared/" not in text
