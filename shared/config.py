@@ -41,6 +41,7 @@ class ModelConfig:
     sliding_window: int | None = None  # None: full causal attention
     dropout: float = 0.0  # training-only; generation always runs in eval mode
     eos_token_ids: tuple[int, ...] = ()  # where generation stops by default (a converted checkpoint's eos_token_id)
+    bos_token_id: int | None = None  # a converted checkpoint's, kept so `convert --to-hf` writes it back
 
     # Derived sizes, so no port recomputes them its own way.
     @property
@@ -103,6 +104,14 @@ class ModelConfig:
         for token in self.eos_token_ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
                 raise UserError(f"config field eos_token_ids has {token!r}, not a token id in [0, {self.vocab_size})")
+        if self.bos_token_id is not None and (
+            not isinstance(self.bos_token_id, int)
+            or isinstance(self.bos_token_id, bool)
+            or not 0 <= self.bos_token_id < self.vocab_size
+        ):
+            raise UserError(
+                f"config field bos_token_id={self.bos_token_id!r} is not a token id in [0, {self.vocab_size})"
+            )
         return self
 
     def to_json(self) -> str:

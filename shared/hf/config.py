@@ -26,7 +26,6 @@ IGNORED_COMMON = {
     "dtype",
     "torch_dtype",
     "transformers_version",
-    "bos_token_id",
     "pad_token_id",
     "sep_token_id",
     "decoder_start_token_id",
@@ -272,13 +271,21 @@ def eos_token_ids(fields: Fields) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def bos_token_id(fields: Fields) -> int | None:
+    """bos_token_id: one id or null. Generation never uses it; it is kept for the way back."""
+    value = fields.get("bos_token_id")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise refuse("bos_token_id", value, "must be null or a token id")
+    return value
+
+
 def config_from_hf(data: dict) -> ModelConfig:
     model_type = data.get("model_type")
     if model_type not in MODEL_TYPES:
         raise refuse("model_type", model_type, f"supported: {', '.join(MODEL_TYPES)}")
     fields = Fields(data, model_type)
     config = gpt2_config(fields) if model_type == "gpt2" else llama_config(fields)
-    config = dataclasses.replace(config, eos_token_ids=eos_token_ids(fields))
+    config = dataclasses.replace(config, eos_token_ids=eos_token_ids(fields), bos_token_id=bos_token_id(fields))
     fields.refuse_unread()
     return config.validate()
 
@@ -324,7 +331,7 @@ def gpt2_hf_config(config: ModelConfig, dtype: str) -> dict:
         "use_cache": True,
         "dtype": dtype,
         # GPT2Config's default 50256 would point outside a small vocab: only the ids we know.
-        "bos_token_id": None,
+        "bos_token_id": config.bos_token_id,
         "eos_token_id": (
             list(config.eos_token_ids)
             if len(config.eos_token_ids) > 1
