@@ -13,10 +13,10 @@ import pytest
 
 from kvports.shared import cli, ports
 from kvports.shared.bench.measure import decode_bytes, fit_slope
-from kvports.shared.bench.presets import PRESETS, random_weights
+from kvports.shared.bench.presets import PRESETS
 from kvports.shared.bench.runners import RUNNERS
 from kvports.shared.config import ModelConfig, kv_cache_bytes
-from kvports.shared.weights import load_weights
+from kvports.shared.weights import gpt2_init_weights, load_weights
 from tests.helpers import GOLDEN, SEED_PROMPT, assert_one_error_line, run_cli
 
 NEW_TOKENS = 4
@@ -244,7 +244,7 @@ def test_gpt2_mapping_names_every_parameter_once(seed_weights):
 
 def test_decode_bytes_count_weights_once_and_the_cache_so_far():
     config = ModelConfig(vocab_size=10, d_model=4, n_heads=2, n_layers=1, max_seq_len=8)
-    tensors = random_weights(config)
+    tensors = gpt2_init_weights(config)
     table_bytes = (10 + 8) * 4 * 4  # emb and pos: only one looked-up row each is read
     weights = sum(array.nbytes for array in tensors.values()) - table_bytes + 2 * 4 * 4
     kv_per_position = 2 * 1 * 2 * 2 * 4  # k and v, 1 layer, 2 heads, head_dim 2, float32

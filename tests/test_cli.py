@@ -204,6 +204,32 @@ def test_init_weights_refuses_to_overwrite_without_force(tmp_path, capsys):
     assert code == 0 and load_weights(out_file)[0].d_model == 128
 
 
+@pytest.fixture
+def no_torch(monkeypatch):
+    real = ports.load_port
+
+    def without_torch(name):
+        if name == "torch":
+            raise ports.PortUnavailable(name, "No module named 'torch'")
+        return real(name)
+
+    monkeypatch.setattr(ports, "load_port", without_torch)
+
+
+def test_init_weights_with_numpy_init_needs_no_torch(tmp_path, capsys, no_torch):
+    out_file = tmp_path / "numpy.safetensors"
+    code, out, _ = run_cli(capsys, "init-weights", "--out", out_file, "--init", "numpy", "--seed", "1")
+    config, tensors = load_weights(out_file)
+    assert code == 0 and "numpy initialisation" in out and config == load_weights()[0]
+    assert 0.015 < float(tensors["blocks.0.qkv.weight"].std()) < 0.025  # GPT-2's N(0, 0.02)
+
+
+def test_init_weights_without_torch_says_how_to_do_without_it(tmp_path, capsys, no_torch):
+    err = assert_one_error_line(*run_cli(capsys, "init-weights", "--out", tmp_path / "x.safetensors"))
+    assert "needs torch" in err and "--init numpy" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_init_weights_refuses_an_impossible_config(tmp_path, capsys):
     err = assert_one_error_line(
         *run_cli(capsys, "init-weights", "--out", tmp_path / "x.safetensors", "--d-model", "130", "--n-heads", "4")

@@ -9,29 +9,13 @@ import numpy as np
 
 from kvports.shared.checks import SEED_PROMPT, check_prompts
 from kvports.shared.config import ModelConfig
-from kvports.shared.weights import DEFAULT_WEIGHTS, expected_shapes, load_weights
+from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, load_weights
 
 PRESETS: dict[str, ModelConfig | None] = {
     "seed": None,  # the seed's model, shipped as the default weights file
     # GPT-2 small's sizes in the seed's architecture (exact GELU, untied head), random weights.
     "gpt2-small": ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, max_seq_len=1024),
 }
-
-
-def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """GPT-2's initialisation in NumPy (N(0, 0.02) matrices, zero biases, unit norms): timing
-    needs a model of the right size, not a trained one, and NumPy draws it in seconds."""
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for name, shape in expected_shapes(config).items():
-        if name.endswith(".bias"):
-            tensors[name] = np.zeros(shape, dtype=np.float32)
-        elif len(shape) == 1:
-            tensors[name] = np.ones(shape, dtype=np.float32)
-        else:
-            tensors[name] = rng.standard_normal(shape, dtype=np.float32)
-            tensors[name] *= 0.02
-    return tensors
 
 
 def load_bench_model(args: argparse.Namespace) -> tuple[str, ModelConfig, dict[str, np.ndarray]]:
@@ -43,7 +27,7 @@ def load_bench_model(args: argparse.Namespace) -> tuple[str, ModelConfig, dict[s
     if preset is None:
         config, tensors = load_weights(DEFAULT_WEIGHTS)
         return args.preset, config, tensors
-    return args.preset, preset, random_weights(preset)
+    return args.preset, preset, gpt2_init_weights(preset)
 
 
 def bench_prompts(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> np.ndarray:

@@ -1,5 +1,6 @@
-"""`kvports init-weights`: a randomly initialised weights file, by the reference port's
-initialisation (torch), so seed 0 with the default sizes is the seed's model bit for bit."""
+"""`kvports init-weights`: a randomly initialised weights file. By default the reference port's
+initialisation (torch), so seed 0 with the default sizes is the seed's model bit for bit;
+`--init numpy` draws GPT-2's initialisation in NumPy and needs no framework at all."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from kvports.shared import ports
 from kvports.shared.commands.arguments import non_negative_int, positive_int
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.errors import UserError
-from kvports.shared.weights import save_weights
+from kvports.shared.weights import gpt2_init_weights, save_weights
 
 HELP = "write a randomly initialised weights file"
 SIZES = ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len")
+INITS = ("torch", "numpy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in SIZES:
         parser.add_argument("--" + name.replace("_", "-"), type=positive_int, default=getattr(defaults, name))
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument(
+        "--init",
+        choices=INITS,
+        default="torch",
+        help="torch (default): PyTorch's own initialisation, which needs torch; seed 0 with the default sizes is "
+        "the seed's model, bit for bit. numpy: GPT-2's (normal, std 0.02), NumPy only",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite an existing file")
 
 
@@ -32,14 +41,23 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{str(args.out)!r} exists; pass --force to overwrite it")
     if not args.out.parent.is_dir():
         raise UserError(f"folder {str(args.out.parent)!r} does not exist")
-    try:
-        port = ports.load_port(ports.REFERENCE)
-    except ports.PortUnavailable as exc:
-        raise UserError(f"init-weights uses the reference initialisation: {exc}") from None
-    # init_weights is the reference port's alone, not part of the Port contract.
-    tensors = port.init_weights(config, args.seed)  # type: ignore[attr-defined]
+    if args.init == "numpy":
+        tensors = gpt2_init_weights(config, args.seed)
+    else:
+        try:
+            port = ports.load_port(ports.REFERENCE)
+        except ports.PortUnavailable as exc:
+            raise UserError(
+                f"init-weights --init torch (the default: the reference initialisation) needs torch: {exc}; "
+                "install kvports[torch], or pass --init numpy"
+            ) from None
+        # init_weights is the reference port's alone, not part of the Port contract.
+        tensors = port.init_weights(config, args.seed)  # type: ignore[attr-defined]
     tensors = {name: array.astype(args.dtype) for name, array in tensors.items()}
     save_weights(args.out, tensors, config)
     n_params = sum(array.size for array in tensors.values())
-    print(f"wrote {args.out}: {config.family} model, {n_params:,} parameters, {args.dtype}, seed {args.seed}")
+    print(
+        f"wrote {args.out}: {config.family} model, {n_params:,} parameters, {args.dtype}, "
+        f"{args.init} initialisation, seed {args.seed}"
+    )
     return 0
