@@ -34,7 +34,10 @@ def resolve_device(device: str) -> jax.Device:
         try:
             return jax.devices("gpu")[0]
         except RuntimeError:
-            raise RuntimeError("no GPU visible to JAX") from None
+            platforms = sorted({found.platform for found in jax.devices()})
+            raise RuntimeError(
+                f"jax {jax.__version__} finds no GPU (platforms: {', '.join(platforms)}; a CUDA build is jax[cuda13])"
+            ) from None
     return jax.devices("cpu")[0]
 
 
