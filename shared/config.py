@@ -149,6 +149,8 @@ def cache_slots(config: ModelConfig, total_len: int, chunk: int = 1) -> int:
     return total_len
 
 
-def kv_cache_bytes(config: ModelConfig, batch: int, total_len: int, itemsize: int) -> int:
-    """Bytes of the k and v buffers (the slot-position vector is negligible and not counted)."""
-    return 2 * config.n_layers * batch * config.kv_heads * cache_slots(config, total_len) * config.head_dim * itemsize
+def kv_cache_bytes(config: ModelConfig, batch: int, total_len: int, itemsize: int, chunk: int = 1) -> int:
+    """Bytes of the k and v buffers (the slot-position vector is negligible and not counted);
+    chunk as in cache_slots."""
+    slots = cache_slots(config, total_len, chunk)
+    return 2 * config.n_layers * batch * config.kv_heads * slots * config.head_dim * itemsize

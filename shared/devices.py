@@ -49,7 +49,9 @@ def check_gpu_reachable(device: str, problems: Mapping[str, str | None]) -> None
         return
     candidates = {name: problem for name, problem in problems.items() if name not in ports.CPU_ONLY}
     if not candidates:
-        raise UserError(f"--device gpu: {', '.join(problems)} run on the CPU only")
+        raise UserError(
+            f"--device gpu: {', '.join(problems)} {'runs' if len(problems) == 1 else 'run'} on the CPU only"
+        )
     if all(candidates.values()):
         raise UserError("--device gpu: no GPU here (" + "; ".join(f"{n}: {p}" for n, p in candidates.items()) + ")")
 

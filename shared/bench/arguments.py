@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvports.shared.bench.presets import PRESETS
-from kvports.shared.bench.runners import FRAMEWORKS, MODES
+from kvports.shared.bench.runners import DEFAULT_MODES, FRAMEWORKS, MODES
 from kvports.shared.checks import SEED_PROMPT
+from kvports.shared.commands.arguments import add_speculative_arguments
 from kvports.shared.config import DTYPES, ModelConfig
+from kvports.shared.devices import add_device_argument
 from kvports.shared.errors import UserError
 
 
@@ -18,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset",
         choices=tuple(PRESETS),
         default="seed",
-        help="seed: the seed's model; gpt2-small: GPT-2 small's sizes, random weights (default seed)",
+        help="seed: the seed's model; gpt2-small: GPT-2 small as published (124M parameters, tied head, tanh "
+        "GELU), random weights (default seed)",
     )
     parser.add_argument("--weights", type=Path, default=None, help="time this safetensors file instead of a preset")
     parser.add_argument("--batch", type=int, default=1, help="prompts per batch (default 1)")
@@ -36,18 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {','.join(FRAMEWORKS)} (default all)",
     )
     parser.add_argument(
-        "--modes", default=",".join(MODES), help="comma-separated subset of naive,cached (default both)"
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated subset of {','.join(MODES)} (default {','.join(DEFAULT_MODES)}; speculative needs "
+        "--draft)",
     )
     parser.add_argument("--compile", action="store_true", help="add a torch.compile row (torch cached, compiled)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; figures are medians (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default 1)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
-    parser.add_argument(
-        "--device",
-        choices=("cpu", "gpu"),
-        default="cpu",
-        help="gpu: torch and JAX rows on a GPU, reported unavailable where there is none (default cpu)",
-    )
+    add_device_argument(parser)
     parser.add_argument(
         "--sweep",
         default=None,
@@ -60,12 +63,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="measure bandwidth and a roofline for any preset (always on for gpt2-small)",
     )
-    output = parser.add_mutually_exclusive_group()
-    output.add_argument(
-        "--json", action="store_true", help="print one JSON object on stdout (no table, no progress bar)"
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object on stdout instead of the table (no progress bar)"
     )
-    output.add_argument("--csv", action="store_true", help="print one CSV line per row on stdout (no table)")
-    parser.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write PNG plots into DIR")
+    parser.add_argument(
+        "--csv",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write one CSV line per row to FILE ('-': to stdout, instead of the table)",
+    )
+    parser.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write PNG plots into DIR as they exist")
+    parser.add_argument(
+        "--targets", action="store_true", help="also print the development speed targets, met or missed"
+    )
+    add_speculative_arguments(parser)
 
 
 def check_counts(args: argparse.Namespace) -> None:
@@ -76,6 +88,29 @@ def check_counts(args: argparse.Namespace) -> None:
     check_at_least("new tokens", args.new_tokens, 2, ": decode timing needs a step after the first token")
     check_at_least("--repeats", args.repeats, 1)
     check_at_least("--warmup", args.warmup, 1, ": the first call (and JAX's compile) must stay out of the figures")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """--plot and --csv, checked before anything runs: a long run must not fail at its end."""
+    if args.plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UserError("--plot needs matplotlib: pip install 'kvports[plot]'")
+        if args.plot.exists() and not args.plot.is_dir():
+            raise UserError(f"--plot {str(args.plot)!r} is a file, not a folder")
+        check_writable_folder(args.plot.parent, f"--plot {str(args.plot)!r}")
+    if args.csv is not None and str(args.csv) == "-" and args.json:
+        raise UserError("--csv - and --json both print to stdout: give --csv a FILE")
+    if args.csv is not None and str(args.csv) != "-":
+        if args.csv.is_dir():
+            raise UserError(f"--csv {str(args.csv)!r} is a folder; give the file to write")
+        check_writable_folder(args.csv.parent, f"--csv {str(args.csv)!r}")
+
+
+def check_writable_folder(folder: Path, needed_for: str) -> None:
+    if not folder.is_dir():
+        raise UserError(f"folder {str(folder)!r} does not exist (needed for {needed_for})")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"folder {str(folder)!r} is not writable (needed for {needed_for})")
 
 
 def check_at_least(name: str, value: int, limit: int, why: str = "") -> None:

@@ -1,5 +1,5 @@
-"""The model and the prompts the bench times: the seed's model, GPT-2 small's sizes with
-random weights, or a weights file."""
+"""The model and the prompts the bench times: the seed's model, GPT-2 small as published
+(random weights: timing needs the sizes, not the training), or a weights file."""
 
 from __future__ import annotations
 
@@ -13,8 +13,16 @@ from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, load_weig
 
 PRESETS: dict[str, ModelConfig | None] = {
     "seed": None,  # the seed's model, shipped as the default weights file
-    # GPT-2 small's sizes in the seed's architecture (exact GELU, untied head), random weights.
-    "gpt2-small": ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, max_seq_len=1024),
+    # GPT-2 small as published (124M parameters: tanh GELU, the head tied to the embedding), random weights.
+    "gpt2-small": ModelConfig(
+        vocab_size=50257,
+        d_model=768,
+        n_heads=12,
+        n_layers=12,
+        max_seq_len=1024,
+        activation="gelu_tanh",
+        tie_embeddings=True,
+    ),
 }
 
 

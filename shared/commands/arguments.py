@@ -7,6 +7,7 @@ port is imported.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,18 +95,39 @@ def add_text_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_inputs(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, np.ndarray], np.ndarray]:
     """Weights and prompts [B, P], checked: everything a port needs, before any port is imported."""
-    config, tensors = load_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS)
+    config, tensors = load_weights_argument(args)
+    return config, tensors, prompts_from(args, config)
+
+
+def load_weights_argument(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    return load_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS)
+
+
+def prompts_from(args: argparse.Namespace, config: ModelConfig) -> np.ndarray:
+    """--prompt (or --text) as one checked batch [B, P]; the seed's prompt when none is given."""
     if getattr(args, "text", None) is not None:
         from kvports.shared.hf.text import encode
 
         if args.prompt:
             raise UserError("give --prompt (token ids) or --text, not both")
         ids = encode(load_text_tokenizer(args), args.text)
-        prompts = check_prompts(ids, config, args.new_tokens)
-    else:
-        texts = args.prompt if args.prompt else [",".join(map(str, SEED_PROMPT))]
-        prompts = check_prompts([parse_prompt(text) for text in texts], config, args.new_tokens)
-    return config, tensors, prompts
+        return check_prompts(ids, config, args.new_tokens)
+    texts = args.prompt if args.prompt else [",".join(map(str, SEED_PROMPT))]
+    return check_prompts([parse_prompt(text) for text in texts], config, args.new_tokens)
+
+
+def parse_flags(add_arguments: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> argparse.Namespace:
+    """A command's flags parsed from `argv` by the command's own definitions, each refusal a UserError
+    with the command line's message: how the Python API checks what it is given."""
+    parser = argparse.ArgumentParser(exit_on_error=False, add_help=False)
+    add_arguments(parser)
+    try:
+        return parser.parse_args(argv)
+    except argparse.ArgumentError as exc:
+        # As shared.cli's Parser words them: an out-of-range integer names the flag and the limit.
+        if isinstance(exc.__context__, OutOfRange):
+            raise UserError(f"{exc.argument_name} {exc.message}") from None
+        raise UserError(str(exc)) from None
 
 
 def load_text_tokenizer(args: argparse.Namespace) -> Any:
@@ -162,7 +184,7 @@ MAX_DRAFT_TOKENS = 16  # a verified chunk is K + 1 wide; past this the draft is 
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("speculative decoding (--mode speculative)")
+    group = parser.add_argument_group("speculative decoding (mode speculative)")
     group.add_argument(
         "--draft",
         default=None,

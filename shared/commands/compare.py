@@ -38,6 +38,7 @@ from kvports.shared.errors import UserError
 from kvports.shared.families import describe
 from kvports.shared.generation import PAD, GenerationConfig, row_tokens
 from kvports.shared.progress import make_progress
+from kvports.shared.terminal import console_for
 
 HELP = "every framework x mode against the torch reference: tokens, logit differences, time"
 EXIT_DISAGREE = 1  # a row disagrees and no float near-tie explains it
@@ -274,8 +275,6 @@ def print_table(
     generation: GenerationConfig,
 ) -> None:
     from rich import box
-    from rich.console import Console
-    from rich.measure import Measurement
     from rich.table import Table
 
     where = args.device if args.device == "cpu" else "gpu (numpy on the cpu)"
@@ -315,10 +314,7 @@ def print_table(
         )
         cells += [f"{row['seconds']:.4f}", "-" if row["cached_speedup"] is None else f"{row['cached_speedup']:.1f}x"]
         table.add_row(*cells)
-    console = Console()
-    # Never squeeze a column: a terminal (or pipe) narrower than the table gets the table's width.
-    needed = Measurement.get(console, console.options.update(max_width=10_000), table).maximum
-    console = Console(width=max(console.width, needed))
+    console = console_for(table)
     console.print(table)
     for line in footnotes(rows, args):
         console.print(line, highlight=False, markup=False)
