@@ -162,9 +162,19 @@ def test_kvports_modules_import_each_other_without_a_cycle():
     assert find_cycle(graph) is None
 
 
+# The package root offers the Python API (kvports.load), imported on first use, not by `import kvports`.
+ROOT_API = {"kvports": {"kvports.api"}}
+
+
 @pytest.mark.parametrize("name", sorted(CORE))
 def test_shared_core_imports_only_shared_core(name):
-    assert sorted(edges(MODULES[name]) - CORE) == []
+    assert sorted(edges(MODULES[name]) - CORE - ROOT_API.get(name, set())) == []
+
+
+def test_the_package_root_loads_its_api_only_on_first_use():
+    code = "import sys, kvports.shared.config\nprint('kvports.api' in sys.modules, kvports.load.__module__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert (result.returncode, result.stdout.split()) == (0, ["False", "kvports.api"]), result.stderr
 
 
 @pytest.mark.parametrize("port", PORTS)
