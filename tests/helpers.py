@@ -4,6 +4,7 @@ one way; conftest.py holds only fixtures and session settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -118,6 +119,30 @@ GOLDEN = [
     289,
 ]  # the seed's README: torch.manual_seed(0) model, 100 greedy tokens
 SEED_PROMPT = np.array([[160, 248, 104, 209, 394]], dtype=np.int64)  # [1, 5]
+
+
+# A tiny model of each family the ports run beyond the seed's: tied GPT-2, GQA Llama, and Mistral
+# with a window of 4 (shorter than any prompt + generation that uses it).
+_LLAMA = ModelConfig(
+    vocab_size=64,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    n_layers=2,
+    max_seq_len=48,
+    positions="rope",
+    norm="rmsnorm",
+    activation="swiglu",
+    attn_bias=False,
+    ffn_bias=False,
+)
+TINY_FAMILIES = {
+    "gpt2": ModelConfig(
+        vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=48, activation="gelu_tanh", tie_embeddings=True
+    ),
+    "llama": _LLAMA,
+    "mistral": dataclasses.replace(_LLAMA, sliding_window=4, tie_embeddings=True),
+}
 
 
 def port_or_skip(name: str) -> Port:

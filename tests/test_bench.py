@@ -19,7 +19,7 @@ from kvports.shared.bench.presets import PRESETS
 from kvports.shared.bench.runners import DEFAULT_MODES, RUNNERS
 from kvports.shared.config import ModelConfig, kv_cache_bytes
 from kvports.shared.weights import gpt2_init_weights, load_weights
-from tests.helpers import GOLDEN, SEED_PROMPT, assert_one_error_line, port_or_skip, run_cli
+from tests.helpers import GOLDEN, SEED_PROMPT, TINY_FAMILIES, assert_one_error_line, port_or_skip, run_cli
 
 NEW_TOKENS = 4
 ROW_FIELDS = {
@@ -316,47 +316,12 @@ def test_gpt2_mapping_names_every_parameter_once(seed_weights):
     assert tuple(state["transformer.h.0.attn.c_attn.weight"].shape) == (config.d_model, 3 * config.d_model)  # (in, out)
 
 
-FAMILIES = {
-    "gpt2": ModelConfig(
-        vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=48, activation="gelu_tanh", tie_embeddings=True
-    ),
-    "llama": ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        n_heads=4,
-        n_kv_heads=2,
-        n_layers=2,
-        max_seq_len=48,
-        positions="rope",
-        norm="rmsnorm",
-        activation="swiglu",
-        attn_bias=False,
-        ffn_bias=False,
-    ),
-    "mistral": ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        n_heads=4,
-        n_kv_heads=2,
-        n_layers=2,
-        max_seq_len=48,
-        positions="rope",
-        norm="rmsnorm",
-        activation="swiglu",
-        attn_bias=False,
-        ffn_bias=False,
-        sliding_window=4,
-        tie_embeddings=True,
-    ),
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 def test_transformers_row_runs_each_family_in_its_own_class_with_our_tokens(family):
     hf_transformers = baseline_or_skip("hf_transformers")
     torch_port = port_or_skip("torch")
-    config = FAMILIES[family]
+    config = TINY_FAMILIES[family]
     tensors = {name: array * 10 if array.ndim == 2 else array for name, array in gpt2_init_weights(config).items()}
     prompts = np.array([[1, 2, 3, 4, 5, 6, 7]])  # past the mistral window of 4
     model = hf_transformers.load_model(config, tensors, "float64")
@@ -368,7 +333,7 @@ def test_transformers_row_runs_each_family_in_its_own_class_with_our_tokens(fami
 def test_seed_concat_runs_gpt2_as_published(seed_weights):
     seed_concat = baseline_or_skip("seed_concat")
     torch_port = port_or_skip("torch")
-    config = FAMILIES["gpt2"]
+    config = TINY_FAMILIES["gpt2"]
     tensors = {name: array * 10 if array.ndim == 2 else array for name, array in gpt2_init_weights(config).items()}
     prompts = np.array([[1, 2, 3, 4, 5]])
     expected, _ = torch_port.generate(torch_port.load_model(config, tensors, "float64"), prompts, 20, "cached")

@@ -12,26 +12,12 @@ import pytest
 
 from kvports.shared import cli, ports
 from kvports.shared.compare import NEAR_TIE, comparable_steps, logit_difference, top2_margin
-from kvports.shared.config import ModelConfig
 from kvports.shared.generation import PAD, as_generation
 from kvports.shared.weights import load_weights, save_weights
-from tests.helpers import SEED_PROMPT, port_or_skip, random_weights, run_cli
+from tests.helpers import SEED_PROMPT, TINY_FAMILIES, port_or_skip, random_weights, run_cli
 
 NEW_TOKENS = 12
-# A Llama-family model (RoPE, RMSNorm, SwiGLU, GQA): the ports' least trivial path.
-BUILT = ModelConfig(
-    vocab_size=64,
-    d_model=32,
-    n_heads=4,
-    n_kv_heads=2,
-    n_layers=2,
-    max_seq_len=48,
-    positions="rope",
-    norm="rmsnorm",
-    activation="swiglu",
-    attn_bias=False,
-    ffn_bias=False,
-)
+BUILT = TINY_FAMILIES["llama"]  # RoPE, RMSNorm, SwiGLU, GQA: the ports' least trivial path
 LOGIT_BOUND = {"float64": 1e-12, "float32": 1e-4}
 
 
