@@ -27,7 +27,9 @@ class KVCache:
     keys: torch.Tensor  # [L, B, Hkv, S, Dh], S = slots (prompt + new tokens, or a ring for the window)
     values: torch.Tensor  # [L, B, Hkv, S, Dh]
     slot_positions: torch.Tensor  # [B, S] int64: the position each slot holds in each row, -1 while empty or padding
-    length: int  # columns written so far; a column is one step of every row (rows differ by their left padding)
+    # Columns written so far; a column is one step of every row (rows differ by their left padding).
+    # An int in eager mode; a tensor for torch.compile, so every step is one graph of one shape.
+    length: int | torch.Tensor
     window: Optional[int]  # the sliding window, or None
 
     def writes_first(self, T: int) -> bool:
@@ -36,26 +38,33 @@ class KVCache:
         slots = self.keys.shape[3]
         return self.window is None or slots < self.window or T <= slots - self.window + 1
 
-    def slot_index(self, column: int, count: int):
+    def filled(self, count: int) -> int:
+        """How many slots the keys span once `count` more columns are written: the prefix filled so
+        far (a shape that grows is free in eager mode), or every slot under torch.compile."""
+        if isinstance(self.length, torch.Tensor):
+            return self.keys.shape[3]
+        return min(self.length + count, self.keys.shape[3])
+
+    def slot_index(self, column: int | torch.Tensor, count: int):
         """The slots of columns [column, column + count), slot = column mod S: a slice while they do
         not wrap around a ring, so writes and reads are views rather than gathers."""
         slots = self.keys.shape[3]
-        if column % slots + count <= slots:
+        if not isinstance(column, torch.Tensor) and column % slots + count <= slots:
             return slice(column % slots, column % slots + count)
-        return torch.arange(column, column + count) % slots  # [count]
+        return (column + torch.arange(count)) % slots  # [count]
 
     def mask(self, positions: torch.Tensor, padded: bool) -> Optional[torch.Tensor]:
         """Which keys each of this chunk's queries sees: [B, 1, T, S'], or None when all of them do."""
         B, T = positions.shape
-        slots = self.keys.shape[3]
         if not self.writes_first(T):
-            filled = min(self.length, slots)
+            filled = self.filled(0)
             key_positions = torch.cat(
                 [self.slot_positions[:, :filled], positions.expand(self.slot_positions.shape[0], T)], dim=1
             )
             return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
-        filled = min(self.length + T, slots)
-        if T == 1 and not padded and (self.window is None or filled <= self.window):
+        filled = self.filled(T)
+        growing = not isinstance(self.length, torch.Tensor)  # compiled: every slot is attended, the empty ones masked
+        if growing and T == 1 and not padded and (self.window is None or filled <= self.window):
             return None  # one new token over the slots filled so far: every one is visible
         key_positions = self.slot_positions.clone()  # [B, S]: as this chunk's write leaves them
         key_positions[:, self.slot_index(self.length, T)] = positions
@@ -68,9 +77,9 @@ class KVCache:
             index = self.slot_index(self.length, T)
             self.keys[layer][:, :, index] = k
             self.values[layer][:, :, index] = v
-            filled = min(self.length + T, slots)  # a shape that grows is free in eager mode
+            filled = self.filled(T)
             return self.keys[layer, :, :, :filled], self.values[layer, :, :, :filled]  # [B, Hkv, S', Dh] views
-        filled, keep = min(self.length, slots), min(T, slots)  # a chunk wider than the ring keeps its newest
+        filled, keep = self.filled(0), min(T, slots)  # a chunk wider than the ring keeps its newest
         keys = torch.cat([self.keys[layer, :, :, :filled], k], dim=2)  # [B, Hkv, S', Dh]
         values = torch.cat([self.values[layer, :, :, :filled], v], dim=2)  # [B, Hkv, S', Dh]
         index = self.slot_index(self.length + T - keep, keep)
@@ -83,10 +92,10 @@ class KVCache:
         T, slots = positions.shape[1], self.keys.shape[3]
         keep = min(T, slots)
         self.slot_positions[:, self.slot_index(self.length + T - keep, keep)] = positions[:, -keep:]
-        self.length += T
+        self.length = self.length + T
         return self
 
-    def crop(self, length: int) -> KVCache:
+    def crop(self, length: int | torch.Tensor) -> KVCache:
         """Take back every column from `length` on (rejected speculative tokens): their slots read
         as empty again, as if never written. A ring sized with spare slots lost nothing still needed."""
         slots = self.keys.shape[3]
@@ -97,14 +106,17 @@ class KVCache:
         return self
 
 
-def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: torch.dtype, chunk: int = 1) -> KVCache:
+def init_cache(
+    config: ModelConfig, batch: int, total_len: int, dtype: torch.dtype, chunk: int = 1, compiled: bool = False
+) -> KVCache:
+    """compiled: the length as a tensor, for a torch.compile'd forward (one shape at every step)."""
     slots = cache_slots(config, total_len, chunk)
     shape = (config.n_layers, batch, config.kv_heads, slots, config.head_dim)
     return KVCache(
         keys=torch.zeros(shape, dtype=dtype),
         values=torch.zeros(shape, dtype=dtype),
         slot_positions=torch.full((batch, slots), -1, dtype=torch.int64),
-        length=0,
+        length=torch.zeros((), dtype=torch.int64) if compiled else 0,
         window=config.sliding_window,
     )
 
@@ -362,13 +374,15 @@ def generate_cached(
     return_logits: bool = False,
     prefill: bool = True,
     on_token: OnToken = None,
+    compiled: bool = False,
 ):
     """Prefill the prompt in one forward, then one token per step against the cache.
-    prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
+    prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one.
+    compiled: for a torch.compile'd model, the cache keeps one shape at every step."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
     pad, draws, stops, tokens = start_generation(prompt, generation)
-    cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
+    cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype, compiled=compiled)
     if prefill:
         logits, cache = model(prompt.clamp(min=0), cache, pad)  # [B, P, V]
     else:
