@@ -9,6 +9,7 @@ import math
 import numpy as np
 from scipy.special import erf
 
+
 def gelu(x: np.ndarray) -> np.ndarray:
     # The exact erf form, as torch's default GELU. NumPy has no erf; SciPy's is one ufunc call,
     # accurate to float64 rounding.
