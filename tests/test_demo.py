@@ -63,4 +63,4 @@ def test_the_readme_demo_streams_the_same_stopped_text_in_every_port(port, demo,
         "--json",
     )
     result = json.loads(out)
-    assert result["finish_reason"] == ["stop"] and result["text"] == [streamed]
+    assert result["finish_reason"] == ["stop"] and result["text"] == ["the cat sat on the " + streamed]
