@@ -51,8 +51,10 @@ class KVCache:
         slots = self.keys.shape[3]
         return self.window is None or slots < self.window or T <= slots - self.window + 1
 
-    def slot_index(self, T: int) -> jax.Array:
-        return (self.length + jnp.arange(T, dtype=jnp.int32)) % self.keys.shape[3]  # [T]: slot = column mod S
+    def slot_index(self, column, count: int) -> jax.Array:
+        """The slots of columns [column, column + count), slot = column mod S. Always an index
+        array: under jit the column is traced, so whether they wrap is not known."""
+        return (column + jnp.arange(count, dtype=jnp.int32)) % self.keys.shape[3]  # [count]
 
     def mask(self, positions: jax.Array, padded: bool) -> jax.Array:
         """Which keys each of this chunk's queries sees: [B, 1, T, S'], over every slot (shapes are
@@ -63,23 +65,25 @@ class KVCache:
                 [self.slot_positions, jnp.broadcast_to(positions, (self.slot_positions.shape[0], T))], axis=1
             )
             return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
-        key_positions = self.slot_positions.at[:, self.slot_index(T)].set(
-            positions
-        )  # [B, S]: as this chunk's write leaves them
+        # [B, S]: as this chunk's write leaves them
+        key_positions = self.slot_positions.at[:, self.slot_index(self.length, T)].set(positions)
         return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
 
     def update(self, layer: int, k: jax.Array, v: jax.Array) -> Tuple[jax.Array, jax.Array, KVCache]:
         """Write this chunk's k and v at their slots; the keys and values to attend over, and the
         new cache (JAX cannot write in place: the donated buffers let XLA do it)."""
         T, slots = k.shape[2], self.keys.shape[3]
-        slot_index = self.slot_index(T)  # [T]
         if self.writes_first(T):
-            cache = self.write(layer, k, v, slot_index)
+            cache = self.write(layer, k, v, self.slot_index(self.length, T))
             return cache.keys[layer], cache.values[layer], cache  # [B, Hkv, S', Dh]
         keep = min(T, slots)  # a chunk wider than the ring keeps its newest
         keys = jnp.concatenate([self.keys[layer], k], axis=2)  # [B, Hkv, S', Dh]
         values = jnp.concatenate([self.values[layer], v], axis=2)  # [B, Hkv, S', Dh]
-        return keys, values, self.write(layer, k[:, :, -keep:], v[:, :, -keep:], slot_index[-keep:])
+        return (
+            keys,
+            values,
+            self.write(layer, k[:, :, -keep:], v[:, :, -keep:], self.slot_index(self.length + T - keep, keep)),
+        )
 
     def write(self, layer: int, k: jax.Array, v: jax.Array, slot_index: jax.Array) -> KVCache:
         # One scatter into the whole buffer, in place when the cache is donated. NumPy's indexing rule puts
@@ -92,16 +96,16 @@ class KVCache:
         # After every layer has read the old slot positions: they change once per forward.
         T, slots = positions.shape[1], self.keys.shape[3]
         keep = min(T, slots)
-        slot_positions = self.slot_positions.at[:, self.slot_index(T)[-keep:]].set(positions[:, -keep:])  # [B, S]
+        index = self.slot_index(self.length + T - keep, keep)  # [keep]
+        slot_positions = self.slot_positions.at[:, index].set(positions[:, -keep:])  # [B, S]
         return dataclasses.replace(self, slot_positions=slot_positions, length=self.length + T)
 
     def crop(self, length) -> KVCache:
         """Take back every column from `length` on (rejected speculative tokens): their slots read
         as empty again, as if never written. A ring sized with spare slots lost nothing still needed."""
         slots = self.keys.shape[3]
-        newest = (
-            self.length - 1 - (self.length - 1 - jnp.arange(slots, dtype=jnp.int32)) % slots
-        )  # [S]: the last column each slot took
+        # [S]: the last column each slot took
+        newest = self.length - 1 - (self.length - 1 - jnp.arange(slots, dtype=jnp.int32)) % slots
         slot_positions = jnp.where(newest >= length, -1, self.slot_positions)  # [B, S]
         return dataclasses.replace(self, slot_positions=slot_positions, length=jnp.asarray(length, dtype=jnp.int32))
 
@@ -125,9 +129,8 @@ def token_positions(start, length: int, pad: Optional[jax.Array]) -> jax.Array:
     positions = start + jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, T]; [B, T] where start is per row
     if pad is None:
         return positions
-    return jnp.maximum(
-        positions - pad[:, None], -1
-    )  # [B, T]: a left-padded row counts from its first token; -1 on padding
+    # [B, T]: a left-padded row counts from its first token; -1 on padding
+    return jnp.maximum(positions - pad[:, None], -1)
 
 
 def attention_mask(query_positions: jax.Array, key_positions: jax.Array, window: Optional[int]) -> jax.Array:
@@ -324,9 +327,8 @@ def draw(probs: jax.Array, uniform: jax.Array) -> jax.Array:
     """probs [B, V] (summing to any positive total), uniform [B] in [0, 1) -> tokens [B]: the
     first token whose cumulative probability exceeds the uniform's share of the total."""
     cumulative = jnp.cumsum(probs, axis=-1)  # [B, V]
-    drawn = jnp.sum(
-        cumulative <= uniform[:, None] * cumulative[:, -1:], axis=-1
-    )  # [B]: tokens whose interval ends at or below it
+    # [B]: tokens whose interval ends at or below it
+    drawn = jnp.sum(cumulative <= uniform[:, None] * cumulative[:, -1:], axis=-1)
     return jnp.minimum(drawn, probs.shape[-1] - 1).astype(jnp.int32)
 
 
@@ -336,6 +338,17 @@ def sample(logits: jax.Array, generation: GenerationConfig, uniform: jax.Array) 
     if generation.greedy:
         return greedy(logits)
     return draw(probabilities(logits, generation), uniform)
+
+
+def choose(
+    logits: jax.Array, generation: GenerationConfig, uniform: jax.Array, done: jax.Array, stops: jax.Array
+) -> Tuple[jax.Array, jax.Array]:
+    """Each row's next token [B] and whether it has stopped [B]: a stopped row stays stopped (PAD)."""
+    token = sample(logits, generation, uniform)  # [B]
+    if generation.stop_ids:  # without stop ids no row can stop: no bookkeeping
+        token = jnp.where(done, PAD, token)
+        done = done | jnp.isin(token, stops)
+    return token, done
 
 
 # on_token(token [B]) is called as each new token reaches the host (streaming, per-step timing).
@@ -359,15 +372,35 @@ def start_generation(prompt: jax.Array, generation: GenerationConfig):
 # costs more than a decode step. The split happens once per generation; the graphdef and the
 # state's tree structure are static (models of one config share them, and with them every
 # compiled program), the state's arrays a flat list that jit takes at C++ speed.
+class _Static:
+    """The graphdef and tree structure as one static argument. jit hashes its static arguments
+    at every call, and an nnx graphdef's hash costs ~0.3 ms, more than a decode step: this one
+    is hashed once, and interned, so every later lookup is an identity check."""
+
+    def __init__(self, graphdef, treedef):
+        self.graphdef, self.treedef, self.hash = graphdef, treedef, hash((graphdef, treedef))
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (
+            isinstance(other, _Static) and (self.graphdef, self.treedef) == (other.graphdef, other.treedef)
+        )
+
+
+_STATICS: dict = {}
+
+
 def _split(model: TinyModel):
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
-    return (graphdef, treedef), leaves
+    static = _Static(graphdef, treedef)
+    return _STATICS.setdefault(static, static), leaves
 
 
 def _merge(static, leaves) -> TinyModel:
-    graphdef, treedef = static
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    return nnx.merge(static.graphdef, jax.tree.unflatten(static.treedef, leaves))
 
 
 def generate_naive(
@@ -398,7 +431,7 @@ def generate_naive(
             step_logits.append(last)
         token, tokens, done = _choose(last, tokens, done, draws[:, step], stops, P + step, generation)  # [B]
         on_token(np.asarray(token))
-        if stops.size and bool(jnp.all(done)):
+        if generation.stop_ids and bool(jnp.all(done)):
             break  # every row has stopped
     return (tokens, jnp.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
@@ -435,14 +468,13 @@ def generate_cached(
     for step in range(generation.max_new_tokens):
         if step > 0:
             # A stopped row feeds PAD as token 0: its outputs are never used.
-            logits, cache = _forward(
-                static, leaves, jnp.maximum(tokens[:, P + step - 1 : P + step], 0), cache, pad
-            )  # [B, 1, V]
+            # [B, 1, V]
+            logits, cache = _forward(static, leaves, jnp.maximum(tokens[:, P + step - 1 : P + step], 0), cache, pad)
         if return_logits:
             step_logits.append(logits[:, -1])
         token, tokens, done = _choose(logits[:, -1], tokens, done, draws[:, step], stops, P + step, generation)  # [B]
         on_token(np.asarray(token))
-        if stops.size and bool(jnp.all(done)):
+        if generation.stop_ids and bool(jnp.all(done)):
             break  # every row has stopped
     return (tokens, jnp.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
@@ -482,9 +514,9 @@ def _choose(
     column: jax.Array,
     generation: GenerationConfig,
 ):
-    """One step's token [B] into tokens [B, P + N] at column; a stopped row stays stopped."""
-    token = jnp.where(done, PAD, sample(logits, generation, uniform))  # [B]
-    return token, lax.dynamic_update_index_in_dim(tokens, token, column, axis=1), done | jnp.isin(token, stops)
+    """choose, compiled, and the token [B] written into tokens [B, P + N] at column."""
+    token, done = choose(logits, generation, uniform, done, stops)  # [B], [B]
+    return token, lax.dynamic_update_index_in_dim(tokens, token, column, axis=1), done
 
 
 @partial(jax.jit, static_argnums=(0, 6, 7))
@@ -503,9 +535,8 @@ def _naive_loop(
     model = _merge(static, leaves)
     N = generation.max_new_tokens
     B, P = tokens.shape[0], tokens.shape[1] - N
-    step_logits = jnp.zeros(
-        (B, N if return_logits else 0, model.config.vocab_size), dtype=model.emb.embedding.dtype
-    )  # [B, N, V], carried only when asked for
+    # [B, N, V], carried only when asked for
+    step_logits = jnp.zeros((B, N if return_logits else 0, model.config.vocab_size), dtype=model.emb.embedding.dtype)
 
     def recompute(carry):
         step, tokens, step_logits, done = carry

@@ -72,9 +72,8 @@ def propose_draft(
 
     def propose(i, carry):  # K - 1 more draft steps, one compiled body
         proposals, q, draft_cache = carry
-        logits, draft_cache = draft(
-            lax.dynamic_slice_in_dim(proposals, i - 1, 1, axis=1), draft_cache, pad
-        )  # [B, 1, V]
+        # [B, 1, V]
+        logits, draft_cache = draft(lax.dynamic_slice_in_dim(proposals, i - 1, 1, axis=1), draft_cache, pad)
         proposals = proposals.at[:, i].set(sample(logits[:, -1], generation, uniform[:, i]))  # [B, K]
         if q is not None:
             q = q.at[:, i].set(probabilities(logits[:, -1], generation))  # [B, K, V]
@@ -96,9 +95,8 @@ def verify(
     -> accepted [B], how many proposals each row keeps, and final [B], its token after them."""
     K = proposals.shape[1]
     if generation.greedy:
-        choice = jnp.argmax(target_logits, axis=-1).astype(
-            jnp.int32
-        )  # [B, K + 1]: what the target itself emits at each place
+        # [B, K + 1]: what the target itself emits at each place
+        choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
         accepted = jnp.cumprod(proposals == choice[:, :K], axis=1).sum(axis=1)  # [B]: the longest agreeing prefix
         return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[
             :, 0
@@ -205,9 +203,8 @@ def _speculative_loop(
             proposals, q = propose_ngram(tokens, end, ngram, K), None  # [B, K]
         else:
             proposals, q, draft_cache = propose_draft(draft, draft_cache, tokens, end, pad, generation, uniform, K)
-        chunk = jnp.maximum(
-            jnp.concatenate([lax.dynamic_slice_in_dim(tokens, end - 1, 1, axis=1), proposals], axis=1), 0
-        )  # [B, K + 1]
+        last = lax.dynamic_slice_in_dim(tokens, end - 1, 1, axis=1)  # [B, 1]
+        chunk = jnp.maximum(jnp.concatenate([last, proposals], axis=1), 0)  # [B, K + 1]: the last token, the proposals
         logits, cache = model(chunk, cache, pad)  # [B, K + 1, V]: one target forward checks all K
         accepted, final = verify(logits, q, proposals, generation, uniform[:, K:])  # [B], [B]
         kept = jnp.min(jnp.where(done, K, accepted))  # the batch moves as one: as far as its least lucky row

@@ -134,15 +134,13 @@ def generate_speculative(
             proposals, q = propose_ngram(tokens, end, ngram, K), None  # [B, K]
         else:
             proposals, q, draft_cache = propose_draft(draft, draft_cache, tokens, end, pad, generation, uniform, K)
-        chunk = np.maximum(
-            np.concatenate([tokens[:, end - 1 : end], proposals], axis=1), 0
-        )  # [B, K + 1]: the last token, then the proposals
+        # [B, K + 1]: the last token, then the proposals
+        chunk = np.maximum(np.concatenate([tokens[:, end - 1 : end], proposals], axis=1), 0)
         logits, cache = model(chunk, cache, pad)  # [B, K + 1, V]: one target forward checks all K
         accepted, final = verify(logits, q, proposals, generation, uniform[:, K:])  # [B], [B]
         kept = int(accepted[~done].min())  # the batch moves as one: as far as its least lucky row
-        extra = np.where(
-            accepted > kept, proposals[:, min(kept, K - 1)], final
-        )  # [B]: agreed proposal, or the target's token
+        # [B]: agreed proposal, or the target's token
+        extra = np.where(accepted > kept, proposals[:, min(kept, K - 1)], final)
         emitted = np.concatenate([proposals[:, :kept], extra[:, None]], axis=1)  # [B, kept + 1]
         cache = cache.crop(end + kept)  # the last token and the kept proposals stay; the rest never happened
         counts["rounds"] += 1

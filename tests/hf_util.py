@@ -97,11 +97,14 @@ def save_hf(model, directory: Path, **kwargs) -> Path:
 
 @torch.no_grad()
 def hf_generate(model, prompts: np.ndarray, new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """transformers' greedy generate (its own KV cache): tokens [B, P + N] and step logits [B, N, V]."""
-    input_ids = torch.from_numpy(np.asarray(prompts, dtype=np.int64))
+    """transformers' greedy generate (its own KV cache): tokens [B, P + N] and step logits [B, N, V].
+    Rows of different lengths come left-padded with PAD: transformers gets id 0 there, masked out."""
+    prompts = np.asarray(prompts, dtype=np.int64)
+    input_ids = torch.from_numpy(np.maximum(prompts, 0))
     out = model.generate(
         input_ids,
-        attention_mask=torch.ones_like(input_ids),
+        attention_mask=torch.from_numpy((prompts >= 0).astype(np.int64)),
+        pad_token_id=0,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,

@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 import torch
 
 from kvports.shared.cli import main
+from kvports.shared.generation import pad_prompts
 from kvports.shared.weights import load_weights
 from tests.helpers import random_prompts
 from tests.hf_util import CASES, hf_generate, save_hf
@@ -92,3 +93,13 @@ def test_mistral_window_off_by_one_disagrees_with_transformers(port, runs, windo
     model = port.load_model(dataclasses.replace(config, sliding_window=window), tensors, "float64")
     _, logits = port.generate(model, prompts, 1, "naive", return_logits=True)
     assert np.abs(logits[:, 0] - hf_logits[:, 0]).max() > 100 * LOGITS_ATOL
+
+
+@pytest.mark.parametrize("mode", ["naive", "cached"])
+@pytest.mark.parametrize("case", ["gpt2-tied", "llama-gqa-untied", "mistral-window"])
+def test_a_ragged_batch_equals_transformers_with_left_padding(port, runs, case, mode):
+    config, tensors, _ = runs.reference(case, "float64")
+    prompts, _ = pad_prompts([[5, 9, 2, 40, 7, 1], [11, 3], [60, 1, 33]])  # [3, 6], PAD on the left
+    hf_tokens, _ = hf_generate(CASES[case].build(torch.float64), prompts, NEW_TOKENS)
+    tokens, _ = port.generate(port.load_model(config, tensors, "float64"), prompts, NEW_TOKENS, mode)
+    assert tokens[:, 6:].tolist() == hf_tokens[:, 6:].tolist()

@@ -31,9 +31,8 @@ def propose_ngram(tokens: torch.Tensor, end: int, n: int, draft_tokens: int) -> 
     history = tokens[:, :end]  # [B, E]
     if end <= n:
         return history[:, -1:].expand(-1, draft_tokens)  # [B, K]: too short to hold an earlier n-gram
-    windows = torch.stack(
-        [history[:, i : end - n + i] for i in range(n)], dim=-1
-    )  # [B, E - n, n]: every earlier n-gram
+    # [B, E - n, n]: every earlier n-gram
+    windows = torch.stack([history[:, i : end - n + i] for i in range(n)], dim=-1)
     found = (windows == history[:, None, end - n :]).all(dim=-1)  # [B, E - n]
     latest = torch.where(found, torch.arange(end - n), -1).max(dim=1).values  # [B], -1 where none
     start = torch.where(latest >= 0, latest + n, end - 1)  # [B]: where the proposal is copied from
@@ -112,9 +111,8 @@ def generate_speculative(
     B, P = prompt.shape
     N, K = generation.max_new_tokens, draft_tokens
     pad, _, stops, tokens = start_generation(prompt, generation)
-    tokens = torch.cat(
-        [tokens, torch.full((B, K + 1), PAD, dtype=tokens.dtype, device=tokens.device)], dim=1
-    )  # room for a round past N
+    # Room for a round past N
+    tokens = torch.cat([tokens, torch.full((B, K + 1), PAD, dtype=tokens.dtype, device=tokens.device)], dim=1)
     first, rounds = speculative_uniforms(generation.seed, B, N, K)  # [B], [B, N, 2K + 1]
     first, rounds = torch.from_numpy(first).to(prompt.device), torch.from_numpy(rounds).to(prompt.device)
     # A verified chunk is K + 1 wide and partly taken back: a ring keeps K spare slots for it.
@@ -138,15 +136,13 @@ def generate_speculative(
             proposals, q = propose_ngram(tokens, end, ngram, K), None  # [B, K]
         else:
             proposals, q, draft_cache = propose_draft(draft, draft_cache, tokens, end, pad, generation, uniform, K)
-        chunk = torch.cat([tokens[:, end - 1 : end], proposals], dim=1).clamp(
-            min=0
-        )  # [B, K + 1]: the last token, then the proposals
+        # [B, K + 1]: the last token, then the proposals
+        chunk = torch.cat([tokens[:, end - 1 : end], proposals], dim=1).clamp(min=0)
         logits, cache = model(chunk, cache, pad)  # [B, K + 1, V]: one target forward checks all K
         accepted, final = verify(logits, q, proposals, generation, uniform[:, K:])  # [B], [B]
         kept = int(accepted[~done].min())  # the batch moves as one: as far as its least lucky row
-        extra = torch.where(
-            accepted > kept, proposals[:, min(kept, K - 1)], final
-        )  # [B]: agreed proposal, or the target's token
+        # [B]: agreed proposal, or the target's token
+        extra = torch.where(accepted > kept, proposals[:, min(kept, K - 1)], final)
         emitted = torch.cat([proposals[:, :kept], extra[:, None]], dim=1)  # [B, kept + 1]
         cache = cache.crop(end + kept)  # the last token and the kept proposals stay; the rest never happened
         counts["rounds"] += 1

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is not None:
         from kvports.shared.hf.text import decode
 
-        texts = [decode(tokenizer, row[len(prompt) :]) for row, prompt in zip(rows, prompt_rows, strict=True)]
+        texts = [decode(tokenizer, row) for row in rows]  # prompt and generated, as `tokens` holds them
     if args.json:
         result: dict[str, Any] = {
             "framework": args.framework,
