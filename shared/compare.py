@@ -6,6 +6,10 @@ the continuations part. That is a near-tie, not a bug, and is reported as one:
 the first divergent step and the reference's top-2 margin there. A sampled step has
 its own near-ties: a draw that lands within that noise of the edge between two tokens'
 probability intervals (or a logit that close to the top-k or top-p cut).
+
+Beyond agreement, how close: `logit_difference` gives the largest and the mean
+|logit - reference logit| over the steps both ran on the same history (or, teacher-forced,
+over every step), and the step where it peaks.
 """
 
 from __future__ import annotations

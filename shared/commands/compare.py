@@ -278,11 +278,10 @@ def print_table(
     from rich.table import Table
 
     where = args.device if args.device == "cpu" else "gpu (numpy on the cpu)"
-    compared = "teacher-forced logits" if args.teacher_forced else "logits"
     table = Table(
         title=f"kvports compare: {describe(config)}, {prompts.shape[0]} x {prompts.shape[1]}-token prompt, "
         f"{args.new_tokens} new tokens, {describe_generation(generation)}, {args.dtype}, {where}; "
-        f"reference: {reference} naive; {compared}: |logit - reference logit|",
+        f"reference: {reference} naive" + (", teacher-forced" if args.teacher_forced else ""),
         box=box.SIMPLE_HEAD,
         show_edge=False,
     )
@@ -308,7 +307,7 @@ def print_table(
             if logits is None
             else [
                 fmt_difference(logits["max_abs_diff"]),
-                str(logits["peak_step"]),
+                str(logits["peak_step"]) if logits["max_abs_diff"] else "-",  # no peak where nothing differs
                 fmt_difference(logits["mean_abs_diff"]),
             ]
         )
@@ -346,19 +345,15 @@ def footnotes(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]
             "peaks, mean over every logit); --teacher-forced compares every step"
         )
     compiled = [row for row in live if row.get("compile_seconds") is not None]
-    notes.append(
-        f"seconds: median of {args.repeats} runs of the whole generation after a warm-up; per-step latency and "
-        "time to first token: kvports bench"
-        + (
-            "; "
-            + ", ".join(
-                f"{row['framework']} {row['mode']} compiles in {row['compile_seconds']:.2f} s" for row in compiled
-            )
-            + " (its first call, apart)"
-            if compiled
-            else ""
-        )
+    timing = (
+        f"seconds: median of {args.repeats} runs of the whole generation after a warm-up (per-step latency and "
+        "time to first token: kvports bench)"
     )
+    if compiled:
+        timing += "; compile time apart, the first call minus that median: " + ", ".join(
+            f"{row['framework']} {row['mode']} {row['compile_seconds']:.2f} s" for row in compiled
+        )
+    notes.append(timing)
     for row in rows:
         if not row["available"] and row["reason"] != "not installed" and row["mode"] == "naive":
             notes.append(f"{row['framework']}: {row['reason']}")
