@@ -60,6 +60,9 @@ def main() -> None:
         )
     )
     check(len(drawn["tokens"][0]) == 8, "kvports init-weights --init numpy writes a model without torch")
+    code = "import kvports; print(kvports.load('numpy').generate([160, 248, 104, 209, 394], new_tokens=3).generated)"
+    api = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    check(api.stdout.strip() == "[[315, 391, 221]]", "the Python API generates with numpy alone")
     benched = json.loads(run("bench", "--json", "--new-tokens", "3", "--repeats", "1"))
     live = [row["framework"] for row in benched["rows"] if row["available"]]
     check(

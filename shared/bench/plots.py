@@ -60,6 +60,8 @@ def write_plots(result: dict[str, Any], folder: Path) -> list[Path]:
 
 def per_step_figure(plt: Any, s: dict[str, Any], rows: list[dict[str, Any]]) -> Any:
     """Per-step latency against position, one panel per port, one shared log y-axis."""
+    import matplotlib.ticker
+
     panels = [name for name in PANELS if any(row["framework"] == name for row in rows)] or ["torch"]
     figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False, sharey=True)
     positions = s["prompt_len"] + np.arange(1, s["new_tokens"])  # context length at decode steps 1..N-1
@@ -84,6 +86,7 @@ def per_step_figure(plt: Any, s: dict[str, Any], rows: list[dict[str, Any]]) -> 
             handles.setdefault("roofline (bytes per step / bandwidth)", line)
         axis.set_title(name if name != "torch" else "torch (and the PyTorch baselines)", fontsize=10)
         axis.set_xlabel("position (tokens in context)")
+        axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         axis.set_yscale("log")
         axis.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("ms per decode step (log)")
