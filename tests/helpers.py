@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
+from kvports.shared import ports
 from kvports.shared.cli import main
 from kvports.shared.compare import Agreement, compare_tokens
 from kvports.shared.config import ModelConfig
@@ -150,6 +151,18 @@ def port_or_skip(name: str) -> Port:
     if port is None:
         pytest.skip(f"{name} is not installed")
     return port
+
+
+def hide_port(monkeypatch: pytest.MonkeyPatch, name: str, reason: str) -> None:
+    """From here on, loading port `name` fails as it does where the framework is not installed."""
+    real = ports.load_port
+
+    def load_port(wanted: str) -> Port:
+        if wanted == name:
+            raise ports.PortUnavailable(wanted, reason)
+        return real(wanted)
+
+    monkeypatch.setattr(ports, "load_port", load_port)
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:

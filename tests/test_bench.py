@@ -19,7 +19,7 @@ from kvports.shared.bench.presets import PRESETS
 from kvports.shared.bench.runners import DEFAULT_MODES, RUNNERS
 from kvports.shared.config import ModelConfig, kv_cache_bytes
 from kvports.shared.weights import gpt2_init_weights, load_weights
-from tests.helpers import GOLDEN, SEED_PROMPT, TINY_FAMILIES, assert_one_error_line, port_or_skip, run_cli
+from tests.helpers import GOLDEN, SEED_PROMPT, TINY_FAMILIES, assert_one_error_line, hide_port, port_or_skip, run_cli
 
 NEW_TOKENS = 4
 ROW_FIELDS = {
@@ -137,14 +137,7 @@ def test_kv_cache_bytes_are_the_configs(bench_run):
 
 
 def test_a_framework_that_is_not_installed_gets_rows_that_say_why(capsys, monkeypatch):
-    real = ports.load_port
-
-    def no_jax(name):
-        if name == "jax":
-            raise ports.PortUnavailable(name, "No module named 'jax'")
-        return real(name)
-
-    monkeypatch.setattr(ports, "load_port", no_jax)
+    hide_port(monkeypatch, "jax", "No module named 'jax'")
     code, out, _ = run_cli(
         capsys, "bench", "--json", "--new-tokens", "2", "--repeats", "1", "--frameworks", "jax,numpy"
     )
@@ -273,12 +266,7 @@ def test_a_framework_that_finds_no_gpu_gets_rows_that_say_why_in_the_reason_colu
 
 
 def test_unavailable_rows_leave_the_csv_number_fields_empty(capsys, monkeypatch):
-    real = ports.load_port
-    monkeypatch.setattr(
-        ports,
-        "load_port",
-        lambda name: (_ for _ in ()).throw(ports.PortUnavailable(name, "gone")) if name == "jax" else real(name),
-    )
+    hide_port(monkeypatch, "jax", "gone")
     code, out, _ = run_cli(
         capsys, "bench", "--csv", "-", "--new-tokens", "2", "--repeats", "1", "--frameworks", "jax,numpy"
     )

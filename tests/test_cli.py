@@ -12,7 +12,7 @@ import pytest
 
 from kvports.shared import ports
 from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
-from tests.helpers import GOLDEN, assert_one_error_line, port_or_skip, run_cli
+from tests.helpers import GOLDEN, assert_one_error_line, hide_port, port_or_skip, run_cli
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -206,14 +206,7 @@ def test_init_weights_refuses_to_overwrite_without_force(tmp_path, capsys):
 
 @pytest.fixture
 def no_torch(monkeypatch):
-    real = ports.load_port
-
-    def without_torch(name):
-        if name == "torch":
-            raise ports.PortUnavailable(name, "No module named 'torch'")
-        return real(name)
-
-    monkeypatch.setattr(ports, "load_port", without_torch)
+    hide_port(monkeypatch, "torch", "No module named 'torch'")
 
 
 def test_init_weights_with_numpy_init_needs_no_torch(tmp_path, capsys, no_torch):
