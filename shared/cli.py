@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import NoReturn
@@ -31,15 +32,16 @@ COMMANDS: dict[str, ModuleType] = {
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse's parser, except that a value one of our types refuses (`--new-tokens 0`) is one
-    `error:` line like every other user error. A malformed command line keeps argparse's usage."""
+    """argparse's parser, except that every parse error is one `error:` line like every other
+    user error, where argparse would print its usage first: a value one of our types refuses
+    (`--new-tokens 0`) names the flag and the limit; any other points to --help."""
 
     def error(self, message: str) -> NoReturn:
         # argparse calls error() while it handles the ArgumentError wrapping the type's exception.
         failure = sys.exc_info()[1]
         if isinstance(failure, argparse.ArgumentError) and isinstance(failure.__context__, OutOfRange):
             raise UserError(f"{failure.argument_name} {failure.message}") from None
-        super().error(message)
+        raise UserError(f"{message} (see {self.prog} --help)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,8 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
-        return int(args.run(args))
+        with warnings.catch_warnings():  # NumPy and JAX warn on stderr (an overflow) where torch is silent
+            warnings.simplefilter("ignore")
+            args = build_parser().parse_args(argv)
+            return int(args.run(args))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -35,6 +35,7 @@ CORE = {"kvports", "kvports.shared"} | {
         "families",
         "files",
         "generation",
+        "limits",
         "ports",
         "progress",
         "weights",

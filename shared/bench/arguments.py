@@ -9,8 +9,10 @@ from pathlib import Path
 from kvports.shared.bench.presets import PRESETS
 from kvports.shared.bench.runners import FRAMEWORKS, MODES
 from kvports.shared.checks import SEED_PROMPT
-from kvports.shared.config import DTYPES, ModelConfig
-from kvports.shared.errors import UserError
+from kvports.shared.commands.arguments import integer, parse_integer
+from kvports.shared.config import DTYPES, MAX_SIZE, ModelConfig
+from kvports.shared.errors import UserError, echo
+from kvports.shared.limits import check_run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,15 +23,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seed: the seed's model; gpt2-small: GPT-2 small's sizes, random weights (default seed)",
     )
     parser.add_argument("--weights", type=Path, default=None, help="time this safetensors file instead of a preset")
-    parser.add_argument("--batch", type=int, default=1, help="prompts per batch (default 1)")
+    parser.add_argument("--batch", type=integer, default=1, help="prompts per batch (default 1)")
     parser.add_argument(
         "--prompt-len",
-        type=int,
+        type=integer,
         default=len(SEED_PROMPT),
         metavar="P",
         help=f"prompt tokens: the seed's prompt, repeated to length P (default {len(SEED_PROMPT)})",
     )
-    parser.add_argument("--new-tokens", type=int, default=100, metavar="N", help="tokens to generate (default 100)")
+    parser.add_argument("--new-tokens", type=integer, default=100, metavar="N", help="tokens to generate (default 100)")
     parser.add_argument(
         "--frameworks",
         default=",".join(FRAMEWORKS),
@@ -39,8 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--modes", default=",".join(MODES), help="comma-separated subset of naive,cached (default both)"
     )
     parser.add_argument("--compile", action="store_true", help="add a torch.compile row (torch cached, compiled)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; figures are medians (default 3)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default 1)")
+    parser.add_argument(
+        "--repeats", type=integer, default=3, help="timed runs per figure; figures are medians (default 3)"
+    )
+    parser.add_argument("--warmup", type=integer, default=1, help="untimed runs before timing (default 1)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
     parser.add_argument(
         "--device",
@@ -76,6 +80,23 @@ def check_counts(args: argparse.Namespace) -> None:
     check_at_least("new tokens", args.new_tokens, 2, ": decode timing needs a step after the first token")
     check_at_least("--repeats", args.repeats, 1)
     check_at_least("--warmup", args.warmup, 1, ": the first call (and JAX's compile) must stay out of the figures")
+    for name in ("--batch", "--prompt-len", "--new-tokens", "--repeats", "--warmup"):
+        value = getattr(args, name[2:].replace("-", "_"))
+        if value > MAX_SIZE:
+            raise UserError(f"{name} {echo(value)} is above {MAX_SIZE}")
+
+
+def check_bench_run(config: ModelConfig, args: argparse.Namespace, modes: Sequence[str], longest: int) -> None:
+    """The run's sizes against the model, and the bytes of its longest generation (`longest`
+    new tokens: --new-tokens, or a --sweep value) against the limit: before the prompts are
+    built or any tensor is read."""
+    total = args.prompt_len + args.new_tokens
+    if total > config.max_seq_len:
+        raise UserError(
+            f"prompt length {args.prompt_len} + new tokens {args.new_tokens} = {total} exceeds "
+            f"max_seq_len {config.max_seq_len}"
+        )
+    check_run(config, args.dtype, args.batch, args.prompt_len, longest, modes)
 
 
 def check_at_least(name: str, value: int, limit: int, why: str = "") -> None:
@@ -104,10 +125,10 @@ def parse_sweep(text: str | None, new_tokens: int, prompt_len: int, config: Mode
         return default_sweep(new_tokens) if plot else []
     values = []
     for part in text.split(","):
-        try:
-            values.append(int(part.strip(), 10))
-        except ValueError:
-            raise UserError(f"--sweep value {part.strip()!r} is not an integer") from None
+        value = parse_integer(part)
+        if value is None:
+            raise UserError(f"--sweep value {echo(part.strip())} is not an integer")
+        values.append(value)
     for value in values:
         check_at_least("--sweep value", value, 2)
         if prompt_len + value > config.max_seq_len:

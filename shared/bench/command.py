@@ -10,7 +10,7 @@ import platform
 import time
 from typing import Any
 
-from kvports.shared.bench.arguments import check_counts, parse_choices, parse_sweep
+from kvports.shared.bench.arguments import check_bench_run, check_counts, parse_choices, parse_sweep
 from kvports.shared.bench.measure import load_average, threads_info
 from kvports.shared.bench.output import print_result
 from kvports.shared.bench.plots import write_plots
@@ -18,6 +18,7 @@ from kvports.shared.bench.presets import bench_prompts, load_bench_model
 from kvports.shared.bench.rows import run_rows
 from kvports.shared.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, RUNNERS
 from kvports.shared.bench.targets import targets
+from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.progress import make_progress
 
@@ -28,11 +29,14 @@ def run(args: argparse.Namespace) -> int:
     modes = parse_choices(args.modes, MODES, "modes")
     if args.plot is not None and not args.plot.parent.is_dir():
         raise UserError(f"folder {str(args.plot.parent)!r} does not exist (needed for --plot {str(args.plot)!r})")
-    preset, config, tensors = load_bench_model(args)
+    sweep: list[int] = []
+
+    def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
+        sweep.extend(parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None))
+        check_bench_run(config, args, modes, max([args.new_tokens, *sweep]))
+
+    preset, config, tensors = load_bench_model(args, check)
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens)  # [B, P]
-    sweep = parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None)
-    if args.dtype != "float32":
-        tensors = {name: array.astype(args.dtype) for name, array in tensors.items()}
     roofline = args.roofline or preset == "gpt2-small"
     runners = [runner for runner in RUNNERS if runner.framework in frameworks]
     if args.compile:

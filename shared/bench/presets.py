@@ -4,12 +4,13 @@ random weights, or a weights file."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import numpy as np
 
 from kvports.shared.checks import SEED_PROMPT, check_prompts
 from kvports.shared.config import ModelConfig
-from kvports.shared.weights import DEFAULT_WEIGHTS, expected_shapes, load_weights
+from kvports.shared.weights import DEFAULT_WEIGHTS, iter_expected, open_weights
 
 PRESETS: dict[str, ModelConfig | None] = {
     "seed": None,  # the seed's model, shipped as the default weights file
@@ -23,7 +24,7 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     needs a model of the right size, not a trained one, and NumPy draws it in seconds."""
     rng = np.random.default_rng(seed)
     tensors = {}
-    for name, shape in expected_shapes(config).items():
+    for name, shape in iter_expected(config):
         if name.endswith(".bias"):
             tensors[name] = np.zeros(shape, dtype=np.float32)
         elif len(shape) == 1:
@@ -34,16 +35,20 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return tensors
 
 
-def load_bench_model(args: argparse.Namespace) -> tuple[str, ModelConfig, dict[str, np.ndarray]]:
-    """(the name the results go by, config, tensors) for --weights or --preset."""
-    if args.weights is not None:
-        config, tensors = load_weights(args.weights)
-        return args.weights.name, config, tensors
+def load_bench_model(
+    args: argparse.Namespace, check: Callable[[ModelConfig], None]
+) -> tuple[str, ModelConfig, dict[str, np.ndarray]]:
+    """(the name the results go by, config, tensors at --dtype) for --weights or --preset;
+    check(config) runs before any tensor is read or drawn."""
     preset = PRESETS[args.preset]
-    if preset is None:
-        config, tensors = load_weights(DEFAULT_WEIGHTS)
-        return args.preset, config, tensors
-    return args.preset, preset, random_weights(preset)
+    if args.weights is not None or preset is None:
+        with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
+            check(weights.config)
+            name = args.weights.name if args.weights is not None else args.preset
+            return name, weights.config, weights.read(args.dtype)
+    check(preset)
+    tensors = {name: array.astype(args.dtype, copy=False) for name, array in random_weights(preset).items()}
+    return args.preset, preset, tensors
 
 
 def bench_prompts(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> np.ndarray:

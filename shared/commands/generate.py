@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     config, tensors, prompts = load_inputs(args)
     generation = generation_from(args, config)
     draft_weights = load_draft(args, config, prompts) if args.mode == "speculative" else None
-    tokenizer = load_text_tokenizer(args)
+    tokenizer = load_text_tokenizer(args, config)  # loaded and checked by load_inputs
     try:
         port = ports.load_port(args.framework)
     except ports.PortUnavailable as exc:
