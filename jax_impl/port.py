@@ -78,6 +78,7 @@ def _parameter_slots(model: TinyModel) -> dict[str, tuple[nnx.Variable, bool]]:
 def load_model(
     config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
 ) -> TinyModel:
+    config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     target = resolve_device(device)
     with jax.default_device(target):
         model = TinyModel(config, dtype=JAX_DTYPES[dtype], rngs=nnx.Rngs(0))  # every parameter is overwritten below

@@ -12,10 +12,10 @@ another project's `shared`. In the repository those folders sit beside this one.
 import os as _os
 from typing import TYPE_CHECKING
 
+from kvports.version import __version__
+
 if TYPE_CHECKING:  # what __getattr__ below hands out, for type checkers and editors
     from kvports.api import Generation, Model, UserError, load
-
-__version__ = "0.1.0"
 
 # In a checkout (run from the repository, or installed editable), the subpackages are the
 # top-level folders beside this one; an installed wheel has them inside this folder.

@@ -5,9 +5,9 @@
     out = model.generate([160, 248, 104, 209, 394], new_tokens=8)
     out.generated                                  # [[315, 391, 221, 120, 342, 371, 223, 418]]
 
-Every argument goes through the command line's own checks (its flag definitions, then the
-same functions `kvports generate` calls), so a bad one raises `kvports.UserError` with the
-message the command line prints after `error:`, the flag named as the command line names it.
+Every argument goes through the command line's own checks (`kvports generate`'s parser, then
+the same functions it calls), so a bad one raises `kvports.UserError` with the message the
+command line prints after `error:`, the flag named as the command line names it.
 """
 
 from __future__ import annotations
@@ -19,14 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from kvports.shared.cli import build_parser
 from kvports.shared.commands import generate as generate_command
-from kvports.shared.commands.arguments import (
-    generation_from,
-    load_draft,
-    load_weights_argument,
-    parse_flags,
-    prompts_from,
-)
+from kvports.shared.commands.arguments import checked_prompts, generation_from, load_draft, load_weights_argument
 from kvports.shared.config import ModelConfig
 from kvports.shared.contract import Port
 from kvports.shared.errors import UserError
@@ -88,8 +83,8 @@ class Model:
         if draft is not None:
             argv.append(f"--draft={os.fspath(draft)}")
         argv += [f"--draft-tokens={draft_tokens}", f"--ngram={ngram}", f"--dtype={self.dtype}"]
-        args = parse_flags(generate_command.add_arguments, [*argv, f"--device={self.device}"])
-        prompt_batch = prompts_from(args, self.config)
+        args = parse_generate_flags([*argv, f"--device={self.device}"])
+        prompt_batch = checked_prompts(args, self.config)
         generation = generation_from(args, self.config)
         draft_weights = load_draft(args, self.config, prompt_batch) if args.mode == "speculative" else None
         done = generate_command.run_generation(
@@ -110,6 +105,12 @@ class Model:
             speculative=summary,
             seconds=done.seconds,
         )
+
+
+def parse_generate_flags(argv: list[str]) -> Any:
+    """`kvports generate`'s flags, parsed by the command line's own parser: its refusals are
+    UserErrors worded as the command line words them."""
+    return build_parser().parse_args(["generate", *argv])
 
 
 def prompt_texts(prompts: Prompts) -> list[str]:
@@ -134,7 +135,7 @@ def load(
     argv = [f"--framework={framework}", "--mode=cached", f"--dtype={dtype}", f"--device={device}"]
     if weights is not None:
         argv.append(f"--weights={os.fspath(weights)}")
-    args = parse_flags(generate_command.add_arguments, argv)
+    args = parse_generate_flags(argv)
     config, tensors = load_weights_argument(args)
     port = generate_command.load_port_for(args)
     return Model(port, port.load_model(config, tensors, args.dtype, args.device), config, framework, dtype, device)

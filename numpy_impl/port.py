@@ -31,6 +31,7 @@ def resolve_device(device: str) -> str:
 def load_model(
     config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
 ) -> TinyModel:
+    config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     resolve_device(device)
     model = TinyModel(config)  # placeholder weights: every tensor comes from the file
     model.load_state_dict(tensors)

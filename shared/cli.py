@@ -10,15 +10,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import NoReturn
 
-import kvports
 from kvports.shared import bench
 from kvports.shared.commands import compare, convert, generate, init_weights
 from kvports.shared.commands.arguments import OutOfRange
 from kvports.shared.errors import UserError
+from kvports.version import __version__
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a process that SIGPIPE ended: 128 + 13
@@ -34,22 +35,23 @@ COMMANDS: dict[str, ModuleType] = {
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse's parser, except that a value one of our types refuses (`--new-tokens 0`) is one
-    `error:` line like every other user error. A malformed command line keeps argparse's usage."""
+    """argparse's parser, except that every parse error is one `error:` line like every other
+    user error, where argparse would print its usage first: a value one of our types refuses
+    (`--new-tokens 0`) names the flag and the limit; any other points to --help."""
 
     def error(self, message: str) -> NoReturn:
         # argparse calls error() while it handles the ArgumentError wrapping the type's exception.
         failure = sys.exc_info()[1]
         if isinstance(failure, argparse.ArgumentError) and isinstance(failure.__context__, OutOfRange):
             raise UserError(f"{failure.argument_name} {failure.message}") from None
-        super().error(message)
+        raise UserError(f"{message} (see {self.prog} --help)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="kvports", description="Naive vs KV-cached generation of one decoder, in PyTorch, JAX/Flax and NumPy."
     )
-    parser.add_argument("--version", action="version", version=f"kvports {kvports.__version__}")
+    parser.add_argument("--version", action="version", version=f"kvports {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         command = sub.add_parser(name, help=module.HELP)
@@ -60,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
-        return int(args.run(args))
+        with warnings.catch_warnings():  # NumPy and JAX warn on stderr (an overflow) where torch is silent
+            warnings.simplefilter("ignore")
+            args = build_parser().parse_args(argv)
+            return int(args.run(args))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

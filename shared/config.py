@@ -10,15 +10,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvports.shared.errors import UserError
+import numpy as np
+
+from kvports.shared.errors import UserError, echo
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 DTYPES = ("float32", "float64")
+# Every size and count (vocab, widths, heads, layers, positions; a run's batch, prompt and new
+# tokens) is at most this: JAX computes token ids, positions and cache slots in int32, and
+# 2**30 leaves room for the sums (a position plus a chunk) to stay in range.
+MAX_SIZE = 2**30
+# A window needs no such bound to be computed right (the ports attend with
+# `ModelConfig.for_compute`'s, at most max_seq_len); this one keeps it an int64, as every
+# framework and Hugging Face's config store it.
+MAX_WINDOW = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -69,50 +80,73 @@ class ModelConfig:
         return "mistral" if self.sliding_window is not None else "llama"
 
     def validate(self) -> ModelConfig:
-        def positive_int(name: str, value: Any) -> None:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UserError(f"config field {name}={value!r} must be an integer >= 1")
+        def size(name: str, value: Any, high: int = MAX_SIZE) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+                raise UserError(f"config field {name}={echo(value)} must be an integer in [1, {high}]")
 
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len"):
-            positive_int(name, getattr(self, name))
+            size(name, getattr(self, name))
         if self.d_model % self.n_heads:
             raise UserError(f"config d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.n_kv_heads is not None:
-            positive_int("n_kv_heads", self.n_kv_heads)
+            size("n_kv_heads", self.n_kv_heads)
             if self.n_heads % self.n_kv_heads:
                 raise UserError(f"config n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.ffn_hidden is not None:
-            positive_int("ffn_hidden", self.ffn_hidden)
+            size("ffn_hidden", self.ffn_hidden)
         if self.sliding_window is not None:
-            positive_int("sliding_window", self.sliding_window)
+            size("sliding_window", self.sliding_window, MAX_WINDOW)
         for name, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("positions", POSITIONS)):
             if getattr(self, name) not in allowed:
-                raise UserError(f"config {name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+                raise UserError(f"config {name}={echo(getattr(self, name))} is not one of {', '.join(allowed)}")
         if self.positions == "rope" and self.head_dim % 2:
             raise UserError(f"config head_dim={self.head_dim} must be even for rope positions")
         for name in ("norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise UserError(f"config field {name}={value!r} must be a number > 0")
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"config field dropout={self.dropout!r} must be in [0, 1)")
+            # JSON's 1e999 is inf: a model with an infinite epsilon outputs token 0 forever.
+            if not is_number(value) or not math.isfinite(value) or not value > 0:
+                raise UserError(f"config field {name}={echo(value)} must be a finite number > 0")
+        if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"config field dropout={echo(self.dropout)} must be in [0, 1)")
         for name in ("tie_embeddings", "attn_bias", "ffn_bias"):
             if not isinstance(getattr(self, name), bool):
-                raise UserError(f"config field {name}={getattr(self, name)!r} must be true or false")
+                raise UserError(f"config field {name}={echo(getattr(self, name))} must be true or false")
         if not isinstance(self.eos_token_ids, tuple):
-            raise UserError(f"config field eos_token_ids={self.eos_token_ids!r} must be a list of token ids")
+            raise UserError(f"config field eos_token_ids={echo(self.eos_token_ids)} must be a list of token ids")
         for token in self.eos_token_ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
-                raise UserError(f"config field eos_token_ids has {token!r}, not a token id in [0, {self.vocab_size})")
+                raise UserError(
+                    f"config field eos_token_ids has {echo(token)}, not a token id in [0, {self.vocab_size})"
+                )
         if self.bos_token_id is not None and (
             not isinstance(self.bos_token_id, int)
             or isinstance(self.bos_token_id, bool)
             or not 0 <= self.bos_token_id < self.vocab_size
         ):
             raise UserError(
-                f"config field bos_token_id={self.bos_token_id!r} is not a token id in [0, {self.vocab_size})"
+                f"config field bos_token_id={echo(self.bos_token_id)} is not a token id in [0, {self.vocab_size})"
             )
         return self
+
+    def validate_at(self, dtype: str) -> ModelConfig:
+        """The floats a port computes with stay finite and positive in `dtype`: an epsilon of
+        1e300 is finite, but inf in float32, and every token would come out 0."""
+        with np.errstate(over="ignore", under="ignore"):  # the overflow is the finding, not a warning
+            eps = np.asarray(self.norm_eps, dtype=dtype)
+        if not (np.isfinite(eps) and eps > 0):
+            raise UserError(
+                f"config field norm_eps={echo(self.norm_eps)} is not a finite number > 0 in {dtype}, the compute dtype"
+            )
+        return self
+
+    def for_compute(self) -> ModelConfig:
+        """The config a port builds its model from: the same model, with a sliding window no
+        wider than max_seq_len. A window at least that wide hides nothing (no two positions of
+        a run are max_seq_len apart), and JAX's int32 mask arithmetic (query - window) wraps
+        for a window past 2**31: narrowed, it is computed right in every port."""
+        if self.sliding_window is None or self.sliding_window <= self.max_seq_len:
+            return self
+        return dataclasses.replace(self, sliding_window=self.max_seq_len)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -121,6 +155,8 @@ class ModelConfig:
     def from_json(cls, text: str) -> ModelConfig:
         try:
             data = json.loads(text)
+        except RecursionError:
+            raise UserError("config metadata is not valid JSON (nested too deeply)") from None
         except (TypeError, ValueError) as exc:
             raise UserError(f"config metadata is not valid JSON ({exc})") from None
         return cls.from_dict(data)
@@ -132,11 +168,16 @@ class ModelConfig:
         known = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise UserError(f"config metadata has unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+            raise UserError(f"config metadata has unknown field {echo(unknown[0])} (known: {', '.join(sorted(known))})")
         if isinstance(data.get("eos_token_ids"), list):  # JSON has lists, the frozen config tuples
             data = {**data, "eos_token_ids": tuple(data["eos_token_ids"])}
         # Absent fields take the seed's values, so older files stay valid.
         return cls(**data).validate()
+
+
+def is_number(value: Any) -> bool:
+    """An int or a float, not a bool (JSON's true is no number)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def cache_slots(config: ModelConfig, total_len: int, chunk: int = 1) -> int:

@@ -24,7 +24,7 @@ FOLDERS = {
 }
 PORTS = ("kvports.torch_impl", "kvports.jax_impl", "kvports.numpy_impl")
 # shared's core: what a port may import. The tools (cli, commands, bench, hf) sit on top of it.
-CORE = {"kvports", "kvports.shared"} | {
+CORE = {"kvports", "kvports.version", "kvports.shared"} | {
     f"kvports.shared.{name}"
     for name in (
         "checks",
@@ -35,6 +35,7 @@ CORE = {"kvports", "kvports.shared"} | {
         "families",
         "files",
         "generation",
+        "limits",
         "ports",
         "progress",
         "weights",
@@ -82,7 +83,9 @@ def visit(node: ast.AST, module: Module, package: str, known: set[str], lazy: bo
             for target in imported(child, package, known):
                 record(module, target, lazy)
         elif isinstance(child, ast.Constant) and isinstance(child.value, str) and child.value in known:
-            module.loads.add(child.value)
+            # A bare "kvports" is the program's name in text (argparse's prog), never a module loaded by name.
+            if "." in child.value:
+                module.loads.add(child.value)
         visit(
             child,
             module,

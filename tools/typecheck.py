@@ -20,7 +20,7 @@ FOLDERS = ("shared", "torch_impl", "jax_impl", "numpy_impl", "baselines")
 def lay_out() -> None:
     package = TREE / "kvports"
     package.mkdir(parents=True, exist_ok=True)
-    root_files = [(name, ROOT / "kvports" / name) for name in ("__init__.py", "api.py")]
+    root_files = [(name, ROOT / "kvports" / name) for name in ("__init__.py", "api.py", "version.py")]
     for name, target in root_files + [(f, ROOT / f) for f in FOLDERS]:
         link = package / name
         if not link.is_symlink():

@@ -46,6 +46,7 @@ def _on_device(device: torch.device):
 def load_model(
     config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
 ) -> TinyModel:
+    config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     with torch.device("meta"):
         model = TinyModel(config)  # no random init: every tensor comes from the file
     # Copied into torch's own allocations: the file's arrays sit at arbitrary offsets, and MKL's

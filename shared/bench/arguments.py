@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvports.shared.bench.presets import PRESETS
 from kvports.shared.bench.runners import DEFAULT_MODES, FRAMEWORKS, MODES
 from kvports.shared.checks import SEED_PROMPT
-from kvports.shared.commands.arguments import add_speculative_arguments
-from kvports.shared.config import DTYPES, ModelConfig
+from kvports.shared.commands.arguments import add_speculative_arguments, integer, parse_integer
+from kvports.shared.config import DTYPES, MAX_SIZE, ModelConfig
 from kvports.shared.devices import add_device_argument
-from kvports.shared.errors import UserError
+from kvports.shared.errors import UserError, echo, echo_path
+from kvports.shared.files import check_writable_folder, os_errors_as_user_errors
+from kvports.shared.limits import check_run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,15 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "GELU), random weights (default seed)",
     )
     parser.add_argument("--weights", type=Path, default=None, help="time this safetensors file instead of a preset")
-    parser.add_argument("--batch", type=int, default=1, help="prompts per batch (default 1)")
+    parser.add_argument("--batch", type=integer, default=1, help="prompts per batch (default 1)")
     parser.add_argument(
         "--prompt-len",
-        type=int,
+        type=integer,
         default=len(SEED_PROMPT),
         metavar="P",
         help=f"prompt tokens: the seed's prompt, repeated to length P (default {len(SEED_PROMPT)})",
     )
-    parser.add_argument("--new-tokens", type=int, default=100, metavar="N", help="tokens to generate (default 100)")
+    parser.add_argument("--new-tokens", type=integer, default=100, metavar="N", help="tokens to generate (default 100)")
     parser.add_argument(
         "--frameworks",
         default=",".join(FRAMEWORKS),
@@ -47,8 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft)",
     )
     parser.add_argument("--compile", action="store_true", help="add a torch.compile row (torch cached, compiled)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; figures are medians (default 3)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default 1)")
+    parser.add_argument(
+        "--repeats", type=integer, default=3, help="timed runs per figure; figures are medians (default 3)"
+    )
+    parser.add_argument("--warmup", type=integer, default=1, help="untimed runs before timing (default 1)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
     add_device_argument(parser)
     parser.add_argument(
@@ -88,6 +91,23 @@ def check_counts(args: argparse.Namespace) -> None:
     check_at_least("new tokens", args.new_tokens, 2, ": decode timing needs a step after the first token")
     check_at_least("--repeats", args.repeats, 1)
     check_at_least("--warmup", args.warmup, 1, ": the first call (and JAX's compile) must stay out of the figures")
+    for name in ("--batch", "--prompt-len", "--new-tokens", "--repeats", "--warmup"):
+        value = getattr(args, name[2:].replace("-", "_"))
+        if value > MAX_SIZE:
+            raise UserError(f"{name} {echo(value)} is above {MAX_SIZE}")
+
+
+def check_bench_run(config: ModelConfig, args: argparse.Namespace, modes: Sequence[str], longest: int) -> None:
+    """The run's sizes against the model, and the bytes of its longest generation (`longest`
+    new tokens: --new-tokens, or a --sweep value) against the limit: before the prompts are
+    built or any tensor is read."""
+    total = args.prompt_len + args.new_tokens
+    if total > config.max_seq_len:
+        raise UserError(
+            f"prompt length {args.prompt_len} + new tokens {args.new_tokens} = {total} exceeds "
+            f"max_seq_len {config.max_seq_len}"
+        )
+    check_run(config, args.dtype, args.batch, args.prompt_len, longest, modes)
 
 
 def check_outputs(args: argparse.Namespace) -> None:
@@ -95,22 +115,17 @@ def check_outputs(args: argparse.Namespace) -> None:
     if args.plot is not None:
         if importlib.util.find_spec("matplotlib") is None:
             raise UserError("--plot needs matplotlib: pip install 'kvports[plot]'")
-        if args.plot.exists() and not args.plot.is_dir():
-            raise UserError(f"--plot {str(args.plot)!r} is a file, not a folder")
-        check_writable_folder(args.plot.parent, f"--plot {str(args.plot)!r}")
+        with os_errors_as_user_errors(args.plot):
+            if args.plot.exists() and not args.plot.is_dir():
+                raise UserError(f"--plot {echo_path(args.plot)} is a file, not a folder")
+            check_writable_folder(args.plot.parent, args.plot.name)
     if args.csv is not None and str(args.csv) == "-" and args.json:
         raise UserError("--csv - and --json both print to stdout: give --csv a FILE")
     if args.csv is not None and str(args.csv) != "-":
-        if args.csv.is_dir():
-            raise UserError(f"--csv {str(args.csv)!r} is a folder; give the file to write")
-        check_writable_folder(args.csv.parent, f"--csv {str(args.csv)!r}")
-
-
-def check_writable_folder(folder: Path, needed_for: str) -> None:
-    if not folder.is_dir():
-        raise UserError(f"folder {str(folder)!r} does not exist (needed for {needed_for})")
-    if not os.access(folder, os.W_OK):
-        raise UserError(f"folder {str(folder)!r} is not writable (needed for {needed_for})")
+        with os_errors_as_user_errors(args.csv):
+            if args.csv.is_dir():
+                raise UserError(f"--csv {echo_path(args.csv)} is a folder; give the file to write")
+            check_writable_folder(args.csv.parent, args.csv.name)
 
 
 def check_at_least(name: str, value: int, limit: int, why: str = "") -> None:
@@ -139,10 +154,10 @@ def parse_sweep(text: str | None, new_tokens: int, prompt_len: int, config: Mode
         return default_sweep(new_tokens) if plot else []
     values = []
     for part in text.split(","):
-        try:
-            values.append(int(part.strip(), 10))
-        except ValueError:
-            raise UserError(f"--sweep value {part.strip()!r} is not an integer") from None
+        value = parse_integer(part)
+        if value is None:
+            raise UserError(f"--sweep value {echo(part.strip())} is not an integer")
+        values.append(value)
     for value in values:
         check_at_least("--sweep value", value, 2)
         if prompt_len + value > config.max_seq_len:

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from kvports.shared import ports
-from kvports.shared.bench.arguments import check_counts, check_outputs, parse_choices, parse_sweep
+from kvports.shared.bench.arguments import check_bench_run, check_counts, check_outputs, parse_choices, parse_sweep
 from kvports.shared.bench.measure import load_average, threads_info
 from kvports.shared.bench.output import print_result
 from kvports.shared.bench.plots import write_plots
@@ -21,6 +21,7 @@ from kvports.shared.bench.rows import run_rows
 from kvports.shared.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, RUNNERS, Runner
 from kvports.shared.bench.targets import targets
 from kvports.shared.commands.arguments import load_draft
+from kvports.shared.config import ModelConfig
 from kvports.shared.devices import check_gpu_reachable, device_problem
 from kvports.shared.errors import UserError
 from kvports.shared.progress import make_progress
@@ -29,6 +30,8 @@ from kvports.shared.progress import make_progress
 def gpu_problems(runners: list[Runner], device: str) -> dict[str, str]:
     """Each runner (by label) that cannot reach the device it was asked to run on -> why; one
     `error:` line instead when none of them can (`--device gpu` on a machine without a GPU)."""
+    if device == "cpu":
+        return {}  # every framework runs on the CPU: nothing to import early
     problems: dict[str, str | None] = {}
     for runner in runners:
         port = ports.available_port(runner.library)
@@ -43,23 +46,22 @@ def run(args: argparse.Namespace) -> int:
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
     check_outputs(args)
-    preset, config, tensors = load_bench_model(args)
-    prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens)  # [B, P]
-    draft_weights = None
-    if "speculative" in modes:
-        if args.draft is None:
-            raise UserError("--modes speculative needs --draft FILE (a smaller model) or --draft ngram")
-        draft_weights = load_draft(args, config, prompts)
-    sweep = parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None)
-    if args.dtype != "float32":
-        tensors = {name: array.astype(args.dtype) for name, array in tensors.items()}
-        if draft_weights is not None:
-            draft_weights = (draft_weights[0], {n: a.astype(args.dtype) for n, a in draft_weights[1].items()})
-    roofline = args.roofline or preset == "gpt2-small"
+    if "speculative" in modes and args.draft is None:
+        raise UserError("--modes speculative needs --draft FILE (a smaller model) or --draft ngram")
     runners = [runner for runner in RUNNERS if runner.framework in frameworks]
     if args.compile:
         runners.append(COMPILED_RUNNER)
     no_device = gpu_problems([runner for runner in runners if set(runner.modes) & set(modes)], args.device)
+    sweep: list[int] = []
+
+    def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
+        sweep.extend(parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None))
+        check_bench_run(config, args, modes, max([args.new_tokens, *sweep]))
+
+    preset, config, tensors = load_bench_model(args, check)
+    prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens)  # [B, P]
+    draft_weights = load_draft(args, config, prompts) if "speculative" in modes else None  # at --dtype
+    roofline = args.roofline or preset == "gpt2-small"
     settings: dict[str, Any] = {
         "preset": preset,
         "config": json.loads(config.to_json()),

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import numpy as np
 
 from kvports.shared.checks import SEED_PROMPT, check_prompts
 from kvports.shared.config import ModelConfig
-from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, load_weights
+from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, open_weights
 
 PRESETS: dict[str, ModelConfig | None] = {
     "seed": None,  # the seed's model, shipped as the default weights file
@@ -26,16 +27,20 @@ PRESETS: dict[str, ModelConfig | None] = {
 }
 
 
-def load_bench_model(args: argparse.Namespace) -> tuple[str, ModelConfig, dict[str, np.ndarray]]:
-    """(the name the results go by, config, tensors) for --weights or --preset."""
-    if args.weights is not None:
-        config, tensors = load_weights(args.weights)
-        return args.weights.name, config, tensors
+def load_bench_model(
+    args: argparse.Namespace, check: Callable[[ModelConfig], None]
+) -> tuple[str, ModelConfig, dict[str, np.ndarray]]:
+    """(the name the results go by, config, tensors at --dtype) for --weights or --preset;
+    check(config) runs before any tensor is read or drawn."""
     preset = PRESETS[args.preset]
-    if preset is None:
-        config, tensors = load_weights(DEFAULT_WEIGHTS)
-        return args.preset, config, tensors
-    return args.preset, preset, gpt2_init_weights(preset)
+    if args.weights is not None or preset is None:
+        with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
+            check(weights.config)
+            name = args.weights.name if args.weights is not None else args.preset
+            return name, weights.config, weights.read(args.dtype)
+    check(preset)
+    tensors = {name: array.astype(args.dtype, copy=False) for name, array in gpt2_init_weights(preset).items()}
+    return args.preset, preset, tensors
 
 
 def bench_prompts(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> np.ndarray:

@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 from kvports.shared.bench.measure import MATVEC_SHAPE
+from kvports.shared.limits import fmt_bytes
 from kvports.shared.terminal import console_for
 
 
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
-
-
-def fmt_bytes(count: int) -> str:
-    if count == 0:
-        return "none"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{count} B"
 
 
 def print_table(result: dict, show_targets: bool = False) -> None:

@@ -7,7 +7,8 @@ port is imported.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,10 @@ import numpy as np
 
 from kvports.shared.checks import SEED_PROMPT, check_prompts, parse_prompt
 from kvports.shared.config import DTYPES, ModelConfig
-from kvports.shared.errors import UserError
-from kvports.shared.generation import GenerationConfig
-from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
+from kvports.shared.errors import UserError, echo
+from kvports.shared.generation import MAX_SEED, GenerationConfig
+from kvports.shared.limits import check_bytes, check_run
+from kvports.shared.weights import DEFAULT_WEIGHTS, open_weights, parameter_count
 
 
 class OutOfRange(argparse.ArgumentTypeError):
@@ -25,11 +27,19 @@ class OutOfRange(argparse.ArgumentTypeError):
     `error: --flag VALUE is below LIMIT`, one line."""
 
 
+def parse_integer(text: str) -> int | None:
+    """ASCII digits with an optional sign, or None: Python's int() would also take `1_0` and
+    Arabic-Indic or fullwidth digits, and thousands of digits only to echo them back."""
+    if re.fullmatch(r"[+-]?[0-9]{1,30}", text.strip(), flags=re.ASCII) is None:
+        return None
+    return int(text)
+
+
 def integer(text: str) -> int:
-    try:
-        return int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    value = parse_integer(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"invalid int value: {echo(text)}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -48,11 +58,29 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def seed(text: str) -> int:
+    """0 to 2**64 - 1: a Philox key word, and what torch.manual_seed accepts."""
+    value = non_negative_int(text)
+    if value > MAX_SEED:
+        raise OutOfRange(f"{value} is above {MAX_SEED}")
+    return value
+
+
 def number(text: str) -> float:
     try:
+        if not text.isascii():  # float() also reads fullwidth and other digits
+            raise ValueError(text)
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"invalid number: {echo(text)}") from None
+
+
+def output_file(text: str) -> Path:
+    """--out as a file's path. A trailing separator names a folder: pathlib would drop it, and
+    `--out newfile/` would write a file called newfile."""
+    if text.endswith(("/", os.sep)):
+        raise UserError(f"--out {echo(text)} ends with {text[-1]!r}, so it names a folder; give the file's name")
+    return Path(text)
 
 
 def add_input_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,52 +122,69 @@ def add_text_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_inputs(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, np.ndarray], np.ndarray]:
-    """Weights and prompts [B, P], checked: everything a port needs, before any port is imported."""
-    config, tensors = load_weights_argument(args)
-    return config, tensors, prompts_from(args, config)
+    """Weights (at --dtype) and prompts [B, P], checked: everything a port needs, before any
+    port is imported. The file's header gives the config; the prompts, the generation flags
+    and the bytes the run will allocate are checked against it before any tensor is read."""
+    with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
+        config = weights.config.validate_at(args.dtype)
+        prompts = checked_prompts(args, config)
+        return config, weights.read(args.dtype), prompts
 
 
 def load_weights_argument(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    return load_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS)
+    """--weights at --dtype, without prompts: the Python API loads a model before it is given any.
+    Its weights' bytes are checked against the limit before any tensor is read."""
+    with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
+        config = weights.config.validate_at(args.dtype)
+        count = parameter_count(config)
+        check_bytes({"weights": 2 * count * np.dtype(args.dtype).itemsize}, f"a model of {count:,} parameters")
+        return config, weights.read(args.dtype)
 
 
-def prompts_from(args: argparse.Namespace, config: ModelConfig) -> np.ndarray:
-    """--prompt (or --text) as one checked batch [B, P]; the seed's prompt when none is given."""
+def checked_prompts(args: argparse.Namespace, config: ModelConfig) -> np.ndarray:
+    """--prompt (or --text; the seed's prompt when neither) as one batch [B, P], with everything
+    else a run is checked for against the model: the generation flags, the draft's flags, and
+    the bytes the run will allocate."""
+    tokenizer = load_text_tokenizer(args, config)
     if getattr(args, "text", None) is not None:
         from kvports.shared.hf.text import encode
 
         if args.prompt:
             raise UserError("give --prompt (token ids) or --text, not both")
-        ids = encode(load_text_tokenizer(args), args.text)
-        return check_prompts(ids, config, args.new_tokens)
-    texts = args.prompt if args.prompt else [",".join(map(str, SEED_PROMPT))]
-    return check_prompts([parse_prompt(text) for text in texts], config, args.new_tokens)
+        ids = encode(tokenizer, args.text)
+        prompts = check_prompts(ids, config, args.new_tokens)
+    else:
+        texts = args.prompt if args.prompt else [",".join(map(str, SEED_PROMPT))]
+        prompts = check_prompts([parse_prompt(text) for text in texts], config, args.new_tokens)
+    generation_from(args, config)
+    modes = run_modes(args)
+    if "speculative" in modes:
+        check_draft_flags(args)
+        check_needed(args, prompts, [("the model", config)])
+    B, P = prompts.shape
+    check_run(config, args.dtype, B, P, args.new_tokens, modes, args.draft_tokens if "speculative" in modes else 0)
+    return prompts
 
 
-def parse_flags(add_arguments: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> argparse.Namespace:
-    """A command's flags parsed from `argv` by the command's own definitions, each refusal a UserError
-    with the command line's message: how the Python API checks what it is given."""
-    parser = argparse.ArgumentParser(exit_on_error=False, add_help=False)
-    add_arguments(parser)
-    try:
-        return parser.parse_args(argv)
-    except argparse.ArgumentError as exc:
-        # As shared.cli's Parser words them: an out-of-range integer names the flag and the limit.
-        if isinstance(exc.__context__, OutOfRange):
-            raise UserError(f"{exc.argument_name} {exc.message}") from None
-        raise UserError(str(exc)) from None
+def run_modes(args: argparse.Namespace) -> list[str]:
+    """The modes the command runs: generate's --mode, or compare's naive and cached (and
+    speculative, given --draft)."""
+    if hasattr(args, "mode"):
+        return [args.mode]
+    return ["naive", "cached"] + (["speculative"] if args.draft is not None else [])
 
 
-def load_text_tokenizer(args: argparse.Namespace) -> Any:
-    """The tokenizer --text and decoded output need; None when neither was asked for."""
+def load_text_tokenizer(args: argparse.Namespace, config: ModelConfig) -> Any:
+    """The tokenizer --text and decoded output need, checked against the model's vocabulary;
+    None when neither was asked for."""
     if getattr(args, "tokenizer", None) is None:
         if getattr(args, "text", None) is not None:
             raise UserError("--text needs --tokenizer DIR (a folder holding tokenizer.json)")
         return None
     if not hasattr(args, "_tokenizer"):
-        from kvports.shared.hf.text import load_tokenizer
+        from kvports.shared.hf.text import check_vocabulary, load_tokenizer
 
-        args._tokenizer = load_tokenizer(args.tokenizer)
+        args._tokenizer = check_vocabulary(load_tokenizer(args.tokenizer), config.vocab_size)
     return args._tokenizer
 
 
@@ -157,7 +202,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         help="sample from the fewest likeliest tokens whose probability reaches P (1: all)",
     )
     group.add_argument(
-        "--seed", type=non_negative_int, default=0, help="the draws' seed: the same seed, the same tokens everywhere"
+        "--seed", type=seed, default=0, help="the draws' seed: the same seed, the same tokens everywhere"
     )
     group.add_argument(
         "--stop-id",
@@ -207,19 +252,30 @@ def load_draft(
     args: argparse.Namespace, config: ModelConfig, prompts: np.ndarray
 ) -> tuple[ModelConfig, dict[str, np.ndarray]] | None:
     """The draft model's config and weights, or None for prompt lookup; checked against the target."""
+    check_draft_flags(args)
+    if args.draft == "ngram":
+        check_needed(args, prompts, [("the model", config)])
+        return None
+    with open_weights(Path(args.draft)) as weights:
+        if weights.config.vocab_size != config.vocab_size:
+            raise UserError(
+                f"the draft's vocab_size {weights.config.vocab_size} differs from the model's "
+                f"{config.vocab_size}: a draft must propose the target's tokens"
+            )
+        check_needed(args, prompts, [("the model", config), ("the draft", weights.config)])
+        B, P = prompts.shape
+        check_run(config, args.dtype, B, P, args.new_tokens, ["speculative"], args.draft_tokens, weights.config)
+        return weights.config, weights.read(args.dtype)
+
+
+def check_draft_flags(args: argparse.Namespace) -> None:
     if args.draft is None:
         raise UserError("--mode speculative needs --draft FILE (a smaller model) or --draft ngram")
     if args.draft_tokens > MAX_DRAFT_TOKENS:
         raise UserError(f"--draft-tokens {args.draft_tokens} is above {MAX_DRAFT_TOKENS}")
-    models, draft = [("the model", config)], None
-    if args.draft != "ngram":
-        draft = load_weights(Path(args.draft))
-        if draft[0].vocab_size != config.vocab_size:
-            raise UserError(
-                f"the draft's vocab_size {draft[0].vocab_size} differs from the model's {config.vocab_size}: "
-                "a draft must propose the target's tokens"
-            )
-        models.append(("the draft", draft[0]))
+
+
+def check_needed(args: argparse.Namespace, prompts: np.ndarray, models: list[tuple[str, ModelConfig]]) -> None:
     needed = prompts.shape[1] + args.new_tokens + args.draft_tokens  # a round writes up to K past what it keeps
     for name, model_config in models:
         if needed > model_config.max_seq_len:
@@ -227,4 +283,3 @@ def load_draft(
                 f"prompt length {prompts.shape[1]} + new tokens {args.new_tokens} + draft tokens "
                 f"{args.draft_tokens} = {needed} exceeds {name}'s max_seq_len {model_config.max_seq_len}"
             )
-    return draft

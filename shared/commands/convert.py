@@ -8,9 +8,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
+
+from kvports.shared.commands.arguments import output_file
 from kvports.shared.config import DTYPES
-from kvports.shared.errors import UserError
+from kvports.shared.errors import UserError, echo_path
 from kvports.shared.families import describe
+from kvports.shared.files import check_output_file, check_output_folder
+from kvports.shared.limits import check_bytes
 
 HELP = (
     "convert a local Hugging Face model directory (gpt2, llama, mistral) to a weights file, or a weights file to gpt2"
@@ -27,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument("--to-hf", type=Path, metavar="FILE", help="our weights file, written as a gpt2-type directory")
     parser.add_argument(
-        "--out", type=Path, required=True, help="the weights file (--from-hf) or directory (--to-hf) to write"
+        "--out",
+        required=True,
+        help="the weights file (--from-hf) or directory (--to-hf) to write; a directory is replaced whole",
     )
     parser.add_argument(
         "--dtype",
@@ -46,13 +53,8 @@ def from_hf(args: argparse.Namespace) -> int:
     from kvports.shared.hf.importer import import_hf
     from kvports.shared.weights import save_weights
 
-    out: Path = args.out
-    if out.exists() and not args.force:
-        raise UserError(f"{str(out)!r} exists; pass --force to overwrite it")
-    if out.is_dir():
-        raise UserError(f"{str(out)!r} is a folder; --out names the weights file to write")
-    if not out.parent.is_dir():
-        raise UserError(f"folder {str(out.parent)!r} does not exist")
+    out = output_file(args.out)
+    check_output_file(out, args.force)
     config, tensors = import_hf(args.from_hf, args.dtype)
     save_weights(out, tensors, config)
     n_params = sum(array.size for array in tensors.values())
@@ -64,22 +66,20 @@ def from_hf(args: argparse.Namespace) -> int:
 def to_hf(args: argparse.Namespace) -> int:
     from kvports.shared.hf.config import gpt2_refusal
     from kvports.shared.hf.exporter import export_gpt2
-    from kvports.shared.weights import load_weights
+    from kvports.shared.weights import open_weights, parameter_count
 
-    out: Path = args.out
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{str(out)!r} is a file; --out names the directory to write")
-    if out.is_dir() and any((out / name).exists() for name in ("config.json", "model.safetensors")) and not args.force:
-        raise UserError(f"{str(out)!r} already holds a model; pass --force to overwrite it")
-    if not out.parent.is_dir():
-        raise UserError(f"folder {str(out.parent)!r} does not exist")
-    config, tensors = load_weights(args.to_hf)
-    why = gpt2_refusal(config)  # before anything is written
-    if why is not None:
-        raise UserError(f"cannot write {str(args.to_hf)!r} as gpt2: {why}")
-    if args.dtype is not None:
-        tensors = {name: array.astype(args.dtype) for name, array in tensors.items()}
+    out = Path(args.out)
+    check_output_folder(out, args.force)
+    with open_weights(args.to_hf) as weights:
+        config = weights.config
+        why = gpt2_refusal(config)  # before anything is read or written
+        if why is not None:
+            raise UserError(f"cannot write {echo_path(args.to_hf)} as gpt2: {why}")
+        dtype = args.dtype if args.dtype is not None else weights.dtype
+        size = parameter_count(config) * np.dtype(dtype).itemsize
+        # The tensors, and the file's bytes made from them before it is written.
+        check_bytes({"tensors": size, "file": size}, f"writing {echo_path(args.to_hf)} as gpt2 in {dtype}")
+        tensors = weights.read(dtype)  # finite at the dtype written, or refused
     export_gpt2(config, tensors, out)
-    dtype = next(iter(tensors.values())).dtype
     print(f"wrote {out}: gpt2-type directory (config.json, model.safetensors) of a {describe(config)}, {dtype}")
     return 0

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     config, tensors, prompts = load_inputs(args)
     generation = generation_from(args, config)
     draft_weights = load_draft(args, config, prompts) if args.mode == "speculative" else None
-    tokenizer = load_text_tokenizer(args)
+    tokenizer = load_text_tokenizer(args, config)  # loaded and checked by load_inputs
     port = load_port_for(args)
     model = port.load_model(config, tensors, args.dtype, args.device)
     stream = Stream(prompts.shape[0], tokenizer, args.json) if args.stream else None

@@ -5,13 +5,16 @@ initialisation (torch), so seed 0 with the default sizes is the seed's model bit
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+import numpy as np
 
 from kvports.shared import ports
-from kvports.shared.commands.arguments import non_negative_int, positive_int
+from kvports.shared.commands.arguments import output_file, positive_int, seed
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.errors import UserError
-from kvports.shared.weights import gpt2_init_weights, save_weights
+from kvports.shared.files import check_output_file
+from kvports.shared.limits import check_bytes
+from kvports.shared.weights import gpt2_init_weights, parameter_count, save_weights
 
 HELP = "write a randomly initialised weights file"
 SIZES = ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len")
@@ -19,8 +22,8 @@ INITS = ("torch", "numpy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--out", required=True, help="the weights file to write")
+    parser.add_argument("--seed", type=seed, default=0, help="the initialisation's seed (default 0)")
     defaults = ModelConfig()
     for name in SIZES:
         parser.add_argument("--" + name.replace("_", "-"), type=positive_int, default=getattr(defaults, name))
@@ -36,11 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    out = output_file(args.out)
     config = ModelConfig(**{name: getattr(args, name) for name in SIZES}).validate()
-    if args.out.exists() and not args.force:
-        raise UserError(f"{str(args.out)!r} exists; pass --force to overwrite it")
-    if not args.out.parent.is_dir():
-        raise UserError(f"folder {str(args.out.parent)!r} does not exist")
+    check_output_file(out, args.force)
+    count = parameter_count(config)
+    # torch's float32 initialisation and its NumPy copy, that copy at --dtype, and the file's bytes.
+    itemsize = np.dtype(args.dtype).itemsize
+    parts = {"initialisation": 2 * count * 4, "tensors": count * itemsize, "file": count * itemsize}
+    check_bytes(parts, f"init-weights of {count:,} parameters")
     if args.init == "numpy":
         tensors = gpt2_init_weights(config, args.seed)
     else:
@@ -53,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
             ) from None
         # init_weights is the reference port's alone, not part of the Port contract.
         tensors = port.init_weights(config, args.seed)  # type: ignore[attr-defined]
-    tensors = {name: array.astype(args.dtype) for name, array in tensors.items()}
-    save_weights(args.out, tensors, config)
+    tensors = {name: array.astype(args.dtype, copy=False) for name, array in tensors.items()}
+    save_weights(out, tensors, config)
     n_params = sum(array.size for array in tensors.values())
     print(
-        f"wrote {args.out}: {config.family} model, {n_params:,} parameters, {args.dtype}, "
+        f"wrote {out}: {config.family} model, {n_params:,} parameters, {args.dtype}, "
         f"{args.init} initialisation, seed {args.seed}"
     )
     return 0

@@ -7,8 +7,8 @@ Text: prompts in and tokens out through a local tokenizer.json.
 
 One module per job:
 - `config`: config.json fields <-> ModelConfig (mapped, checked, or refused by name)
-- `checkpoint`: reading a directory's config.json and safetensors files by hand
-- `tensors`: Hugging Face tensor names and layouts <-> ours
+- `checkpoint`: reading a directory's config.json, and its safetensors shards through the one reader
+- `tensors`: Hugging Face tensor names and layouts <-> ours (an import's plan, checked from the headers)
 - `importer`: `import_hf`, the three above in order
 - `exporter`: `export_gpt2`
 - `text`: the tokenizer (the `tokenizers` package, imported only when text is asked for)

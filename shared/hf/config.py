@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
-from kvports.shared.config import ModelConfig
-from kvports.shared.errors import UserError
+from kvports.shared.config import ModelConfig, is_number
+from kvports.shared.errors import MAX_ECHO, UserError, echo
 
 MODEL_TYPES = ("gpt2", "llama", "mistral")
 
@@ -100,7 +101,17 @@ IGNORED = {
 
 
 def refuse(field: str, value: Any, why: str) -> UserError:
-    return UserError(f"config.json field {field}={json.dumps(value)}: {why}")
+    try:
+        shown = json.dumps(value)
+    except (ValueError, RecursionError):  # an int past Python's 4300 digits, a list nested too deep
+        shown = echo(value)
+    if len(shown) > MAX_ECHO:  # the value as config.json spells it, cut short
+        shown = f"{shown[: MAX_ECHO - 3]}... ({len(shown)} characters)"
+    return UserError(f"config.json field {field}={shown}: {why}")
+
+
+def finite_positive(value: Any) -> bool:
+    return is_number(value) and math.isfinite(value) and value > 0
 
 
 class Fields:
@@ -123,8 +134,8 @@ class Fields:
 
     def number(self, name: str, default: Any = None) -> float:
         value = self.get(name, default)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise refuse(name, value, "must be a number > 0")
+        if not finite_positive(value):  # JSON's 1e999 is inf
+            raise refuse(name, value, "must be a finite number > 0")
         return float(value)
 
     def flag(self, name: str, default: bool) -> bool:
@@ -200,8 +211,8 @@ def rope_theta(fields: Fields) -> float:
         elif key != "rope_theta":
             raise refuse(f"rope_parameters.{key}", value, "kvports implements plain RoPE only")
     theta = params.get("rope_theta", theta)
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
-        raise refuse("rope_theta", theta, "must be a number > 0")
+    if not finite_positive(theta):
+        raise refuse("rope_theta", theta, "must be a finite number > 0")
     factor = fields.get("partial_rotary_factor", 1.0)
     if factor != 1 and factor != 1.0:
         raise refuse("partial_rotary_factor", factor, "kvports rotates the full head dim (1.0)")
