@@ -24,11 +24,15 @@ $(VENV)/.dev-installed: $(VENV)/.installed
 demo: setup
 	$(BIN)/kvports compare
 
+# Two workers, a test file each at a time (module fixtures are built once): most of the
+# suite's time is JAX compiling, one core per compile.
+PYTEST_WORKERS ?= 2
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
 
 # ruff (lint and format) and mypy, all configured in pyproject.toml. All three run, so one
 # run shows every problem; the target fails if any found one.
