@@ -149,3 +149,36 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> L
         product(matrix, vector).block_until_ready()  # [rows]
         seconds.append(time.perf_counter() - start)
     return seconds[1:]
+
+
+# ---------------------------------------------------------------- continuous batching (issue 13)
+# What shared/batching's engine calls: a pool of KV blocks shared by the running sequences,
+# and one step of the running batch over it (jax_impl/paged.py; docs/BATCHING.md).
+
+
+def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int):
+    """The pool [L, num_blocks, Hkv, block_size, Dh] of keys and of values. max_batch and max_blocks
+    (per sequence) fix the compiled step's shapes."""
+    from kvports.jax_impl.paged import init_block_pool as init_pool
+
+    with jax.default_device(_model_device(model)):
+        return init_pool(model.config, num_blocks, block_size, model.emb.embedding.dtype, max_batch, max_blocks)
+
+
+def paged_step(model: TinyModel, pool, tokens: np.ndarray, start: np.ndarray, block_tables: np.ndarray,
+               samplers: Sequence[Tuple[GenerationConfig, np.ndarray]], uniform: np.ndarray) -> Tuple[np.ndarray, object]:
+    """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
+    `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), samplers: each
+    sampling setting with its rows [B] bool, uniform [B]: each row's draw. The next token of every
+    row [B], and the pool to pass to the next step (the one passed in is donated)."""
+    from kvports.jax_impl.paged import paged_step as step
+    from kvports.jax_impl.paged import static_shapes
+
+    B = tokens.shape[0]
+    tokens, start, block_tables, samplers, uniform = static_shapes(pool.max_batch, pool.max_blocks, tokens, start,
+                                                                   block_tables, samplers, uniform)
+    device = _model_device(model)
+    as_array = lambda array: jax.device_put(np.asarray(array, dtype=np.int32 if array.dtype.kind == "i" else None), device)
+    next_tokens, pool = step(model, pool, as_array(tokens), as_array(start), as_array(block_tables),
+                             [(generation, as_array(rows)) for generation, rows in samplers], as_array(uniform))
+    return np.asarray(next_tokens[:B], dtype=np.int64), pool  # [B]

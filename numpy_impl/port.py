@@ -85,3 +85,30 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> L
 
 def clear_compiled() -> None:
     """Nothing is compiled here; JAX's twin forgets its compiled programs."""
+
+
+# ---------------------------------------------------------------- continuous batching (issue 13)
+# What shared/batching's engine calls: a pool of KV blocks shared by the running sequences,
+# and one step of the running batch over it (numpy_impl/paged.py; docs/BATCHING.md).
+
+
+def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int):
+    """The pool [L, num_blocks, Hkv, block_size, Dh] of keys and of values. max_batch and max_blocks
+    (per sequence) fix JAX's step shapes; eager steps take the shapes each step has."""
+    from kvports.numpy_impl.paged import init_block_pool as init_pool
+
+    return init_pool(model.config, num_blocks, block_size, model.emb.weight.dtype)
+
+
+def paged_step(model: TinyModel, pool, tokens: np.ndarray, start: np.ndarray, block_tables: np.ndarray,
+               samplers: Sequence[Tuple[GenerationConfig, np.ndarray]], uniform: np.ndarray) -> Tuple[np.ndarray, object]:
+    """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
+    `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), samplers: each
+    sampling setting with its rows [B] bool, uniform [B]: each row's draw. The next token of every
+    row [B], and the pool to pass to the next step."""
+    from kvports.numpy_impl.paged import paged_step as step
+
+    as_array = lambda array: np.asarray(array)
+    next_tokens, pool = step(model, pool, as_array(tokens), as_array(start), as_array(block_tables),
+                             [(generation, as_array(rows)) for generation, rows in samplers], as_array(uniform))
+    return next_tokens, pool  # [B]

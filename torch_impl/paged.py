@@ -1,0 +1,120 @@
+"""Continuous batching's model half in PyTorch: a KV cache paged into fixed-size blocks.
+
+Read it beside jax_impl/paged.py and numpy_impl/paged.py: the same names in the same
+order. The scheduler (shared/batching) decides which sequences run and owns their block
+tables; this file writes each step's keys and values into the pool's blocks and gathers
+each row's blocks back for attention. TinyModel.forward runs unchanged: PagedKVCache has
+KVCache's interface (length, mask, update, advance).
+
+The block table: row b's j-th block of positions (j * bs .. j * bs + bs - 1) lives in pool
+block block_tables[b, j]. Gathering a row's table in order lays its keys out by position,
+so logical slot s holds position s; the slots past the row's length are masked.
+
+Shapes: as model.py, plus NB blocks in the pool, bs slots per block, M blocks per row in
+this step, S' = M * bs slots a query attends over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from kvports.shared.config import ModelConfig
+from kvports.shared.generation import PAD, GenerationConfig
+from kvports.torch_impl.model import TinyModel, attention_mask, greedy, sample, token_positions
+
+
+@dataclass
+class BlockPool:
+    # Every running sequence's keys and values, in blocks; written in place.
+    keys: torch.Tensor  # [L, NB, Hkv, bs, Dh]
+    values: torch.Tensor  # [L, NB, Hkv, bs, Dh]
+
+
+def init_block_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> BlockPool:
+    shape = (config.n_layers, num_blocks, config.kv_heads, block_size, config.head_dim)
+    return BlockPool(keys=torch.zeros(shape, dtype=dtype), values=torch.zeros(shape, dtype=dtype))
+
+
+@dataclass
+class PagedKVCache:
+    """One step's view of the pool: which blocks each row reads, where this chunk's tokens go."""
+
+    keys: torch.Tensor  # [L, NB, Hkv, bs, Dh]: the pool itself, not a copy
+    values: torch.Tensor  # [L, NB, Hkv, bs, Dh]
+    block_tables: torch.Tensor  # [B, M] int64: row b's blocks in position order (padding: any block, masked)
+    length: torch.Tensor  # [B, 1] int64: each row's tokens already in the pool, where its positions start
+    written: Tuple[torch.Tensor, torch.Tensor]  # (row, column) of this chunk's real tokens, [W] each: padding is not written
+    slots: Tuple[torch.Tensor, torch.Tensor]  # (pool block, offset in it) of each real token, [W] each
+    window: Optional[int]  # the sliding window, or None
+
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, S']: slot s holds position s, up to each row's last position in this chunk; -1 after."""
+        slots = torch.arange(self.block_tables.shape[1] * self.keys.shape[3])[None, :]  # [1, S']
+        return torch.where(slots <= positions[:, -1:], slots, -1)  # [B, S']: every row's last column is a real token
+
+    def mask(self, positions: torch.Tensor, padded: bool) -> torch.Tensor:
+        """Which keys each of this chunk's queries sees: [B, 1, T, S']. Never None: rows differ in length."""
+        return attention_mask(positions, self.key_positions(positions), self.window)  # [B, 1, T, S']
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write this chunk's k and v into their blocks; each row's blocks gathered, [B, Hkv, S', Dh]."""
+        rows, columns = self.written
+        blocks, offsets = self.slots
+        # Every row writes before any row reads: a row that found its prefix in a block another row
+        # computes in this same step reads it after this layer's write.
+        self.keys[layer, blocks, :, offsets] = k[rows, :, columns]  # [W, Hkv, Dh]
+        self.values[layer, blocks, :, offsets] = v[rows, :, columns]  # [W, Hkv, Dh]
+        return self.gather(self.keys[layer]), self.gather(self.values[layer])
+
+    def gather(self, pool: torch.Tensor) -> torch.Tensor:
+        B, M = self.block_tables.shape
+        _, Hkv, bs, Dh = pool.shape
+        blocks = pool[self.block_tables]  # [B, M, Hkv, bs, Dh]
+        return blocks.transpose(1, 2).reshape(B, Hkv, M * bs, Dh)  # [B, Hkv, S', Dh]: slot s = position s
+
+    def advance(self, positions: torch.Tensor) -> PagedKVCache:
+        self.length = positions[:, -1:] + 1  # [B, 1]
+        return self
+
+
+def paged_cache(pool: BlockPool, block_tables: torch.Tensor, start: torch.Tensor, pad: Optional[torch.Tensor], T: int,
+                window: Optional[int]) -> PagedKVCache:
+    """The cache a step of T tokens a row runs against: rows start at `start` [B] (tokens already in
+    the pool); pad [B] counts each row's left padding (None: none)."""
+    length = start[:, None]  # [B, 1]
+    positions = token_positions(length, T, pad)  # [B, T]: what the model computes from the same length and padding
+    real = positions >= length  # [B, T]: padding sits before the row's first new position (or at -1)
+    rows, columns = real.nonzero(as_tuple=True)  # [W] each
+    block_size = pool.keys.shape[3]
+    real_positions = positions[rows, columns]  # [W]
+    blocks = block_tables[rows, real_positions // block_size]  # [W]
+    return PagedKVCache(pool.keys, pool.values, block_tables.clamp(min=0), length, (rows, columns),
+                        (blocks, real_positions % block_size), window)
+
+
+def choose(logits: torch.Tensor, samplers: Sequence[Tuple[GenerationConfig, torch.Tensor]], uniform: torch.Tensor) -> torch.Tensor:
+    """Each row's next token [B] from logits [B, V]: greedy, unless its sampler says otherwise.
+    Every sampler runs over the whole batch (each row's draw depends on that row only) and
+    keeps its own rows: one call per setting, not per row."""
+    tokens = greedy(logits)  # [B]
+    for generation, rows in samplers:
+        tokens = torch.where(rows, sample(logits, generation, uniform), tokens)  # [B]
+    return tokens
+
+
+@torch.inference_mode()
+def paged_step(model: TinyModel, pool: BlockPool, tokens: torch.Tensor, start: torch.Tensor, block_tables: torch.Tensor,
+               samplers: Sequence[Tuple[GenerationConfig, torch.Tensor]], uniform: torch.Tensor):
+    """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
+    row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each
+    row's next token [B], and the pool with this step's keys and values written in."""
+    model.eval()
+    B, T = tokens.shape
+    pad = (tokens == PAD).sum(dim=1)  # [B]
+    pad = pad if bool(pad.any()) else None  # decode steps and equal-length prefills skip the padding arithmetic
+    cache = paged_cache(pool, block_tables, start, pad, T, model.config.sliding_window)
+    logits, _ = model(tokens.clamp(min=0), cache, pad)  # [B, T, V]
+    return choose(logits[:, -1], samplers, uniform), pool  # [B]: left padding puts every row's last token in column T - 1
