@@ -34,8 +34,8 @@ from kvports.shared.generation import PAD, GenerationConfig
 @dataclass(frozen=True)
 class BlockPool:
     # Every running sequence's keys and values, in blocks; a new pool comes back from each step.
-    keys: jax.Array  # [L, NB, Hkv, bs, Dh]
-    values: jax.Array  # [L, NB, Hkv, bs, Dh]
+    keys: jax.Array  # [L, NB, bs, Hkv, Dh]
+    values: jax.Array  # [L, NB, bs, Hkv, Dh]
     # The step's fixed shapes: every step runs max_batch rows (decode) or a power of two of them
     # (prefill), each over max_blocks blocks, so a handful of compiled programs serve every step.
     max_batch: int = dataclasses.field(metadata=dict(static=True))
@@ -43,7 +43,7 @@ class BlockPool:
 
 
 def init_block_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype, max_batch: int, max_blocks: int) -> BlockPool:
-    shape = (config.n_layers, num_blocks, config.kv_heads, block_size, config.head_dim)
+    shape = (config.n_layers, num_blocks, block_size, config.kv_heads, config.head_dim)
     return BlockPool(keys=jnp.zeros(shape, dtype=dtype), values=jnp.zeros(shape, dtype=dtype),
                      max_batch=max_batch, max_blocks=max_blocks)
 
@@ -53,8 +53,8 @@ def init_block_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype
 class PagedKVCache:
     """One step's view of the pool: which blocks each row reads, where this chunk's tokens go."""
 
-    keys: jax.Array  # [L, NB, Hkv, bs, Dh]: the pool (donated: written in place)
-    values: jax.Array  # [L, NB, Hkv, bs, Dh]
+    keys: jax.Array  # [L, NB, bs, Hkv, Dh]: the pool (donated: written in place)
+    values: jax.Array  # [L, NB, bs, Hkv, Dh]
     block_tables: jax.Array  # [B, M] int32: row b's blocks in position order (padding: any block, masked)
     length: jax.Array  # [B, 1] int32: each row's tokens already in the pool, where its positions start
     # Static shapes: every token has a slot, padding's in block NB (out of range, so its write is dropped).
@@ -63,7 +63,7 @@ class PagedKVCache:
 
     def key_positions(self, positions: jax.Array) -> jax.Array:
         """[B, S']: slot s holds position s, up to each row's last position in this chunk; -1 after."""
-        slots = jnp.arange(self.block_tables.shape[1] * self.keys.shape[3], dtype=jnp.int32)[None, :]  # [1, S']
+        slots = jnp.arange(self.block_tables.shape[1] * self.keys.shape[2], dtype=jnp.int32)[None, :]  # [1, S']
         return jnp.where(slots <= positions[:, -1:], slots, -1)  # [B, S']: every row's last column is a real token
 
     def mask(self, positions: jax.Array, padded: bool) -> jax.Array:
@@ -76,16 +76,18 @@ class PagedKVCache:
         blocks, offsets = self.slots
         # Every row writes before any row reads: a row that found its prefix in a block another row
         # computes in this same step reads it after this layer's write.
-        keys = self.keys.at[layer, blocks, :, offsets].set(k.transpose(0, 2, 1, 3), mode="drop")  # [B, T, Hkv, Dh] written
-        values = self.values.at[layer, blocks, :, offsets].set(v.transpose(0, 2, 1, 3), mode="drop")
+        keys = self.keys.at[layer, blocks, offsets].set(k.transpose(0, 2, 1, 3), mode="drop")  # [B, T, Hkv, Dh] written
+        values = self.values.at[layer, blocks, offsets].set(v.transpose(0, 2, 1, 3), mode="drop")
         cache = dataclasses.replace(self, keys=keys, values=values)
         return cache.gather(keys[layer]), cache.gather(values[layer]), cache
 
     def gather(self, pool: jax.Array) -> jax.Array:
+        # XLA owns the buffers: no reused output here. Blocks hold slots before heads, so the
+        # heads-first layout attention takes is a transpose of the gathered rows.
         B, M = self.block_tables.shape
-        _, Hkv, bs, Dh = pool.shape
-        blocks = jnp.take(pool, self.block_tables, axis=0)  # [B, M, Hkv, bs, Dh]
-        return blocks.transpose(0, 2, 1, 3, 4).reshape(B, Hkv, M * bs, Dh)  # [B, Hkv, S', Dh]: slot s = position s
+        _, bs, Hkv, Dh = pool.shape
+        blocks = jnp.take(pool, self.block_tables.reshape(-1), axis=0)  # [B * M, bs, Hkv, Dh]
+        return blocks.reshape(B, M * bs, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, S', Dh]: slot s = position s
 
     def advance(self, positions: jax.Array) -> PagedKVCache:
         return dataclasses.replace(self, length=positions[:, -1:] + 1)  # [B, 1]
@@ -98,7 +100,7 @@ def paged_cache(pool: BlockPool, block_tables: jax.Array, start: jax.Array, pad:
     length = start[:, None]  # [B, 1]
     positions = token_positions(length, T, pad)  # [B, T]: what the model computes from the same length and padding
     real = positions >= length  # [B, T]: padding sits before the row's first new position (or at -1)
-    num_blocks, block_size = pool.keys.shape[1], pool.keys.shape[3]
+    num_blocks, block_size = pool.keys.shape[1], pool.keys.shape[2]
     blocks = jnp.take_along_axis(block_tables, jnp.maximum(positions, 0) // block_size, axis=1)  # [B, T]
     blocks = jnp.where(real, blocks, num_blocks)  # [B, T]: padding to block NB, dropped
     return PagedKVCache(pool.keys, pool.values, jnp.maximum(block_tables, 0), length,
@@ -148,12 +150,13 @@ def _sample_rows(logits: jax.Array, tokens: jax.Array, rows: jax.Array, uniform:
 def static_shapes(max_batch: int, max_blocks: int, tokens: np.ndarray, start: np.ndarray, block_tables: np.ndarray,
                   samplers: Sequence[Tuple[GenerationConfig, np.ndarray]], uniform: np.ndarray):
     """A step's NumPy inputs padded to a compiled shape: decode steps (T = 1) to max_batch rows, so
-    one program serves every decode step; prefill steps to powers of two in rows and T, so a few
-    programs serve every mix of prompts; block tables to max_blocks. Padding rows are all PAD:
-    nothing of theirs is written, and their tokens are dropped."""
+    one program serves every decode step; prefill steps up to the next size in 1, 2, 3, 4, 6, 8,
+    12, ... (powers of two and their halfway points) in rows and in T, so a few programs serve
+    every mix of prompts and padding adds at most half; block tables to max_blocks. Padding rows
+    are all PAD: nothing of theirs is written, and their tokens are dropped."""
     B, T = tokens.shape
-    rows = max_batch if T == 1 else min(max_batch, _power_of_two(B))
-    width = 1 if T == 1 else _power_of_two(T)
+    rows = max_batch if T == 1 else min(max_batch, _bucket(B))
+    width = 1 if T == 1 else _bucket(T)
     tokens = np.pad(tokens, ((0, rows - B), (width - T, 0)), constant_values=PAD)  # [rows, width]: more left padding
     start = np.pad(start, (0, rows - B))  # [rows]
     block_tables = np.pad(block_tables, ((0, rows - B), (0, max_blocks - block_tables.shape[1])), constant_values=-1)
@@ -161,5 +164,7 @@ def static_shapes(max_batch: int, max_blocks: int, tokens: np.ndarray, start: np
     return tokens, start, block_tables, samplers, np.pad(uniform, (0, rows - B))
 
 
-def _power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+def _bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, ... at least n."""
+    power = 1 << max(0, n - 1).bit_length()  # the next power of two
+    return power * 3 // 4 if power >= 4 and n <= power * 3 // 4 else power

@@ -181,4 +181,4 @@ def paged_step(model: TinyModel, pool, tokens: np.ndarray, start: np.ndarray, bl
     as_array = lambda array: jax.device_put(np.asarray(array, dtype=np.int32 if array.dtype.kind == "i" else None), device)
     next_tokens, pool = step(model, pool, as_array(tokens), as_array(start), as_array(block_tables),
                              [(generation, as_array(rows)) for generation, rows in samplers], as_array(uniform))
-    return np.asarray(next_tokens[:B], dtype=np.int64), pool  # [B]
+    return np.asarray(next_tokens, dtype=np.int64)[:B], pool  # [B]: sliced on the host, or each batch size compiles a slice

@@ -216,7 +216,7 @@ def cmd_init_weights(args: argparse.Namespace) -> int:
 
 # Further subcommands live in their own NumPy-only modules, each with HELP,
 # add_arguments(parser) and run(args); heavy imports happen inside run().
-SUBCOMMAND_MODULES: tuple = ("kvports.shared.convert", "kvports.shared.bench")
+SUBCOMMAND_MODULES: tuple = ("kvports.shared.convert", "kvports.shared.bench", "kvports.shared.batching.batch")
 
 
 def extra_subcommands() -> List[tuple]:

@@ -29,12 +29,12 @@ from kvports.torch_impl.model import TinyModel, attention_mask, greedy, sample, 
 @dataclass
 class BlockPool:
     # Every running sequence's keys and values, in blocks; written in place.
-    keys: torch.Tensor  # [L, NB, Hkv, bs, Dh]
-    values: torch.Tensor  # [L, NB, Hkv, bs, Dh]
+    keys: torch.Tensor  # [L, NB, bs, Hkv, Dh]
+    values: torch.Tensor  # [L, NB, bs, Hkv, Dh]
 
 
 def init_block_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> BlockPool:
-    shape = (config.n_layers, num_blocks, config.kv_heads, block_size, config.head_dim)
+    shape = (config.n_layers, num_blocks, block_size, config.kv_heads, config.head_dim)
     return BlockPool(keys=torch.zeros(shape, dtype=dtype), values=torch.zeros(shape, dtype=dtype))
 
 
@@ -42,17 +42,18 @@ def init_block_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype
 class PagedKVCache:
     """One step's view of the pool: which blocks each row reads, where this chunk's tokens go."""
 
-    keys: torch.Tensor  # [L, NB, Hkv, bs, Dh]: the pool itself, not a copy
-    values: torch.Tensor  # [L, NB, Hkv, bs, Dh]
+    keys: torch.Tensor  # [L, NB, bs, Hkv, Dh]: the pool itself, not a copy
+    values: torch.Tensor  # [L, NB, bs, Hkv, Dh]
     block_tables: torch.Tensor  # [B, M] int64: row b's blocks in position order (padding: any block, masked)
     length: torch.Tensor  # [B, 1] int64: each row's tokens already in the pool, where its positions start
     written: Tuple[torch.Tensor, torch.Tensor]  # (row, column) of this chunk's real tokens, [W] each: padding is not written
     slots: Tuple[torch.Tensor, torch.Tensor]  # (pool block, offset in it) of each real token, [W] each
+    gathered: Tuple[torch.Tensor, torch.Tensor]  # [B * M, bs, Hkv, Dh] each: the rows' keys and values, refilled every layer
     window: Optional[int]  # the sliding window, or None
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """[B, S']: slot s holds position s, up to each row's last position in this chunk; -1 after."""
-        slots = torch.arange(self.block_tables.shape[1] * self.keys.shape[3])[None, :]  # [1, S']
+        slots = torch.arange(self.block_tables.shape[1] * self.keys.shape[2])[None, :]  # [1, S']
         return torch.where(slots <= positions[:, -1:], slots, -1)  # [B, S']: every row's last column is a real token
 
     def mask(self, positions: torch.Tensor, padded: bool) -> torch.Tensor:
@@ -65,15 +66,18 @@ class PagedKVCache:
         blocks, offsets = self.slots
         # Every row writes before any row reads: a row that found its prefix in a block another row
         # computes in this same step reads it after this layer's write.
-        self.keys[layer, blocks, :, offsets] = k[rows, :, columns]  # [W, Hkv, Dh]
-        self.values[layer, blocks, :, offsets] = v[rows, :, columns]  # [W, Hkv, Dh]
-        return self.gather(self.keys[layer]), self.gather(self.values[layer])
+        self.keys[layer, blocks, offsets] = k[rows, :, columns]  # [W, Hkv, Dh]
+        self.values[layer, blocks, offsets] = v[rows, :, columns]  # [W, Hkv, Dh]
+        return self.gather(self.keys[layer], self.gathered[0]), self.gather(self.values[layer], self.gathered[1])
 
-    def gather(self, pool: torch.Tensor) -> torch.Tensor:
+    def gather(self, pool: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        # One copy, into a buffer the step reuses (a fresh tensor this size costs its page faults
+        # again at every layer); blocks hold slots before heads, so the heads-first layout
+        # attention takes is a view.
         B, M = self.block_tables.shape
-        _, Hkv, bs, Dh = pool.shape
-        blocks = pool[self.block_tables]  # [B, M, Hkv, bs, Dh]
-        return blocks.transpose(1, 2).reshape(B, Hkv, M * bs, Dh)  # [B, Hkv, S', Dh]: slot s = position s
+        _, bs, Hkv, Dh = pool.shape
+        torch.index_select(pool, 0, self.block_tables.flatten(), out=out)  # [B * M, bs, Hkv, Dh]
+        return out.view(B, M * bs, Hkv, Dh).transpose(1, 2)  # [B, Hkv, S', Dh]: slot s = position s
 
     def advance(self, positions: torch.Tensor) -> PagedKVCache:
         self.length = positions[:, -1:] + 1  # [B, 1]
@@ -88,11 +92,13 @@ def paged_cache(pool: BlockPool, block_tables: torch.Tensor, start: torch.Tensor
     positions = token_positions(length, T, pad)  # [B, T]: what the model computes from the same length and padding
     real = positions >= length  # [B, T]: padding sits before the row's first new position (or at -1)
     rows, columns = real.nonzero(as_tuple=True)  # [W] each
-    block_size = pool.keys.shape[3]
+    block_size = pool.keys.shape[2]
     real_positions = positions[rows, columns]  # [W]
     blocks = block_tables[rows, real_positions // block_size]  # [W]
+    buffer_shape = (block_tables.numel(),) + pool.keys.shape[2:]  # [B * M, bs, Hkv, Dh]
+    gathered = (pool.keys.new_empty(buffer_shape), pool.values.new_empty(buffer_shape))
     return PagedKVCache(pool.keys, pool.values, block_tables.clamp(min=0), length, (rows, columns),
-                        (blocks, real_positions % block_size), window)
+                        (blocks, real_positions % block_size), gathered, window)
 
 
 def choose(logits: torch.Tensor, samplers: Sequence[Tuple[GenerationConfig, torch.Tensor]], uniform: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, uniforms
 
 NO_BLOCK = -1  # a block table's padding past a row's last block: gathered, then masked
+MIN_FILL = 0.5  # the least share of a prefill step's [B, T] block that is real tokens, not padding
 
 
 class Status(enum.Enum):
@@ -130,15 +131,18 @@ class Scheduler:
         return self.make_step("decode", self.reserve_decode_slots())
 
     def admit(self) -> list[Sequence]:
-        """Waiting sequences for one prefill step, first come first served. The budget counts the
-        padded [B, T] block the step computes; a lone prompt longer than the budget still runs."""
+        """Waiting sequences for one prefill step, first come first served. The step computes a padded
+        [B, T] block: it stays within the token budget (a lone prompt longer than the budget still
+        runs) and at least MIN_FILL of it is real tokens (a short prompt after a long one waits for
+        the next step rather than be padded to the long one's length)."""
         admitted: list[Sequence] = []
-        longest = 0
+        longest = real = 0
         while self.waiting and len(self.running) < self.max_batch:
             sequence = self.waiting[0]
             uncached = len(sequence.tokens) - len(self.blocks.cached_prefix(sequence.tokens)) * self.blocks.block_size
             width = max(longest, uncached)
-            if admitted and (len(admitted) + 1) * width > self.max_step_tokens:
+            padded = (len(admitted) + 1) * width
+            if admitted and (padded > self.max_step_tokens or real + uncached < MIN_FILL * padded):
                 break
             if not self.blocks.can_allocate(sequence.tokens):
                 break  # first come first served: the head waits for blocks, nobody overtakes it
@@ -149,7 +153,7 @@ class Scheduler:
             sequence.status = Status.RUNNING
             self.running.append(sequence)
             admitted.append(sequence)
-            longest = width
+            longest, real = width, real + uncached
         return admitted
 
     def reserve_decode_slots(self) -> list[Sequence]:
