@@ -17,9 +17,9 @@ this step, S' = M * bs slots a query attends over.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -42,10 +42,16 @@ class BlockPool:
     max_blocks: int = dataclasses.field(metadata=dict(static=True))
 
 
-def init_block_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype, max_batch: int, max_blocks: int) -> BlockPool:
+def init_block_pool(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype, max_batch: int, max_blocks: int
+) -> BlockPool:
     shape = (config.n_layers, num_blocks, block_size, config.kv_heads, config.head_dim)
-    return BlockPool(keys=jnp.zeros(shape, dtype=dtype), values=jnp.zeros(shape, dtype=dtype),
-                     max_batch=max_batch, max_blocks=max_blocks)
+    return BlockPool(
+        keys=jnp.zeros(shape, dtype=dtype),
+        values=jnp.zeros(shape, dtype=dtype),
+        max_batch=max_batch,
+        max_blocks=max_blocks,
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -58,8 +64,8 @@ class PagedKVCache:
     block_tables: jax.Array  # [B, M] int32: row b's blocks in position order (padding: any block, masked)
     length: jax.Array  # [B, 1] int32: each row's tokens already in the pool, where its positions start
     # Static shapes: every token has a slot, padding's in block NB (out of range, so its write is dropped).
-    slots: Tuple[jax.Array, jax.Array]  # (pool block, offset in it) of each token, [B, T] each
-    window: Optional[int] = dataclasses.field(metadata=dict(static=True))  # the sliding window, or None
+    slots: tuple[jax.Array, jax.Array]  # (pool block, offset in it) of each token, [B, T] each
+    window: int | None = dataclasses.field(metadata=dict(static=True))  # the sliding window, or None
 
     def key_positions(self, positions: jax.Array) -> jax.Array:
         """[B, S']: slot s holds position s, up to each row's last position in this chunk; -1 after."""
@@ -70,7 +76,7 @@ class PagedKVCache:
         """Which keys each of this chunk's queries sees: [B, 1, T, S']. Never None: rows differ in length."""
         return attention_mask(positions, self.key_positions(positions), self.window)  # [B, 1, T, S']
 
-    def update(self, layer: int, k: jax.Array, v: jax.Array) -> Tuple[jax.Array, jax.Array, PagedKVCache]:
+    def update(self, layer: int, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, PagedKVCache]:
         """Write this chunk's k and v into their blocks; each row's blocks gathered, [B, Hkv, S', Dh],
         and the new cache (JAX cannot write in place: the donated pool lets XLA do it)."""
         blocks, offsets = self.slots
@@ -93,8 +99,9 @@ class PagedKVCache:
         return dataclasses.replace(self, length=positions[:, -1:] + 1)  # [B, 1]
 
 
-def paged_cache(pool: BlockPool, block_tables: jax.Array, start: jax.Array, pad: Optional[jax.Array], T: int,
-                window: Optional[int]) -> PagedKVCache:
+def paged_cache(
+    pool: BlockPool, block_tables: jax.Array, start: jax.Array, pad: jax.Array | None, T: int, window: int | None
+) -> PagedKVCache:
     """The cache a step of T tokens a row runs against: rows start at `start` [B] (tokens already in
     the pool); pad [B] counts each row's left padding (None: none)."""
     length = start[:, None]  # [B, 1]
@@ -103,11 +110,12 @@ def paged_cache(pool: BlockPool, block_tables: jax.Array, start: jax.Array, pad:
     num_blocks, block_size = pool.keys.shape[1], pool.keys.shape[2]
     blocks = jnp.take_along_axis(block_tables, jnp.maximum(positions, 0) // block_size, axis=1)  # [B, T]
     blocks = jnp.where(real, blocks, num_blocks)  # [B, T]: padding to block NB, dropped
-    return PagedKVCache(pool.keys, pool.values, jnp.maximum(block_tables, 0), length,
-                        (blocks, positions % block_size), window)
+    return PagedKVCache(
+        pool.keys, pool.values, jnp.maximum(block_tables, 0), length, (blocks, positions % block_size), window
+    )
 
 
-def choose(logits: jax.Array, samplers: Sequence[Tuple[GenerationConfig, jax.Array]], uniform: jax.Array) -> jax.Array:
+def choose(logits: jax.Array, samplers: Sequence[tuple[GenerationConfig, jax.Array]], uniform: jax.Array) -> jax.Array:
     """Each row's next token [B] from logits [B, V]: greedy, unless its sampler says otherwise.
     Every sampler runs over the whole batch (each row's draw depends on that row only) and
     keeps its own rows: one call per setting, not per row."""
@@ -117,8 +125,15 @@ def choose(logits: jax.Array, samplers: Sequence[Tuple[GenerationConfig, jax.Arr
     return tokens
 
 
-def paged_step(model: TinyModel, pool: BlockPool, tokens: jax.Array, start: jax.Array, block_tables: jax.Array,
-               samplers: Sequence[Tuple[GenerationConfig, jax.Array]], uniform: jax.Array):
+def paged_step(
+    model: TinyModel,
+    pool: BlockPool,
+    tokens: jax.Array,
+    start: jax.Array,
+    block_tables: jax.Array,
+    samplers: Sequence[tuple[GenerationConfig, jax.Array]],
+    uniform: jax.Array,
+):
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each
     row's next token [B], and the pool with this step's keys and values written in (the one
@@ -132,8 +147,9 @@ def paged_step(model: TinyModel, pool: BlockPool, tokens: jax.Array, start: jax.
 
 # What paged_step compiles: one program per (rows, T) shape; the pool is donated.
 @partial(jax.jit, static_argnums=0, donate_argnames="pool")
-def _paged_forward(static, leaves, pool: BlockPool, tokens: jax.Array, start: jax.Array, block_tables: jax.Array,
-                   pad: jax.Array):
+def _paged_forward(
+    static, leaves, pool: BlockPool, tokens: jax.Array, start: jax.Array, block_tables: jax.Array, pad: jax.Array
+):
     model = _merge(static, leaves)
     cache = paged_cache(pool, block_tables, start, pad, tokens.shape[1], model.config.sliding_window)
     logits, cache = model(jnp.maximum(tokens, 0), cache, pad)  # [B, T, V]
@@ -142,13 +158,21 @@ def _paged_forward(static, leaves, pool: BlockPool, tokens: jax.Array, start: ja
 
 
 @partial(jax.jit, static_argnames="generation")
-def _sample_rows(logits: jax.Array, tokens: jax.Array, rows: jax.Array, uniform: jax.Array,
-                 generation: GenerationConfig) -> jax.Array:
+def _sample_rows(
+    logits: jax.Array, tokens: jax.Array, rows: jax.Array, uniform: jax.Array, generation: GenerationConfig
+) -> jax.Array:
     return jnp.where(rows, sample(logits, generation, uniform), tokens)  # [B]
 
 
-def static_shapes(max_batch: int, max_blocks: int, tokens: np.ndarray, start: np.ndarray, block_tables: np.ndarray,
-                  samplers: Sequence[Tuple[GenerationConfig, np.ndarray]], uniform: np.ndarray):
+def static_shapes(
+    max_batch: int,
+    max_blocks: int,
+    tokens: np.ndarray,
+    start: np.ndarray,
+    block_tables: np.ndarray,
+    samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
+    uniform: np.ndarray,
+):
     """A step's NumPy inputs padded to a compiled shape: decode steps (T = 1) to max_batch rows, so
     one program serves every decode step; prefill steps up to the next size in 1, 2, 3, 4, 6, 8,
     12, ... (powers of two and their halfway points) in rows and in T, so a few programs serve

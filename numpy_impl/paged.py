@@ -16,8 +16,8 @@ this step, S' = M * bs slots a query attends over.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -46,10 +46,11 @@ class PagedKVCache:
     values: np.ndarray  # [L, NB, bs, Hkv, Dh]
     block_tables: np.ndarray  # [B, M] int64: row b's blocks in position order (padding: any block, masked)
     length: np.ndarray  # [B, 1] int64: each row's tokens already in the pool, where its positions start
-    written: Tuple[np.ndarray, np.ndarray]  # (row, column) of this chunk's real tokens, [W] each: padding is not written
-    slots: Tuple[np.ndarray, np.ndarray]  # (pool block, offset in it) of each real token, [W] each
-    gathered: Tuple[np.ndarray, np.ndarray]  # [B * M, bs, Hkv, Dh] each: the rows' keys and values, refilled every layer
-    window: Optional[int]  # the sliding window, or None
+    # (row, column) of this chunk's real tokens, [W] each: padding is not written
+    written: tuple[np.ndarray, np.ndarray]
+    slots: tuple[np.ndarray, np.ndarray]  # (pool block, offset in it) of each real token, [W] each
+    gathered: tuple[np.ndarray, np.ndarray]  # [B * M, bs, Hkv, Dh] each: every row's blocks, refilled by each layer
+    window: int | None  # the sliding window, or None
 
     def key_positions(self, positions: np.ndarray) -> np.ndarray:
         """[B, S']: slot s holds position s, up to each row's last position in this chunk; -1 after."""
@@ -60,7 +61,7 @@ class PagedKVCache:
         """Which keys each of this chunk's queries sees: [B, 1, T, S']. Never None: rows differ in length."""
         return attention_mask(positions, self.key_positions(positions), self.window)  # [B, 1, T, S']
 
-    def update(self, layer: int, k: np.ndarray, v: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def update(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Write this chunk's k and v into their blocks; each row's blocks gathered, [B, Hkv, S', Dh]."""
         rows, columns = self.written
         blocks, offsets = self.slots
@@ -84,8 +85,9 @@ class PagedKVCache:
         return self
 
 
-def paged_cache(pool: BlockPool, block_tables: np.ndarray, start: np.ndarray, pad: Optional[np.ndarray], T: int,
-                window: Optional[int]) -> PagedKVCache:
+def paged_cache(
+    pool: BlockPool, block_tables: np.ndarray, start: np.ndarray, pad: np.ndarray | None, T: int, window: int | None
+) -> PagedKVCache:
     """The cache a step of T tokens a row runs against: rows start at `start` [B] (tokens already in
     the pool); pad [B] counts each row's left padding (None: none)."""
     length = start[:, None]  # [B, 1]
@@ -97,11 +99,21 @@ def paged_cache(pool: BlockPool, block_tables: np.ndarray, start: np.ndarray, pa
     blocks = block_tables[rows, real_positions // block_size]  # [W]
     buffer_shape = (block_tables.size,) + pool.keys.shape[2:]  # [B * M, bs, Hkv, Dh]
     gathered = (np.empty(buffer_shape, dtype=pool.keys.dtype), np.empty(buffer_shape, dtype=pool.values.dtype))
-    return PagedKVCache(pool.keys, pool.values, np.maximum(block_tables, 0), length, (rows, columns),
-                        (blocks, real_positions % block_size), gathered, window)
+    return PagedKVCache(
+        pool.keys,
+        pool.values,
+        np.maximum(block_tables, 0),
+        length,
+        (rows, columns),
+        (blocks, real_positions % block_size),
+        gathered,
+        window,
+    )
 
 
-def choose(logits: np.ndarray, samplers: Sequence[Tuple[GenerationConfig, np.ndarray]], uniform: np.ndarray) -> np.ndarray:
+def choose(
+    logits: np.ndarray, samplers: Sequence[tuple[GenerationConfig, np.ndarray]], uniform: np.ndarray
+) -> np.ndarray:
     """Each row's next token [B] from logits [B, V]: greedy, unless its sampler says otherwise.
     Every sampler runs over the whole batch (each row's draw depends on that row only) and
     keeps its own rows: one call per setting, not per row."""
@@ -112,8 +124,15 @@ def choose(logits: np.ndarray, samplers: Sequence[Tuple[GenerationConfig, np.nda
 
 
 # No inference_mode decorator: NumPy records no autograd graph to switch off.
-def paged_step(model: TinyModel, pool: BlockPool, tokens: np.ndarray, start: np.ndarray, block_tables: np.ndarray,
-               samplers: Sequence[Tuple[GenerationConfig, np.ndarray]], uniform: np.ndarray):
+def paged_step(
+    model: TinyModel,
+    pool: BlockPool,
+    tokens: np.ndarray,
+    start: np.ndarray,
+    block_tables: np.ndarray,
+    samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
+    uniform: np.ndarray,
+):
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each
     row's next token [B], and the pool with this step's keys and values written in."""
@@ -123,4 +142,6 @@ def paged_step(model: TinyModel, pool: BlockPool, tokens: np.ndarray, start: np.
     pad = pad if pad.any() else None  # decode steps and equal-length prefills skip the padding arithmetic
     cache = paged_cache(pool, block_tables, start, pad, T, model.config.sliding_window)
     logits, _ = model(np.maximum(tokens, 0), cache, pad)  # [B, T, V]
-    return choose(logits[:, -1], samplers, uniform), pool  # [B]: left padding puts every row's last token in column T - 1
+    return choose(
+        logits[:, -1], samplers, uniform
+    ), pool  # [B]: left padding puts every row's last token in column T - 1

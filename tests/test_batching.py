@@ -24,9 +24,20 @@ from tests.helpers import assert_tokens_agree
 # GQA, learned positions: small enough for float64 in every test. Blocks of 4 tokens, so short
 # prompts span several blocks; one engine shape everywhere, so JAX compiles each program once.
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64)
-WINDOWED = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64,
-                       positions="rope", norm="rmsnorm", activation="swiglu", attn_bias=False, ffn_bias=False,
-                       sliding_window=6)
+WINDOWED = ModelConfig(
+    vocab_size=64,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    n_layers=2,
+    max_seq_len=64,
+    positions="rope",
+    norm="rmsnorm",
+    activation="swiglu",
+    attn_bias=False,
+    ffn_bias=False,
+    sliding_window=6,
+)
 SETTINGS = BatchSettings(max_batch=4, block_size=4, max_step_tokens=64, max_length=48)
 PREFIX = [7, 3, 50, 12, 9, 41, 22, 5, 60, 18, 33, 2]  # three full blocks
 
@@ -59,7 +70,7 @@ def run_engine(port, model, requests, settings=SETTINGS, arrivals=None, config=C
     at once); the engine and each request's sequence, by id."""
     engine = Engine(port, model, config, settings)
     arrivals = arrivals or [0] * len(requests)
-    pending = sorted(zip(arrivals, range(len(requests))))
+    pending = sorted(zip(arrivals, range(len(requests)), strict=False))
     finished, step = {}, 0
     while pending or not engine.idle:
         while pending and pending[0][0] <= step:
@@ -111,9 +122,16 @@ def test_requests_stopping_at_different_steps_get_their_tokens_alone(port, weigh
 
 def test_sampled_requests_get_their_tokens_alone(port, weights):
     model = port.load_model(CONFIG, weights, "float64")
-    samplings = [dict(temperature=1.0, seed=1), dict(temperature=0.7, top_k=5, seed=2), dict(),
-                 dict(temperature=1.3, top_p=0.8, seed=3), dict(temperature=1.0, seed=4)]
-    requests = [request(req.id, req.prompt, 8, **sampling) for req, sampling in zip(ragged_requests(), samplings)]
+    samplings = [
+        dict(temperature=1.0, seed=1),
+        dict(temperature=0.7, top_k=5, seed=2),
+        dict(),
+        dict(temperature=1.3, top_p=0.8, seed=3),
+        dict(temperature=1.0, seed=4),
+    ]
+    requests = [
+        request(req.id, req.prompt, 8, **sampling) for req, sampling in zip(ragged_requests(), samplings, strict=False)
+    ]
     _, finished = run_engine(port, model, requests, arrivals=[0, 0, 1, 1, 4])
     assert_tokens_alone(port, model, requests, finished, "float64")
 
@@ -358,9 +376,19 @@ def test_a_request_the_pool_can_never_hold_is_refused():
 
 
 def test_bad_request_lines_are_reported_by_number_and_the_rest_parse():
-    lines = ['{"prompt": [1, 2], "max_new_tokens": 3}', "not json", "", '{"prompt": []}', '{"prompt": [1], "top_k": -1}',
-             '{"prompt": [1], "max_new_tokens": 70}', '{"id": "x", "prompt": [1]}', '{"id": "x", "prompt": [2]}',
-             '{"prompt": [64]}', '{"text": "hi"}', '{"prompt": [1], "stop_ids": [3, 99]}']
+    lines = [
+        '{"prompt": [1, 2], "max_new_tokens": 3}',
+        "not json",
+        "",
+        '{"prompt": []}',
+        '{"prompt": [1], "top_k": -1}',
+        '{"prompt": [1], "max_new_tokens": 70}',
+        '{"id": "x", "prompt": [1]}',
+        '{"id": "x", "prompt": [2]}',
+        '{"prompt": [64]}',
+        '{"text": "hi"}',
+        '{"prompt": [1], "stop_ids": [3, 99]}',
+    ]
     requests, bad = parse_requests(lines, CONFIG, default_new_tokens=5)
     assert [req.id for req in requests] == ["1", "x"]
     assert [line.line for line in bad] == [2, 4, 5, 6, 8, 9, 10, 11]
@@ -385,26 +413,56 @@ def weights_file(tmp_path, weights):
 def test_batch_cli_reports_bad_lines_by_number_and_runs_the_rest(tmp_path, capsys, weights_file):
     port_or_skip("numpy")
     path = tmp_path / "requests.jsonl"
-    path.write_text('{"id": "a", "prompt": [1, 2, 3], "max_new_tokens": 4}\n{"prompt": [1, 2, 999]}\n'
-                    '{"prompt": [5], "stop_ids": [7], "max_new_tokens": 6}\n{"prompt": "1,2"}\n')
-    code, out, err = run_cli(["batch", "--requests", str(path), "--framework", "numpy", "--weights", str(weights_file),
-                              "--block-size", "4"], capsys)
+    path.write_text(
+        '{"id": "a", "prompt": [1, 2, 3], "max_new_tokens": 4}\n{"prompt": [1, 2, 999]}\n'
+        '{"prompt": [5], "stop_ids": [7], "max_new_tokens": 6}\n{"prompt": "1,2"}\n'
+    )
+    code, out, err = run_cli(
+        ["batch", "--requests", str(path), "--framework", "numpy", "--weights", str(weights_file), "--block-size", "4"],
+        capsys,
+    )
     assert code == 2
-    assert err.splitlines() == ["error: line 2: prompt token 999 is outside [0, 64) (vocab_size 64)",
-                                "error: line 4: 'prompt' must be a list of token ids, got str"]
+    assert err.splitlines() == [
+        "error: line 2: prompt token 999 is outside [0, 64) (vocab_size 64)",
+        "error: line 4: 'prompt' must be a list of token ids, got str",
+    ]
     lines = [json.loads(line) for line in out.splitlines()]
     assert sorted(line["id"] for line in lines[:-1]) == ["3", "a"]
     summary = lines[-1]["summary"]
-    assert (summary["requests"], summary["bad_lines"], summary["blocks"]["free_after"]) == (2, 2, summary["blocks"]["num_blocks"])
+    assert (summary["requests"], summary["bad_lines"], summary["blocks"]["free_after"]) == (
+        2,
+        2,
+        summary["blocks"]["num_blocks"],
+    )
 
 
 def test_batch_cli_gives_each_request_its_tokens_alone(tmp_path, capsys, weights, weights_file, port):
     path = tmp_path / "requests.jsonl"
-    path.write_text("".join(json.dumps({"id": req.id, "prompt": list(req.prompt),
-                                        "max_new_tokens": req.generation.max_new_tokens}) + "\n"
-                            for req in ragged_requests()))
-    code, out, _ = run_cli(["batch", "--requests", str(path), "--framework", port.NAME, "--weights", str(weights_file),
-                            "--dtype", "float64", "--block-size", "4", "--max-batch", "4"], capsys)
+    path.write_text(
+        "".join(
+            json.dumps({"id": req.id, "prompt": list(req.prompt), "max_new_tokens": req.generation.max_new_tokens})
+            + "\n"
+            for req in ragged_requests()
+        )
+    )
+    code, out, _ = run_cli(
+        [
+            "batch",
+            "--requests",
+            str(path),
+            "--framework",
+            port.NAME,
+            "--weights",
+            str(weights_file),
+            "--dtype",
+            "float64",
+            "--block-size",
+            "4",
+            "--max-batch",
+            "4",
+        ],
+        capsys,
+    )
     assert code == 0
     lines = {line["id"]: line for line in map(json.loads, out.splitlines()[:-1])}
     model = port.load_model(CONFIG, weights, "float64")
@@ -414,17 +472,22 @@ def test_batch_cli_gives_each_request_its_tokens_alone(tmp_path, capsys, weights
         assert lines[req.id]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--requests", "missing.jsonl"], "requests file 'missing.jsonl' does not exist"),
-    (["--requests", "{empty}"], "has no requests"),
-    (["--requests", "{bad}"], "no request to run in"),
-    (["--requests", "{good}", "--max-batch", "0"], "max batch 0 must be an integer >= 1"),
-    (["--requests", "{good}", "--block-size", "-1"], "block size -1 must be an integer >= 1"),
-    (["--requests", "{good}", "--num-blocks", "0"], "num blocks 0 must be an integer >= 1"),
-    ([], "give --requests FILE.jsonl (or --bench)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--requests", "missing.jsonl"], "requests file 'missing.jsonl' does not exist"),
+        (["--requests", "{empty}"], "has no requests"),
+        (["--requests", "{bad}"], "no request to run in"),
+        (["--requests", "{good}", "--max-batch", "0"], "max batch 0 must be an integer >= 1"),
+        (["--requests", "{good}", "--block-size", "-1"], "block size -1 must be an integer >= 1"),
+        (["--requests", "{good}", "--num-blocks", "0"], "num blocks 0 must be an integer >= 1"),
+        ([], "give --requests FILE.jsonl (or --bench)"),
+    ],
+)
 @pytest.mark.parametrize("framework", ["torch", "jax", "numpy"])
-def test_batch_cli_user_errors_are_one_line_for_every_framework(tmp_path, capsys, monkeypatch, argv, message, framework):
+def test_batch_cli_user_errors_are_one_line_for_every_framework(
+    tmp_path, capsys, monkeypatch, argv, message, framework
+):
     def refuse(name):
         raise AssertionError("no port may load before the inputs are checked")
 

@@ -16,8 +16,8 @@ this step, S' = M * bs slots a query attends over.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -46,10 +46,11 @@ class PagedKVCache:
     values: torch.Tensor  # [L, NB, bs, Hkv, Dh]
     block_tables: torch.Tensor  # [B, M] int64: row b's blocks in position order (padding: any block, masked)
     length: torch.Tensor  # [B, 1] int64: each row's tokens already in the pool, where its positions start
-    written: Tuple[torch.Tensor, torch.Tensor]  # (row, column) of this chunk's real tokens, [W] each: padding is not written
-    slots: Tuple[torch.Tensor, torch.Tensor]  # (pool block, offset in it) of each real token, [W] each
-    gathered: Tuple[torch.Tensor, torch.Tensor]  # [B * M, bs, Hkv, Dh] each: the rows' keys and values, refilled every layer
-    window: Optional[int]  # the sliding window, or None
+    # (row, column) of this chunk's real tokens, [W] each: padding is not written
+    written: tuple[torch.Tensor, torch.Tensor]
+    slots: tuple[torch.Tensor, torch.Tensor]  # (pool block, offset in it) of each real token, [W] each
+    gathered: tuple[torch.Tensor, torch.Tensor]  # [B * M, bs, Hkv, Dh] each: every row's blocks, refilled by each layer
+    window: int | None  # the sliding window, or None
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """[B, S']: slot s holds position s, up to each row's last position in this chunk; -1 after."""
@@ -60,7 +61,7 @@ class PagedKVCache:
         """Which keys each of this chunk's queries sees: [B, 1, T, S']. Never None: rows differ in length."""
         return attention_mask(positions, self.key_positions(positions), self.window)  # [B, 1, T, S']
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this chunk's k and v into their blocks; each row's blocks gathered, [B, Hkv, S', Dh]."""
         rows, columns = self.written
         blocks, offsets = self.slots
@@ -84,8 +85,14 @@ class PagedKVCache:
         return self
 
 
-def paged_cache(pool: BlockPool, block_tables: torch.Tensor, start: torch.Tensor, pad: Optional[torch.Tensor], T: int,
-                window: Optional[int]) -> PagedKVCache:
+def paged_cache(
+    pool: BlockPool,
+    block_tables: torch.Tensor,
+    start: torch.Tensor,
+    pad: torch.Tensor | None,
+    T: int,
+    window: int | None,
+) -> PagedKVCache:
     """The cache a step of T tokens a row runs against: rows start at `start` [B] (tokens already in
     the pool); pad [B] counts each row's left padding (None: none)."""
     length = start[:, None]  # [B, 1]
@@ -97,11 +104,21 @@ def paged_cache(pool: BlockPool, block_tables: torch.Tensor, start: torch.Tensor
     blocks = block_tables[rows, real_positions // block_size]  # [W]
     buffer_shape = (block_tables.numel(),) + pool.keys.shape[2:]  # [B * M, bs, Hkv, Dh]
     gathered = (pool.keys.new_empty(buffer_shape), pool.values.new_empty(buffer_shape))
-    return PagedKVCache(pool.keys, pool.values, block_tables.clamp(min=0), length, (rows, columns),
-                        (blocks, real_positions % block_size), gathered, window)
+    return PagedKVCache(
+        pool.keys,
+        pool.values,
+        block_tables.clamp(min=0),
+        length,
+        (rows, columns),
+        (blocks, real_positions % block_size),
+        gathered,
+        window,
+    )
 
 
-def choose(logits: torch.Tensor, samplers: Sequence[Tuple[GenerationConfig, torch.Tensor]], uniform: torch.Tensor) -> torch.Tensor:
+def choose(
+    logits: torch.Tensor, samplers: Sequence[tuple[GenerationConfig, torch.Tensor]], uniform: torch.Tensor
+) -> torch.Tensor:
     """Each row's next token [B] from logits [B, V]: greedy, unless its sampler says otherwise.
     Every sampler runs over the whole batch (each row's draw depends on that row only) and
     keeps its own rows: one call per setting, not per row."""
@@ -112,8 +129,15 @@ def choose(logits: torch.Tensor, samplers: Sequence[Tuple[GenerationConfig, torc
 
 
 @torch.inference_mode()
-def paged_step(model: TinyModel, pool: BlockPool, tokens: torch.Tensor, start: torch.Tensor, block_tables: torch.Tensor,
-               samplers: Sequence[Tuple[GenerationConfig, torch.Tensor]], uniform: torch.Tensor):
+def paged_step(
+    model: TinyModel,
+    pool: BlockPool,
+    tokens: torch.Tensor,
+    start: torch.Tensor,
+    block_tables: torch.Tensor,
+    samplers: Sequence[tuple[GenerationConfig, torch.Tensor]],
+    uniform: torch.Tensor,
+):
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each
     row's next token [B], and the pool with this step's keys and values written in."""
@@ -123,4 +147,6 @@ def paged_step(model: TinyModel, pool: BlockPool, tokens: torch.Tensor, start: t
     pad = pad if bool(pad.any()) else None  # decode steps and equal-length prefills skip the padding arithmetic
     cache = paged_cache(pool, block_tables, start, pad, T, model.config.sliding_window)
     logits, _ = model(tokens.clamp(min=0), cache, pad)  # [B, T, V]
-    return choose(logits[:, -1], samplers, uniform), pool  # [B]: left padding puts every row's last token in column T - 1
+    return choose(
+        logits[:, -1], samplers, uniform
+    ), pool  # [B]: left padding puts every row's last token in column T - 1

@@ -32,39 +32,81 @@ DEFAULT_NEW_TOKENS = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=Path, metavar="FILE",
-                        help='JSONL, one request a line: {"prompt": [ids]} or {"text": "..."}, and optionally "id", '
-                             '"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids"')
+    parser.add_argument(
+        "--requests",
+        type=Path,
+        metavar="FILE",
+        help='JSONL, one request a line: {"prompt": [ids]} or {"text": "..."}, and optionally "id", '
+        '"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids"',
+    )
     parser.add_argument("--framework", choices=PORTS, default=REFERENCE, help=f"default {REFERENCE}")
-    parser.add_argument("--weights", type=Path, default=None,
-                        help="safetensors weights file (default: the seed's model, shipped with kvports)")
+    parser.add_argument(
+        "--weights",
+        type=Path,
+        default=None,
+        help="safetensors weights file (default: the seed's model, shipped with kvports)",
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
-    parser.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
-                        help="folder holding tokenizer.json: encodes 'text' prompts, decodes every output")
-    parser.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, metavar="N",
-                        help=f"max_new_tokens of a line that gives none (default {DEFAULT_NEW_TOKENS})")
-    parser.add_argument("--max-batch", type=int, default=MAX_BATCH, help=f"sequences running at once (default {MAX_BATCH})")
-    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"tokens per KV block (default {BLOCK_SIZE})")
-    parser.add_argument("--num-blocks", type=int, default=None,
-                        help="KV blocks in the pool (default: enough for --max-batch of the longest request)")
-    parser.add_argument("--max-step-tokens", type=int, default=MAX_STEP_TOKENS,
-                        help=f"a prefill step's [batch x tokens] budget, padding included (default {MAX_STEP_TOKENS})")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="folder holding tokenizer.json: encodes 'text' prompts, decodes every output",
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=DEFAULT_NEW_TOKENS,
+        metavar="N",
+        help=f"max_new_tokens of a line that gives none (default {DEFAULT_NEW_TOKENS})",
+    )
+    parser.add_argument(
+        "--max-batch", type=int, default=MAX_BATCH, help=f"sequences running at once (default {MAX_BATCH})"
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=BLOCK_SIZE, help=f"tokens per KV block (default {BLOCK_SIZE})"
+    )
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks in the pool (default: enough for --max-batch of the longest request)",
+    )
+    parser.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=MAX_STEP_TOKENS,
+        help=f"a prefill step's [batch x tokens] budget, padding included (default {MAX_STEP_TOKENS})",
+    )
     parser.add_argument("--no-prefix-cache", action="store_true", help="recompute shared prompt prefixes")
     bench = parser.add_argument_group("benchmark (--bench: no --requests; see docs/BATCHING.md)")
-    bench.add_argument("--bench", action="store_true",
-                       help="time continuous batching against the same requests one after another, per framework")
+    bench.add_argument(
+        "--bench",
+        action="store_true",
+        help="time continuous batching against the same requests one after another, per framework",
+    )
     bench.add_argument("--frameworks", default=",".join(PORTS), help="--bench: comma-separated (default all)")
-    bench.add_argument("--preset", choices=("seed", "gpt2-small"), default="gpt2-small",
-                       help="--bench: the model (default gpt2-small: GPT-2 small's sizes, random weights)")
+    bench.add_argument(
+        "--preset",
+        choices=("seed", "gpt2-small"),
+        default="gpt2-small",
+        help="--bench: the model (default gpt2-small: GPT-2 small's sizes, random weights)",
+    )
     bench.add_argument("--count", type=int, default=32, help="--bench: requests per workload (default 32)")
     bench.add_argument("--workloads", default="mixed,prefix", help="--bench: mixed, prefix or both (default both)")
     bench.add_argument("--json", action="store_true", help="--bench: one JSON object on stdout instead of the table")
 
 
 def settings_of(args: argparse.Namespace, max_length: int | None) -> BatchSettings:
-    return BatchSettings(max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
-                         max_step_tokens=args.max_step_tokens, prefix_caching=not args.no_prefix_cache,
-                         max_length=max_length)
+    return BatchSettings(
+        max_batch=args.max_batch,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_step_tokens=args.max_step_tokens,
+        prefix_caching=not args.no_prefix_cache,
+        max_length=max_length,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,8 +149,11 @@ def load_tokenizer(path: Path | None) -> Any:
 def read_requests(args: argparse.Namespace, config: ModelConfig, tokenizer: Any) -> tuple[list[Request], list[BadLine]]:
     path: Path = args.requests
     if not path.is_file():
-        raise UserError(f"requests file {str(path)!r} does not exist" if not path.exists()
-                        else f"requests file {str(path)!r} is not a regular file")
+        raise UserError(
+            f"requests file {str(path)!r} does not exist"
+            if not path.exists()
+            else f"requests file {str(path)!r} is not a regular file"
+        )
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
@@ -121,14 +166,15 @@ def read_requests(args: argparse.Namespace, config: ModelConfig, tokenizer: Any)
     return parse_requests(lines, config, args.new_tokens, encode, pool_tokens)
 
 
-def run_requests(port: Any, model: Any, config: ModelConfig, settings: BatchSettings, requests: list[Request],
-                 tokenizer: Any) -> dict[str, Any]:
+def run_requests(
+    port: Any, model: Any, config: ModelConfig, settings: BatchSettings, requests: list[Request], tokenizer: Any
+) -> dict[str, Any]:
     """Run every request, printing each one's line as it finishes; the summary."""
     engine = Engine(port, model, config, settings)
     start = time.perf_counter()
     for request in requests:
         engine.add(request)
-    with make_progress(len(requests)) as progress:
+    with make_progress("requests") as progress:
         task = progress.add_task("batch", total=len(requests))
 
         def report(sequence: Sequence) -> None:
@@ -178,9 +224,14 @@ def summarize(engine: Engine, done: list[Sequence], seconds: float) -> dict[str,
         "preemptions": stats.preemptions,
         "ttft_s": percentiles(ttft),
         "latency_s": percentiles(latency),
-        "blocks": {"num_blocks": blocks.num_blocks, "block_size": blocks.block_size, "peak_used": blocks.peak_used,
-                   "peak_usage": blocks.peak_used / blocks.num_blocks, "free_after": blocks.num_free,
-                   "blocks_per_sequence": blocks_for(engine.settings.longest(engine.config), blocks.block_size)},
+        "blocks": {
+            "num_blocks": blocks.num_blocks,
+            "block_size": blocks.block_size,
+            "peak_used": blocks.peak_used,
+            "peak_usage": blocks.peak_used / blocks.num_blocks,
+            "free_after": blocks.num_free,
+            "blocks_per_sequence": blocks_for(engine.settings.longest(engine.config), blocks.block_size),
+        },
     }
 
 
@@ -191,11 +242,19 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
     return {"median": float(np.median(array)), "p90": float(np.percentile(array, 90)), "max": float(array.max())}
 
 
-def make_progress(total: int) -> Any:
-    """A bar over the requests on stderr, while they run; off when stderr is not a terminal."""
+def make_progress(unit: str) -> Any:
+    """A bar on stderr counting `unit`s while they run; off when stderr is not a terminal."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
-                    TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal or total == 0)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(unit),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )

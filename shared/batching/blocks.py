@@ -49,7 +49,9 @@ class Block:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
-            raise UserError(f"a block pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+            raise UserError(
+                f"a block pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}"
+            )
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]

@@ -58,6 +58,7 @@ class EngineStats:
     cached_tokens: int = 0  # tokens admissions found in the prefix cache
     decode_tokens: int = 0
     preemptions: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})  # in the port's step
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -65,8 +66,9 @@ class EngineStats:
         needed = self.prefill_tokens + self.cached_tokens
         return self.cached_tokens / needed if needed else 0.0
 
-    def count(self, step: Step) -> None:
+    def count(self, step: Step, seconds: float) -> None:
         self.steps[step.kind] += 1
+        self.seconds[step.kind] += seconds
         if step.kind == "prefill":
             self.prefill_tokens += step.computed_tokens
             self.padded_prefill_tokens += step.tokens.size
@@ -76,8 +78,14 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, port: ModuleType, model: Any, config: ModelConfig, settings: BatchSettings = BatchSettings(),
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        port: ModuleType,
+        model: Any,
+        config: ModelConfig,
+        settings: BatchSettings = BatchSettings(),
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.port, self.model, self.config = port, model, config
         self.settings = settings.validate(config)
         self.clock = clock
@@ -109,15 +117,21 @@ class Engine:
         try:
             if self.pool is None:
                 self.pool = self.port.init_block_pool(
-                    self.model, self.blocks.num_blocks, self.blocks.block_size, self.settings.max_batch,
-                    blocks_for(self.settings.longest(self.config), self.blocks.block_size))
-            next_tokens, self.pool = self.port.paged_step(self.model, self.pool, step.tokens, step.start,
-                                                          step.block_tables, step.samplers, step.uniform)
+                    self.model,
+                    self.blocks.num_blocks,
+                    self.blocks.block_size,
+                    self.settings.max_batch,
+                    blocks_for(self.settings.longest(self.config), self.blocks.block_size),
+                )
+            started = self.clock()
+            next_tokens, self.pool = self.port.paged_step(
+                self.model, self.pool, step.tokens, step.start, step.block_tables, step.samplers, step.uniform
+            )
         except BaseException:
             self.pool = None
             self.scheduler.abort_all(self.clock())
             raise
-        self.stats.count(step)
+        self.stats.count(step, self.clock() - started)
         self.stats.preemptions = self.scheduler.preemptions
         return self.scheduler.finish_step(step, next_tokens, self.clock())
 

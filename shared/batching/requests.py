@@ -49,7 +49,9 @@ def check_request(request: Request, config: ModelConfig, max_tokens: int | None 
         if not isinstance(token, int) or isinstance(token, bool):
             raise UserError(f"prompt token {token!r} is not an integer")
         if not 0 <= token < config.vocab_size:
-            raise UserError(f"prompt token {token} is outside [0, {config.vocab_size}) (vocab_size {config.vocab_size})")
+            raise UserError(
+                f"prompt token {token} is outside [0, {config.vocab_size}) (vocab_size {config.vocab_size})"
+            )
     request.generation.validate(config.vocab_size)
     total = len(request.prompt) + request.generation.max_new_tokens
     if total > config.max_seq_len:
@@ -58,8 +60,10 @@ def check_request(request: Request, config: ModelConfig, max_tokens: int | None 
             f"exceeds max_seq_len {config.max_seq_len}"
         )
     if max_tokens is not None and total > max_tokens:
-        raise UserError(f"prompt length {len(request.prompt)} + max_new_tokens {request.generation.max_new_tokens} = "
-                        f"{total} tokens do not fit the block pool ({max_tokens} tokens)")
+        raise UserError(
+            f"prompt length {len(request.prompt)} + max_new_tokens {request.generation.max_new_tokens} = "
+            f"{total} tokens do not fit the block pool ({max_tokens} tokens)"
+        )
     return request
 
 
@@ -89,8 +93,12 @@ def parse_line(text: str, line: int, default_new_tokens: int, encode: Encode | N
     request_id = data.get("id", str(line))
     if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
         raise UserError(f"'id' must be a string or an integer, got {request_id!r}")
-    return Request(id=str(request_id), prompt=tuple(prompt), generation=generation_of(data, default_new_tokens),
-                   text=data.get("text"))
+    return Request(
+        id=str(request_id),
+        prompt=tuple(prompt),
+        generation=generation_of(data, default_new_tokens),
+        text=data.get("text"),
+    )
 
 
 def generation_of(data: dict[str, Any], default_new_tokens: int) -> GenerationConfig:
@@ -102,8 +110,13 @@ def generation_of(data: dict[str, Any], default_new_tokens: int) -> GenerationCo
     return GenerationConfig(**settings, stop_ids=tuple(stop_ids))
 
 
-def parse_requests(lines: Iterable[str], config: ModelConfig, default_new_tokens: int, encode: Encode | None = None,
-                   max_tokens: int | None = None) -> tuple[list[Request], list[BadLine]]:
+def parse_requests(
+    lines: Iterable[str],
+    config: ModelConfig,
+    default_new_tokens: int,
+    encode: Encode | None = None,
+    max_tokens: int | None = None,
+) -> tuple[list[Request], list[BadLine]]:
     """Every good line's request, and every bad line's error (blank lines are skipped)."""
     requests: list[Request] = []
     bad: list[BadLine] = []
@@ -126,8 +139,9 @@ def parse_requests(lines: Iterable[str], config: ModelConfig, default_new_tokens
 def sampling_key(generation: GenerationConfig) -> GenerationConfig:
     """What a step's sampler depends on (temperature, top-k, top-p): requests that differ only in
     seed, length or stop ids share one sampling call (and, in JAX, one compiled program)."""
-    return GenerationConfig(max_new_tokens=1, temperature=generation.temperature, top_k=generation.top_k,
-                            top_p=generation.top_p)
+    return GenerationConfig(
+        max_new_tokens=1, temperature=generation.temperature, top_k=generation.top_k, top_p=generation.top_p
+    )
 
 
 def lengths(requests: Sequence[Request]) -> list[int]:

@@ -93,8 +93,9 @@ class Step:
 def sampling_key(generation: GenerationConfig) -> GenerationConfig:
     """What a step's sampler depends on (temperature, top-k, top-p): requests that differ only in
     seed, length or stop ids share one sampling call (and, in JAX, one compiled program)."""
-    return GenerationConfig(max_new_tokens=1, temperature=generation.temperature, top_k=generation.top_k,
-                            top_p=generation.top_p)
+    return GenerationConfig(
+        max_new_tokens=1, temperature=generation.temperature, top_k=generation.top_k, top_p=generation.top_p
+    )
 
 
 class Scheduler:
@@ -113,8 +114,10 @@ class Scheduler:
     def add(self, sequence: Sequence) -> None:
         needed = blocks_for(sequence.max_length, self.blocks.block_size)
         if needed > self.blocks.num_blocks:
-            raise UserError(f"request {sequence.request.id!r} needs {needed} blocks of {self.blocks.block_size} "
-                            f"tokens; the pool has {self.blocks.num_blocks}")
+            raise UserError(
+                f"request {sequence.request.id!r} needs {needed} blocks of {self.blocks.block_size} "
+                f"tokens; the pool has {self.blocks.num_blocks}"
+            )
         self.waiting.append(sequence)
 
     @property
@@ -205,7 +208,7 @@ class Scheduler:
     def finish_step(self, step: Step, next_tokens: Seq[int], now: float) -> list[Sequence]:
         """Take each row's new token; the sequences this step finished (their blocks freed)."""
         finished = []
-        for sequence, token in zip(step.sequences, next_tokens):
+        for sequence, token in zip(step.sequences, next_tokens, strict=False):
             sequence.computed = len(sequence.tokens)
             sequence.tokens.append(int(token))
             if sequence.first_token_time is None:
