@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {line}", file=sys.stderr)
     if not requests:
         raise UserError(f"no request to run in {str(args.requests)!r}")
-    settings = settings_of(args, max(len(r.prompt) + r.generation.max_new_tokens for r in requests)).validate(config)
+    settings = settings_of(args, max(request.max_length for request in requests)).validate(config)
     try:
         port = load_port(args.framework)
     except PortUnavailable as exc:

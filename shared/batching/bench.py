@@ -63,7 +63,7 @@ def prefix_requests(config: ModelConfig, count: int, seed: int = 1) -> list[Requ
 
 
 def longest(requests: list[Request]) -> int:
-    return max(len(request.prompt) + request.generation.max_new_tokens for request in requests)
+    return max(request.max_length for request in requests)
 
 
 # ---------------------------------------------------------------- the two ways to run them
@@ -268,28 +268,16 @@ def choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
 
 def print_tables(result: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(width=max(160, Console().width))
     live = [row for row in result["rows"] if row["available"]]
-    mixed = Table(
-        title=f"continuous batching vs one at a time: {result['count']} requests, prompts "
-        f"{MIXED_PROMPT[0]}-{MIXED_PROMPT[1]}, new tokens {MIXED_NEW[0]}-{MIXED_NEW[1]}, greedy, "
-        f"{result['preset']} {result['dtype']} (target: >= {TARGET_SPEEDUP:g}x)"
-    )
-    for column in (
-        "framework",
-        "sequential s",
-        "batched s",
-        "requests/s",
-        "tokens/s",
-        "speed-up",
-        "same tokens",
-        "prefill / decode s",
-        "peak blocks",
-        "compile s (seq / batched)",
-    ):
-        mixed.add_column(column, justify="left" if column == "framework" else "right")
+    mixed = new_table(
+        f"continuous batching vs one at a time: {result['count']} requests, prompts {MIXED_PROMPT[0]}-"
+        f"{MIXED_PROMPT[1]}, new tokens {MIXED_NEW[0]}-{MIXED_NEW[1]}, greedy, {result['preset']} {result['dtype']} "
+        f"(target: >= {TARGET_SPEEDUP:g}x)",
+        ("sequential s", "batched s", "requests/s", "tokens/s", "speed-up", "same tokens", "prefill / decode s",
+         "peak blocks", "compile s (seq / batched)"),
+    )  # fmt: skip
     for row in (row for row in live if row["workload"] == "mixed"):
         batched, sequential = row["batched"], row["sequential"]
         compile_s = (
@@ -307,21 +295,12 @@ def print_tables(result: dict[str, Any]) -> None:
             f"{batched['peak_blocks']}/{batched['num_blocks']}",
             compile_s,
         )
-    prefix = Table(
-        title=f"prefix reuse: {result['count']} requests sharing a {PREFIX_LEN}-token prefix, batched "
-        f"(target: >= {TARGET_PREFILL_RATIO:g}x fewer prefill tokens)"
-    )
-    for column in (
-        "framework",
-        "prefill tokens (without -> with)",
-        "ratio",
-        "TTFT median s",
-        "ttft ratio",
-        "total s",
-        "hit rate",
-        "same tokens",
-    ):
-        prefix.add_column(column, justify="left" if column == "framework" else "right")
+    prefix = new_table(
+        f"prefix reuse: {result['count']} requests sharing a {PREFIX_LEN}-token prefix, batched (target: >= "
+        f"{TARGET_PREFILL_RATIO:g}x fewer prefill tokens)",
+        ("prefill tokens (without -> with)", "ratio", "TTFT median s", "ttft ratio", "total s", "hit rate",
+         "same tokens"),
+    )  # fmt: skip
     for row in (row for row in live if row["workload"] == "prefix"):
         off, on = row["without_reuse"], row["with_reuse"]
         prefix.add_row(
@@ -340,3 +319,13 @@ def print_tables(result: dict[str, Any]) -> None:
     for row in result["rows"]:
         if not row["available"]:
             console.print(f"{row['framework']} {row['workload']}: not available ({row['reason']})")
+
+
+def new_table(title: str, columns: tuple[str, ...]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("framework")
+    for column in columns:
+        table.add_column(column, justify="right")
+    return table

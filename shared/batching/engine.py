@@ -97,9 +97,10 @@ class Engine:
     def add(self, request: Request) -> Sequence:
         """Queue a request (at any time, also while others run)."""
         longest = self.settings.longest(self.config)
-        total = len(request.prompt) + request.generation.max_new_tokens
-        if total > longest:
-            raise UserError(f"request {request.id!r}: {total} tokens exceed the engine's max length {longest}")
+        if request.max_length > longest:
+            raise UserError(
+                f"request {request.id!r}: {request.max_length} tokens exceed the engine's max length {longest}"
+            )
         sequence = Sequence(request, arrival=self.clock())
         self.scheduler.add(sequence)
         return sequence

@@ -9,7 +9,7 @@ naming its line number; the other lines still run.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,11 @@ class Request:
     prompt: tuple[int, ...]
     generation: GenerationConfig
     text: str | None = field(default=None, compare=False)  # the line's text prompt, if it had one
+
+    @property
+    def max_length(self) -> int:
+        """The longest its sequence gets: the prompt and every new token."""
+        return len(self.prompt) + self.generation.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ def check_request(request: Request, config: ModelConfig, max_tokens: int | None 
                 f"prompt token {token} is outside [0, {config.vocab_size}) (vocab_size {config.vocab_size})"
             )
     request.generation.validate(config.vocab_size)
-    total = len(request.prompt) + request.generation.max_new_tokens
+    total = request.max_length
     if total > config.max_seq_len:
         raise UserError(
             f"prompt length {len(request.prompt)} + max_new_tokens {request.generation.max_new_tokens} = {total} "
@@ -134,16 +139,3 @@ def parse_requests(
         seen.add(request.id)
         requests.append(request)
     return requests, bad
-
-
-def sampling_key(generation: GenerationConfig) -> GenerationConfig:
-    """What a step's sampler depends on (temperature, top-k, top-p): requests that differ only in
-    seed, length or stop ids share one sampling call (and, in JAX, one compiled program)."""
-    return GenerationConfig(
-        max_new_tokens=1, temperature=generation.temperature, top_k=generation.top_k, top_p=generation.top_p
-    )
-
-
-def lengths(requests: Sequence[Request]) -> list[int]:
-    """Each request's longest sequence: prompt plus every new token."""
-    return [len(request.prompt) + request.generation.max_new_tokens for request in requests]
