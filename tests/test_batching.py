@@ -474,6 +474,25 @@ def test_batch_cli_gives_each_request_its_tokens_alone(tmp_path, capsys, weights
         assert lines[req.id]["finish_reason"] == "length"
 
 
+def test_batch_cli_encodes_text_prompts_and_decodes_the_tokens(tmp_path, capsys, weights_file):
+    port_or_skip("numpy")
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tokenizer = tokenizers.Tokenizer(WordLevel({f"w{i}": i for i in range(CONFIG.vocab_size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"id": "text", "text": "w3 w1 w4"}\n{"id": "ids", "prompt": [3, 1, 4]}\n')
+    argv = ["batch", "--requests", str(path), "--framework", "numpy", "--weights", str(weights_file), "--tokenizer",
+            str(tmp_path), "--new-tokens", "5"]  # fmt: skip
+    code, out, _ = run_cli(argv, capsys)
+    lines = {line["id"]: line for line in map(json.loads, out.splitlines()[:-1])}
+    assert code == 0 and lines["text"]["tokens"] == lines["ids"]["tokens"]
+    assert lines["text"]["text"] == " ".join(f"w{token}" for token in lines["text"]["tokens"])
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -502,6 +521,18 @@ def test_batch_cli_user_errors_are_one_line_for_every_framework(
     assert (code, out) == (2, "")
     assert err.splitlines()[-1].startswith("error: ") and message in err.splitlines()[-1]
     assert len([line for line in err.splitlines() if not line.startswith("error: line")]) == 1
+
+
+def test_batch_bench_runs_both_workloads_and_both_ways_agree(capsys):
+    port_or_skip("numpy")
+    code, out, _ = run_cli(["batch", "--bench", "--preset", "seed", "--count", "3", "--frameworks", "numpy", "--json",
+                            "--block-size", "4"], capsys)  # fmt: skip
+    assert code == 0
+    mixed, prefix = json.loads(out)["rows"]
+    assert (mixed["workload"], mixed["same_tokens"]) == ("mixed", 3)  # batched = one at a time, token for token
+    assert mixed["speedup"] > 0 and mixed["batched"]["tokens_per_s"] > 0
+    assert prefix["same_tokens"] == 3
+    assert prefix["with_reuse"]["prefill_tokens"] < prefix["without_reuse"]["prefill_tokens"]
 
 
 # ---------------------------------------------------------------- JAX: static shapes

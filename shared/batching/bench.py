@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,8 @@ COMPILES = ("jax",)  # ports whose first run of a shape compiles: warmed up befo
 MIXED_PROMPT, MIXED_NEW = (16, 256), (16, 128)
 PREFIX_LEN, PREFIX_SUFFIX, PREFIX_NEW = 256, (16, 64), (16, 64)
 TARGET_SPEEDUP, TARGET_PREFILL_RATIO = 5.0, 5.0  # the issue's targets, reported against, never asserted
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "XLA_FLAGS")
 
 Tick = Callable[[str], None]
 
@@ -243,6 +246,8 @@ def run_bench(args: argparse.Namespace) -> int:
         )
     from kvports.shared.batching.batch import make_progress
 
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
     with make_progress("runs") as progress:
         task = progress.add_task("bench", total=2 * len(frameworks) * len(workloads))  # two runs a workload
 
@@ -250,12 +255,26 @@ def run_bench(args: argparse.Namespace) -> int:
             progress.update(task, advance=1, description=description)
 
         rows = run_workloads(frameworks, workloads, config, tensors, args.count, settings, args.dtype, tick)
-    result = {"preset": args.preset, "dtype": args.dtype, "count": args.count, "settings": vars(settings), "rows": rows}
+    result = {
+        "preset": args.preset,
+        "dtype": args.dtype,
+        "count": args.count,
+        "settings": vars(settings),
+        "machine": machine(load_before),
+        "rows": rows,
+    }
     if args.json:
         print(json.dumps(result))
     else:
         print_tables(result)
     return 0
+
+
+def machine(load_before: float | None) -> dict[str, Any]:
+    """What shares the machine shows in every timing: the load average before and after, the threads."""
+    threads = {name: os.environ[name] for name in THREAD_VARIABLES if name in os.environ}
+    load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cpu_count": os.cpu_count(), "load_average": [load_before, load_after], "threads": threads}
 
 
 def choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -319,6 +338,10 @@ def print_tables(result: dict[str, Any]) -> None:
     for row in result["rows"]:
         if not row["available"]:
             console.print(f"{row['framework']} {row['workload']}: not available ({row['reason']})")
+    if "machine" in result:
+        machine = result["machine"]
+        threads = ", ".join(f"{name}={value}" for name, value in machine["threads"].items()) or "default threads"
+        console.print(f"{machine['cpu_count']} CPUs, {threads}, load average {machine['load_average']}")
 
 
 def new_table(title: str, columns: tuple[str, ...]) -> Any:

@@ -211,7 +211,7 @@ class Scheduler:
     def finish_step(self, step: Step, next_tokens: Seq[int], now: float) -> list[Sequence]:
         """Take each row's new token; the sequences this step finished (their blocks freed)."""
         finished = []
-        for sequence, token in zip(step.sequences, next_tokens, strict=False):
+        for sequence, token in zip(step.sequences, next_tokens, strict=True):
             sequence.computed = len(sequence.tokens)
             sequence.tokens.append(int(token))
             if sequence.first_token_time is None:
