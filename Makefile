@@ -3,8 +3,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# A second virtualenv holding kvports alone (no torch, no JAX): the NumPy-only install.
+NUMPY_VENV ?= build/numpy-only-venv
 
-.PHONY: setup demo test test-fast bench plots clean
+.PHONY: setup demo test test-fast lint check-numpy-only ci bench plots clean
 
 setup: $(VENV)/.installed
 
@@ -12,6 +14,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[all]'
+	touch $@
+
+# ruff and mypy: the dev extra, on top of the test setup.
+$(VENV)/.dev-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
 demo: setup
@@ -23,6 +30,25 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# ruff (lint and format) and mypy, all configured in pyproject.toml. All three run, so one
+# run shows every problem; the target fails if any found one.
+lint: $(VENV)/.dev-installed
+	@status=0; \
+	$(BIN)/ruff check . || status=1; \
+	$(BIN)/ruff format --check . || status=1; \
+	$(BIN)/python tools/typecheck.py || status=1; \
+	exit $$status
+
+# pip install . into a fresh virtualenv without extras, then generate, compare and bench there.
+check-numpy-only:
+	rm -rf $(NUMPY_VENV)
+	$(PYTHON) -m venv $(NUMPY_VENV)
+	$(NUMPY_VENV)/bin/python -m pip install --quiet .
+	$(NUMPY_VENV)/bin/python tools/check_numpy_only.py
+
+# What .ci/run runs.
+ci: lint test check-numpy-only
+
 # docs/BENCH.md. On a machine shared with other work, OMP_NUM_THREADS=1 make bench.
 bench: setup
 	$(BIN)/kvports bench --preset seed
@@ -33,4 +59,4 @@ plots: setup
 	$(BIN)/kvports bench --preset gpt2-small --new-tokens 32 --plot docs/img
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -6,7 +6,7 @@ GPT2LMHeadModel holds it exactly; the mapping is `kvports convert --to-hf`'s.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -16,11 +16,13 @@ from transformers.generation.streamers import BaseStreamer
 
 from kvports.baselines.seed_concat import check_seed_shaped
 from kvports.shared.config import ModelConfig
-from kvports.shared.hf import gpt2_hf_config, gpt2_hf_tensors
+from kvports.shared.hf.config import gpt2_hf_config
+from kvports.shared.hf.tensors import gpt2_hf_tensors
 from kvports.torch_impl import port as torch_port
 
 NAME = "transformers"
 MODES = ("cached",)
+
 
 def gpt2_config(config: ModelConfig, dtype: str) -> GPT2Config:
     check_seed_shaped(config)
@@ -29,11 +31,13 @@ def gpt2_config(config: ModelConfig, dtype: str) -> GPT2Config:
     return GPT2Config(**fields)
 
 
-def versions() -> Dict[str, str]:
+def versions() -> dict[str, str]:
     return {**torch_port.versions(), "transformers": transformers.__version__}
 
 
-def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu") -> GPT2LMHeadModel:
+def load_model(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+) -> GPT2LMHeadModel:
     target = torch_port.resolve_device(device)
     model = GPT2LMHeadModel(gpt2_config(config, dtype))
     state = {name: torch.from_numpy(array) for name, array in gpt2_hf_tensors(config, tensors).items()}
@@ -63,17 +67,31 @@ class CallbackStreamer(BaseStreamer):
         pass
 
 
-def generate(model: GPT2LMHeadModel, prompts: np.ndarray, new_tokens: int, mode: str = "cached", return_logits: bool = False,
-             on_token: Optional[Callable[[np.ndarray], None]] = None) -> Tuple[np.ndarray, None]:
+def generate(
+    model: GPT2LMHeadModel,
+    prompts: np.ndarray,
+    new_tokens: int,
+    mode: str = "cached",
+    return_logits: bool = False,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, None]:
+    """transformers' greedy generate: tokens [B, P + N] and no logits (the bench asks for none);
+    on_token(token [B]) from its streamer, as each new token is chosen."""
     if mode not in MODES:
         raise ValueError(f"{NAME} has modes {MODES}, not {mode!r}")
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(model.device)  # [B, P]
     streamer = None if on_token is None else CallbackStreamer(on_token)
     with torch.inference_mode():
-        tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                                do_sample=False, num_beams=1, use_cache=True,
-                                streamer=streamer)  # [B, P + N]
-    return tokens.cpu().numpy(), None  # [B, P + N]
+        tokens = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            num_beams=1,
+            use_cache=True,
+            streamer=streamer,
+        )  # [B, P + N]
+    return tokens.cpu().numpy(), None
 
 
 def synchronize(model: GPT2LMHeadModel) -> None:

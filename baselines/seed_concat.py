@@ -10,7 +10,7 @@ LayerNorm, exact GELU, full multi-head attention, untied head, biases).
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -25,8 +25,17 @@ MODES = ("cached",)  # the seed's naive loop is the torch port's naive row
 
 def check_seed_shaped(config: ModelConfig) -> None:
     seed = ModelConfig()
-    fields = ("positions", "norm", "activation", "n_kv_heads", "ffn_hidden", "tie_embeddings", "attn_bias",
-              "ffn_bias", "sliding_window")
+    fields = (
+        "positions",
+        "norm",
+        "activation",
+        "n_kv_heads",
+        "ffn_hidden",
+        "tie_embeddings",
+        "attn_bias",
+        "ffn_bias",
+        "sliding_window",
+    )
     different = [name for name in fields if getattr(config, name) != getattr(seed, name)]
     if different:
         raise ValueError(f"{NAME} runs the seed's architecture only; this config differs in {', '.join(different)}")
@@ -42,7 +51,7 @@ class SeedBlock(nn.Module):
         self.proj = nn.Linear(d, d)
         self.ffn = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
-    def forward(self, x: torch.Tensor, cache: Optional[dict]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None) -> torch.Tensor:
         B, T, D = x.shape
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
         q = q.view(B, T, self.n_heads, -1).transpose(1, 2)  # [B, H, T, Dh]
@@ -54,7 +63,9 @@ class SeedBlock(nn.Module):
                 v = torch.cat([cache["v"], v], dim=2)  # [B, H, S, Dh]
             cache["k"], cache["v"] = k, v
         S = k.shape[2]
-        mask = torch.triu(torch.ones(T, S, dtype=torch.bool, device=x.device), diagonal=S - T + 1)  # [T, S], True = hidden
+        mask = torch.triu(
+            torch.ones(T, S, dtype=torch.bool, device=x.device), diagonal=S - T + 1
+        )  # [T, S], True = hidden
         att = q @ k.transpose(-2, -1) / k.shape[-1] ** 0.5  # [B, H, T, S]
         att = att.masked_fill(mask, float("-inf")).softmax(-1)
         x = x + self.proj((att @ v).transpose(1, 2).reshape(B, T, D))  # [B, T, D]
@@ -70,18 +81,19 @@ class SeedModel(nn.Module):
         self.ln = nn.LayerNorm(config.d_model, eps=config.norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
-    def forward(self, idx: torch.Tensor, caches: List[Optional[dict]]) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, caches: list[dict | None]) -> torch.Tensor:
         T = idx.shape[1]
         S = caches[0]["k"].shape[2] if caches[0] is not None and caches[0].get("k") is not None else 0
         x = self.emb(idx) + self.pos.weight[S : S + T]  # [B, T, D]; positions start at the cached length
-        for block, cache in zip(self.blocks, caches):
+        for block, cache in zip(self.blocks, caches, strict=True):
             x = block(x, cache)  # [B, T, D]
         return self.head(self.ln(x))  # [B, T, V]
 
 
 @torch.inference_mode()
-def seed_generate_cached(model: SeedModel, prompt: torch.Tensor, n: int,
-                         on_token: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+def seed_generate_cached(
+    model: SeedModel, prompt: torch.Tensor, n: int, on_token: Callable[[torch.Tensor], None] | None = None
+) -> torch.Tensor:
     caches = [{} for _ in model.blocks]
     logits = model(prompt, caches)  # [B, P, V]: the prefill
     idx = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
@@ -97,21 +109,31 @@ def seed_generate_cached(model: SeedModel, prompt: torch.Tensor, n: int,
     return torch.cat([prompt] + out, dim=1)  # [B, P + N]
 
 
-def versions() -> Dict[str, str]:
+def versions() -> dict[str, str]:
     return torch_port.versions()
 
 
-def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu") -> SeedModel:
+def load_model(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+) -> SeedModel:
     check_seed_shaped(config)
     with torch.device("meta"):
         model = SeedModel(config)
-    state = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in tensors.items()}
+    state = {name: torch.tensor(array) for name, array in tensors.items()}  # torch-allocated, as the seed's own model
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device=torch_port.resolve_device(device), dtype=torch_port.TORCH_DTYPES[dtype]).eval()
 
 
-def generate(model: SeedModel, prompts: np.ndarray, new_tokens: int, mode: str = "cached", return_logits: bool = False,
-             on_token: Optional[Callable[[np.ndarray], None]] = None) -> Tuple[np.ndarray, None]:
+def generate(
+    model: SeedModel,
+    prompts: np.ndarray,
+    new_tokens: int,
+    mode: str = "cached",
+    return_logits: bool = False,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, None]:
+    """The seed's cached loop: tokens [B, P + N] and no logits (the bench asks for none);
+    on_token(token [B]) as each new token reaches the host."""
     if mode not in MODES:
         raise ValueError(f"{NAME} has modes {MODES}, not {mode!r}")
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(model.emb.weight.device)  # [B, P]

@@ -14,7 +14,6 @@ dim, V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional, Tuple
@@ -25,8 +24,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from kvports.shared.config import ModelConfig
-from kvports.shared.config import cache_slots
+import kvports.jax_impl.functional as F
+from kvports.shared.config import ModelConfig, cache_slots
 from kvports.shared.generation import PAD, GenerationConfig, uniforms
 
 # float64 must be real float64 (JAX silently truncates to float32 otherwise), and a GPU
@@ -52,31 +51,39 @@ class KVCache:
         slots = self.keys.shape[3]
         return self.window is None or slots < self.window or T <= slots - self.window + 1
 
-    def slot_index(self, T: int) -> jax.Array:
-        return (self.length + jnp.arange(T, dtype=jnp.int32)) % self.keys.shape[3]  # [T]: slot = column mod S
+    def slot_index(self, column, count: int) -> jax.Array:
+        """The slots of columns [column, column + count), slot = column mod S. Always an index
+        array: under jit the column is traced, so whether they wrap is not known."""
+        return (column + jnp.arange(count, dtype=jnp.int32)) % self.keys.shape[3]  # [count]
 
     def mask(self, positions: jax.Array, padded: bool) -> jax.Array:
         """Which keys each of this chunk's queries sees: [B, 1, T, S'], over every slot (shapes are
         static under jit), the empty ones masked."""
         B, T = positions.shape
         if not self.writes_first(T):
-            key_positions = jnp.concatenate([self.slot_positions, jnp.broadcast_to(positions, (self.slot_positions.shape[0], T))], axis=1)
+            key_positions = jnp.concatenate(
+                [self.slot_positions, jnp.broadcast_to(positions, (self.slot_positions.shape[0], T))], axis=1
+            )
             return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
-        key_positions = self.slot_positions.at[:, self.slot_index(T)].set(positions)  # [B, S]: as this chunk's write leaves them
+        # [B, S]: as this chunk's write leaves them
+        key_positions = self.slot_positions.at[:, self.slot_index(self.length, T)].set(positions)
         return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
 
     def update(self, layer: int, k: jax.Array, v: jax.Array) -> Tuple[jax.Array, jax.Array, KVCache]:
         """Write this chunk's k and v at their slots; the keys and values to attend over, and the
         new cache (JAX cannot write in place: the donated buffers let XLA do it)."""
         T, slots = k.shape[2], self.keys.shape[3]
-        slot_index = self.slot_index(T)  # [T]
         if self.writes_first(T):
-            cache = self.write(layer, k, v, slot_index)
+            cache = self.write(layer, k, v, self.slot_index(self.length, T))
             return cache.keys[layer], cache.values[layer], cache  # [B, Hkv, S', Dh]
         keep = min(T, slots)  # a chunk wider than the ring keeps its newest
         keys = jnp.concatenate([self.keys[layer], k], axis=2)  # [B, Hkv, S', Dh]
         values = jnp.concatenate([self.values[layer], v], axis=2)  # [B, Hkv, S', Dh]
-        return keys, values, self.write(layer, k[:, :, -keep:], v[:, :, -keep:], slot_index[-keep:])
+        return (
+            keys,
+            values,
+            self.write(layer, k[:, :, -keep:], v[:, :, -keep:], self.slot_index(self.length + T - keep, keep)),
+        )
 
     def write(self, layer: int, k: jax.Array, v: jax.Array, slot_index: jax.Array) -> KVCache:
         # One scatter into the whole buffer, in place when the cache is donated. NumPy's indexing rule puts
@@ -89,12 +96,22 @@ class KVCache:
         # After every layer has read the old slot positions: they change once per forward.
         T, slots = positions.shape[1], self.keys.shape[3]
         keep = min(T, slots)
-        slot_positions = self.slot_positions.at[:, self.slot_index(T)[-keep:]].set(positions[:, -keep:])  # [B, S]
+        index = self.slot_index(self.length + T - keep, keep)  # [keep]
+        slot_positions = self.slot_positions.at[:, index].set(positions[:, -keep:])  # [B, S]
         return dataclasses.replace(self, slot_positions=slot_positions, length=self.length + T)
 
+    def crop(self, length) -> KVCache:
+        """Take back every column from `length` on (rejected speculative tokens): their slots read
+        as empty again, as if never written. A ring sized with spare slots lost nothing still needed."""
+        slots = self.keys.shape[3]
+        # [S]: the last column each slot took
+        newest = self.length - 1 - (self.length - 1 - jnp.arange(slots, dtype=jnp.int32)) % slots
+        slot_positions = jnp.where(newest >= length, -1, self.slot_positions)  # [B, S]
+        return dataclasses.replace(self, slot_positions=slot_positions, length=jnp.asarray(length, dtype=jnp.int32))
 
-def init_cache(config: ModelConfig, batch: int, total_len: int, dtype) -> KVCache:
-    slots = cache_slots(config, total_len)
+
+def init_cache(config: ModelConfig, batch: int, total_len: int, dtype, chunk: int = 1) -> KVCache:
+    slots = cache_slots(config, total_len, chunk)
     shape = (config.n_layers, batch, config.kv_heads, slots, config.head_dim)
     return KVCache(
         keys=jnp.zeros(shape, dtype=dtype),
@@ -112,7 +129,8 @@ def token_positions(start, length: int, pad: Optional[jax.Array]) -> jax.Array:
     positions = start + jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, T]; [B, T] where start is per row
     if pad is None:
         return positions
-    return jnp.maximum(positions - pad[:, None], -1)  # [B, T]: a left-padded row counts from its first token; -1 on padding
+    # [B, T]: a left-padded row counts from its first token; -1 on padding
+    return jnp.maximum(positions - pad[:, None], -1)
 
 
 def attention_mask(query_positions: jax.Array, key_positions: jax.Array, window: Optional[int]) -> jax.Array:
@@ -154,8 +172,9 @@ def make_norm(config: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, config.norm_eps, dtype=dtype)
     # Flax's default "fast variance" is E[x^2] - E[x]^2; torch computes E[(x - mean)^2].
-    return nnx.LayerNorm(config.d_model, epsilon=config.norm_eps, use_fast_variance=False,
-                         dtype=dtype, param_dtype=dtype, rngs=rngs)
+    return nnx.LayerNorm(
+        config.d_model, epsilon=config.norm_eps, use_fast_variance=False, dtype=dtype, param_dtype=dtype, rngs=rngs
+    )
 
 
 class FeedForward(nnx.Module):
@@ -165,10 +184,25 @@ class FeedForward(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.activation = config.activation
         gated = 2 if config.activation == "swiglu" else 1
-        setattr(self, "0", nnx.Linear(config.d_model, gated * config.ffn_dim, use_bias=config.ffn_bias,
-                                      dtype=dtype, param_dtype=dtype, rngs=rngs))
-        setattr(self, "2", nnx.Linear(config.ffn_dim, config.d_model, use_bias=config.ffn_bias,
-                                      dtype=dtype, param_dtype=dtype, rngs=rngs))
+        setattr(
+            self,
+            "0",
+            nnx.Linear(
+                config.d_model,
+                gated * config.ffn_dim,
+                use_bias=config.ffn_bias,
+                dtype=dtype,
+                param_dtype=dtype,
+                rngs=rngs,
+            ),
+        )
+        setattr(
+            self,
+            "2",
+            nnx.Linear(
+                config.ffn_dim, config.d_model, use_bias=config.ffn_bias, dtype=dtype, param_dtype=dtype, rngs=rngs
+            ),
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = getattr(self, "0")(x)  # [B, T, ffn_dim] (swiglu: [B, T, 2 * ffn_dim])
@@ -186,10 +220,12 @@ class Block(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.config = config
         self.ln1, self.ln2 = make_norm(config, dtype, rngs), make_norm(config, dtype, rngs)
-        self.qkv = nnx.Linear(config.d_model, config.qkv_dim, use_bias=config.attn_bias,
-                              dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.proj = nnx.Linear(config.d_model, config.d_model, use_bias=config.attn_bias,
-                               dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.qkv = nnx.Linear(
+            config.d_model, config.qkv_dim, use_bias=config.attn_bias, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+        self.proj = nnx.Linear(
+            config.d_model, config.d_model, use_bias=config.attn_bias, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
         self.ffn = FeedForward(config, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(config.dropout, rngs=rngs)  # pitfall 3: active only in train mode
 
@@ -205,11 +241,7 @@ class Block(nnx.Module):
         if cache is not None:
             k, v, cache = cache.update(layer, k, v)  # [B, Hkv, S', Dh]: the cache, this chunk written in
         # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
-        # Written out: jax.nn.dot_product_attention takes its softmax in float32, even in a float64 run.
-        q = q.reshape(B, Hkv, H // Hkv, T, Dh)  # [B, Hkv, G, T, Dh]
-        scores = jnp.einsum("bkgtd,bksd->bkgts", q, k) / math.sqrt(Dh)  # [B, Hkv, G, T, S']
-        probs = jax.nn.softmax(jnp.where(mask[:, :, None], scores, -jnp.inf), axis=-1)  # [B, Hkv, G, T, S']
-        out = jnp.einsum("bkgts,bksd->bkgtd", probs, v).reshape(B, H, T, Dh)  # [B, H, T, Dh]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)  # [B, H, T, Dh]
         out = out.transpose(0, 2, 1, 3).reshape(B, T, D)  # [B, T, D]
         return self.proj(out), cache  # [B, T, D]
 
@@ -231,8 +263,9 @@ class TinyModel(nnx.Module):
         self.blocks = nnx.List([Block(config, dtype=dtype, rngs=rngs) for _ in range(config.n_layers)])
         self.ln = make_norm(config, dtype, rngs)
         if not config.tie_embeddings:
-            self.head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False,
-                                   dtype=dtype, param_dtype=dtype, rngs=rngs)
+            self.head = nnx.Linear(
+                config.d_model, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
+            )
 
     def __call__(self, tokens: jax.Array, cache: Optional[KVCache] = None, pad: Optional[jax.Array] = None):
         """tokens [B, T] -> logits [B, T, V]; pad [B]: each row's left padding (None: no row is padded)."""
@@ -280,16 +313,42 @@ def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits
 
 
+def probabilities(logits: jax.Array, generation: GenerationConfig) -> jax.Array:
+    """logits [..., V] -> what sampling draws from [..., V]: the temperature, top-k and top-p,
+    then softmax. In float64, so the ports' draws can differ only where their logits do."""
+    logits = logits.astype(jnp.float64) / generation.temperature  # [..., V]
+    shape = logits.shape
+    return jax.nn.softmax(
+        filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p), axis=-1
+    ).reshape(shape)
+
+
+def draw(probs: jax.Array, uniform: jax.Array) -> jax.Array:
+    """probs [B, V] (summing to any positive total), uniform [B] in [0, 1) -> tokens [B]: the
+    first token whose cumulative probability exceeds the uniform's share of the total."""
+    cumulative = jnp.cumsum(probs, axis=-1)  # [B, V]
+    # [B]: tokens whose interval ends at or below it
+    drawn = jnp.sum(cumulative <= uniform[:, None] * cumulative[:, -1:], axis=-1)
+    return jnp.minimum(drawn, probs.shape[-1] - 1).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, generation: GenerationConfig, uniform: jax.Array) -> jax.Array:
-    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: temperature, top-k, top-p, then the
-    first token whose cumulative probability exceeds the uniform. In float64, so the ports'
-    draws can differ only where their logits do."""
+    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: greedy at temperature 0, else a draw
+    from the filtered probabilities."""
     if generation.greedy:
         return greedy(logits)
-    logits = filter_logits(logits.astype(jnp.float64) / generation.temperature, generation.top_k, generation.top_p)
-    cumulative = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1)  # [B, V]
-    drawn = jnp.sum(cumulative <= uniform[:, None] * cumulative[:, -1:], axis=-1)  # [B]: tokens whose interval ends at or below the draw
-    return jnp.minimum(drawn, logits.shape[-1] - 1).astype(jnp.int32)
+    return draw(probabilities(logits, generation), uniform)
+
+
+def choose(
+    logits: jax.Array, generation: GenerationConfig, uniform: jax.Array, done: jax.Array, stops: jax.Array
+) -> Tuple[jax.Array, jax.Array]:
+    """Each row's next token [B] and whether it has stopped [B]: a stopped row stays stopped (PAD)."""
+    token = sample(logits, generation, uniform)  # [B]
+    if generation.stop_ids:  # without stop ids no row can stop: no bookkeeping
+        token = jnp.where(done, PAD, token)
+        done = done | jnp.isin(token, stops)
+    return token, done
 
 
 # on_token(token [B]) is called as each new token reaches the host (streaming, per-step timing).
@@ -313,19 +372,44 @@ def start_generation(prompt: jax.Array, generation: GenerationConfig):
 # costs more than a decode step. The split happens once per generation; the graphdef and the
 # state's tree structure are static (models of one config share them, and with them every
 # compiled program), the state's arrays a flat list that jit takes at C++ speed.
+class _Static:
+    """The graphdef and tree structure as one static argument. jit hashes its static arguments
+    at every call, and an nnx graphdef's hash costs ~0.3 ms, more than a decode step: this one
+    is hashed once, and interned, so every later lookup is an identity check."""
+
+    def __init__(self, graphdef, treedef):
+        self.graphdef, self.treedef, self.hash = graphdef, treedef, hash((graphdef, treedef))
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (
+            isinstance(other, _Static) and (self.graphdef, self.treedef) == (other.graphdef, other.treedef)
+        )
+
+
+_STATICS: dict = {}
+
+
 def _split(model: TinyModel):
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
-    return (graphdef, treedef), leaves
+    static = _Static(graphdef, treedef)
+    return _STATICS.setdefault(static, static), leaves
 
 
 def _merge(static, leaves) -> TinyModel:
-    graphdef, treedef = static
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    return nnx.merge(static.graphdef, jax.tree.unflatten(static.treedef, leaves))
 
 
-def generate_naive(model: TinyModel, prompt: jax.Array, generation: GenerationConfig, return_logits: bool = False,
-                   on_token: OnToken = None):
+def generate_naive(
+    model: TinyModel,
+    prompt: jax.Array,
+    generation: GenerationConfig,
+    return_logits: bool = False,
+    on_token: OnToken = None,
+):
     """Recompute the whole history every step: O(n^2) work per token.
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
@@ -347,21 +431,28 @@ def generate_naive(model: TinyModel, prompt: jax.Array, generation: GenerationCo
             step_logits.append(last)
         token, tokens, done = _choose(last, tokens, done, draws[:, step], stops, P + step, generation)  # [B]
         on_token(np.asarray(token))
-        if stops.size and bool(jnp.all(done)):
+        if generation.stop_ids and bool(jnp.all(done)):
             break  # every row has stopped
     return (tokens, jnp.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
 
-def generate_cached(model: TinyModel, prompt: jax.Array, generation: GenerationConfig, return_logits: bool = False,
-                    prefill: bool = True, on_token: OnToken = None):
+def generate_cached(
+    model: TinyModel,
+    prompt: jax.Array,
+    generation: GenerationConfig,
+    return_logits: bool = False,
+    prefill: bool = True,
+    on_token: OnToken = None,
+):
     """Prefill the prompt in one forward, then one token per step against the cache.
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     static, leaves = _split(model)
     pad, draws, stops, tokens = start_generation(prompt, generation)
     if on_token is None:
-        tokens, step_logits, steps = _cached_loop(static, leaves, prompt, tokens, pad, draws, stops, generation,
-                                                  return_logits, prefill)
+        tokens, step_logits, steps = _cached_loop(
+            static, leaves, prompt, tokens, pad, draws, stops, generation, return_logits, prefill
+        )
         return (tokens, step_logits[:, : int(steps)]) if return_logits else tokens  # [B, P + N], [B, steps, V]
     # Streaming needs each token on the host as it is made: the compiled loop's stepwise twin,
     # one compiled call (prefill, then decode steps) per step.
@@ -377,12 +468,13 @@ def generate_cached(model: TinyModel, prompt: jax.Array, generation: GenerationC
     for step in range(generation.max_new_tokens):
         if step > 0:
             # A stopped row feeds PAD as token 0: its outputs are never used.
-            logits, cache = _forward(static, leaves, jnp.maximum(token[:, None], 0), cache, pad)  # [B, 1, V]
+            # [B, 1, V]
+            logits, cache = _forward(static, leaves, jnp.maximum(tokens[:, P + step - 1 : P + step], 0), cache, pad)
         if return_logits:
             step_logits.append(logits[:, -1])
         token, tokens, done = _choose(logits[:, -1], tokens, done, draws[:, step], stops, P + step, generation)  # [B]
         on_token(np.asarray(token))
-        if stops.size and bool(jnp.all(done)):
+        if generation.stop_ids and bool(jnp.all(done)):
             break  # every row has stopped
     return (tokens, jnp.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
@@ -413,23 +505,38 @@ def _forward_last(static, leaves, tokens: jax.Array, pad: Optional[jax.Array], l
 
 
 @partial(jax.jit, static_argnames="generation")
-def _choose(logits: jax.Array, tokens: jax.Array, done: jax.Array, uniform: jax.Array, stops: jax.Array,
-            column: jax.Array, generation: GenerationConfig):
-    """One step's token [B] into tokens [B, P + N] at column; a stopped row stays stopped."""
-    token = jnp.where(done, PAD, sample(logits, generation, uniform))  # [B]
-    return token, lax.dynamic_update_index_in_dim(tokens, token, column, axis=1), done | jnp.isin(token, stops)
+def _choose(
+    logits: jax.Array,
+    tokens: jax.Array,
+    done: jax.Array,
+    uniform: jax.Array,
+    stops: jax.Array,
+    column: jax.Array,
+    generation: GenerationConfig,
+):
+    """choose, compiled, and the token [B] written into tokens [B, P + N] at column."""
+    token, done = choose(logits, generation, uniform, done, stops)  # [B], [B]
+    return token, lax.dynamic_update_index_in_dim(tokens, token, column, axis=1), done
 
 
 @partial(jax.jit, static_argnums=(0, 6, 7))
-def _naive_loop(static, leaves, tokens: jax.Array, pad: Optional[jax.Array], draws: jax.Array, stops: jax.Array,
-                generation: GenerationConfig, return_logits: bool):
+def _naive_loop(
+    static,
+    leaves,
+    tokens: jax.Array,
+    pad: Optional[jax.Array],
+    draws: jax.Array,
+    stops: jax.Array,
+    generation: GenerationConfig,
+    return_logits: bool,
+):
     # One fixed-shape buffer [B, P + N] is recomputed whole each step (causal masking keeps
     # the unfilled tail from reaching earlier positions), so one compile serves every step.
     model = _merge(static, leaves)
     N = generation.max_new_tokens
     B, P = tokens.shape[0], tokens.shape[1] - N
-    step_logits = jnp.zeros((B, N if return_logits else 0, model.config.vocab_size),
-                            dtype=model.emb.embedding.dtype)  # [B, N, V], carried only when asked for
+    # [B, N, V], carried only when asked for
+    step_logits = jnp.zeros((B, N if return_logits else 0, model.config.vocab_size), dtype=model.emb.embedding.dtype)
 
     def recompute(carry):
         step, tokens, step_logits, done = carry
@@ -446,8 +553,18 @@ def _naive_loop(static, leaves, tokens: jax.Array, pad: Optional[jax.Array], dra
 
 
 @partial(jax.jit, static_argnums=(0, 7, 8, 9))
-def _cached_loop(static, leaves, prompt: jax.Array, tokens: jax.Array, pad: Optional[jax.Array], draws: jax.Array,
-                 stops: jax.Array, generation: GenerationConfig, return_logits: bool, prefill: bool):
+def _cached_loop(
+    static,
+    leaves,
+    prompt: jax.Array,
+    tokens: jax.Array,
+    pad: Optional[jax.Array],
+    draws: jax.Array,
+    stops: jax.Array,
+    generation: GenerationConfig,
+    return_logits: bool,
+    prefill: bool,
+):
     model = _merge(static, leaves)
     B, P = prompt.shape
     N = generation.max_new_tokens

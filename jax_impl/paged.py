@@ -115,13 +115,15 @@ def paged_cache(
     )
 
 
-def choose(logits: jax.Array, samplers: Sequence[tuple[GenerationConfig, jax.Array]], uniform: jax.Array) -> jax.Array:
+def sample_rows(
+    logits: jax.Array, samplers: Sequence[tuple[GenerationConfig, jax.Array]], uniform: jax.Array
+) -> jax.Array:
     """Each row's next token [B] from logits [B, V]: greedy, unless its sampler says otherwise.
     Every sampler runs over the whole batch (each row's draw depends on that row only) and
     keeps its own rows: one call per setting, not per row."""
     tokens = greedy(logits)  # [B]
     for generation, rows in samplers:
-        tokens = _sample_rows(logits, tokens, rows, uniform, generation)  # [B]
+        tokens = _sample_group(logits, tokens, rows, uniform, generation)  # [B]
     return tokens
 
 
@@ -142,7 +144,7 @@ def paged_step(
     # Always an array, zeros included: one structure of inputs, so one compiled program per shape.
     pad = jnp.sum(tokens == PAD, axis=1, dtype=jnp.int32)  # [B]
     logits, pool = _paged_forward(*_split(model), pool, tokens, start, block_tables, pad)  # [B, V]
-    return choose(logits, samplers, uniform), pool  # [B]
+    return sample_rows(logits, samplers, uniform), pool  # [B]
 
 
 # What paged_step compiles: one program per (rows, T) shape; the pool is donated.
@@ -158,7 +160,7 @@ def _paged_forward(
 
 
 @partial(jax.jit, static_argnames="generation")
-def _sample_rows(
+def _sample_group(
     logits: jax.Array, tokens: jax.Array, rows: jax.Array, uniform: jax.Array, generation: GenerationConfig
 ) -> jax.Array:
     return jnp.where(rows, sample(logits, generation, uniform), tokens)  # [B]

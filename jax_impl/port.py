@@ -4,7 +4,8 @@ The same names in every port (the contract: docs/PORTS.md); only the framework c
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax
 import jax
@@ -13,16 +14,17 @@ import jaxlib
 import numpy as np
 from flax import nnx
 
-from kvports.shared.config import ModelConfig
-from kvports.shared.generation import GenerationConfig, as_generation
+from kvports.jax_impl import speculative
 from kvports.jax_impl.model import TinyModel, generate_cached, generate_naive, init_cache
 from kvports.jax_impl.model import prefill as prefill_step
+from kvports.shared.config import ModelConfig
+from kvports.shared.generation import GenerationConfig, as_generation
 
 NAME = "jax"
 JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64}
 
 
-def versions() -> Dict[str, str]:
+def versions() -> dict[str, str]:
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__}
 
 
@@ -36,12 +38,12 @@ def resolve_device(device: str) -> jax.Device:
     return jax.devices("cpu")[0]
 
 
-def _parameter_slots(model: TinyModel) -> Dict[str, Tuple[nnx.Variable, bool]]:
+def _parameter_slots(model: TinyModel) -> dict[str, tuple[nnx.Variable, bool]]:
     """Every torch state_dict name -> (the nnx parameter it fills, transpose?).
     nnx.Linear keeps its kernel (in, out), the transpose of torch's (out, in) weight;
     nnx.LayerNorm calls its weight `scale`."""
     config = model.config
-    slots: Dict[str, Tuple[nnx.Variable, bool]] = {"emb.weight": (model.emb.embedding, False)}
+    slots: dict[str, tuple[nnx.Variable, bool]] = {"emb.weight": (model.emb.embedding, False)}
     if config.positions == "learned":
         slots["pos.weight"] = (model.pos.embedding, False)
 
@@ -70,7 +72,10 @@ def _parameter_slots(model: TinyModel) -> Dict[str, Tuple[nnx.Variable, bool]]:
     return slots
 
 
-def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu") -> TinyModel:
+def load_model(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+) -> TinyModel:
+    config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     target = resolve_device(device)
     with jax.default_device(target):
         model = TinyModel(config, dtype=JAX_DTYPES[dtype], rngs=nnx.Rngs(0))  # every parameter is overwritten below
@@ -90,9 +95,15 @@ def _model_device(model: TinyModel) -> jax.Device:
     return next(iter(model.emb.embedding[...].devices()))
 
 
-def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, GenerationConfig], mode: str,
-             return_logits: bool = False, prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
-             ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+def generate(
+    model: TinyModel,
+    prompts: np.ndarray,
+    generation: int | GenerationConfig,
+    mode: str,
+    return_logits: bool = False,
+    prefill: bool = True,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
     """prompts [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N] (PAD after a row
     stops) and step logits [B, steps, V]; on_token(token [B]) as each token reaches the host.
     generation: a GenerationConfig, or a number of greedy tokens."""
@@ -107,6 +118,26 @@ def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, Gener
         return np.asarray(result, dtype=np.int64), None
     tokens, logits = result
     return np.asarray(tokens, dtype=np.int64), np.asarray(logits)  # [B, P + N], [B, N, V]
+
+
+def generate_speculative(
+    model: TinyModel,
+    draft: TinyModel | None,
+    prompts: np.ndarray,
+    generation: int | GenerationConfig,
+    draft_tokens: int,
+    ngram: int = 2,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, dict[str, int]]:
+    """The target's own tokens [B, P + N] from draft-and-verify rounds, and their counts. draft:
+    a model loaded with load_model (same vocabulary), or None for prompt lookup of n-grams."""
+    prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), _model_device(model))  # [B, P]
+    to_host = None if on_token is None else (lambda token: on_token(token.astype(np.int64)))
+    with jax.default_device(_model_device(model)):
+        tokens, counts = speculative.generate_speculative(
+            model, draft, prompt, as_generation(generation), draft_tokens, ngram, to_host
+        )
+    return np.asarray(tokens, dtype=np.int64), counts  # [B, P + N]
 
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
@@ -134,7 +165,7 @@ def synchronize(model: TinyModel) -> None:
     jax.block_until_ready(jax.live_arrays(_model_device(model).platform))
 
 
-def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> List[float]:
+def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> list[float]:
     """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
     call (which also compiles): the matrix's bytes over this time is the streaming bandwidth
     a roofline divides by."""
@@ -156,29 +187,42 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> L
 # and one step of the running batch over it (jax_impl/paged.py; docs/BATCHING.md).
 
 
-def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int):
-    """The pool [L, num_blocks, Hkv, block_size, Dh] of keys and of values. max_batch and max_blocks
-    (per sequence) fix the compiled step's shapes."""
-    from kvports.jax_impl.paged import init_block_pool as init_pool
+def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> Any:
+    """The pool of keys and of values, [L, num_blocks, block_size, Hkv, Dh] each. max_batch and
+    max_blocks (per sequence) fix the compiled step's shapes."""
+    from kvports.jax_impl import paged
 
     with jax.default_device(_model_device(model)):
-        return init_pool(model.config, num_blocks, block_size, model.emb.embedding.dtype, max_batch, max_blocks)
+        dtype = model.emb.embedding.dtype
+        return paged.init_block_pool(model.config, num_blocks, block_size, dtype, max_batch, max_blocks)
 
 
-def paged_step(model: TinyModel, pool, tokens: np.ndarray, start: np.ndarray, block_tables: np.ndarray,
-               samplers: Sequence[Tuple[GenerationConfig, np.ndarray]], uniform: np.ndarray) -> Tuple[np.ndarray, object]:
+def paged_step(
+    model: TinyModel,
+    pool: Any,
+    tokens: np.ndarray,
+    start: np.ndarray,
+    block_tables: np.ndarray,
+    samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
+    uniform: np.ndarray,
+) -> tuple[np.ndarray, Any]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
     `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), samplers: each
     sampling setting with its rows [B] bool, uniform [B]: each row's draw. The next token of every
     row [B], and the pool to pass to the next step (the one passed in is donated)."""
-    from kvports.jax_impl.paged import paged_step as step
-    from kvports.jax_impl.paged import static_shapes
+    from kvports.jax_impl import paged
 
     B = tokens.shape[0]
-    tokens, start, block_tables, samplers, uniform = static_shapes(pool.max_batch, pool.max_blocks, tokens, start,
-                                                                   block_tables, samplers, uniform)
+    tokens, start, block_tables, samplers, uniform = paged.static_shapes(
+        pool.max_batch, pool.max_blocks, tokens, start, block_tables, samplers, uniform
+    )
     device = _model_device(model)
-    as_array = lambda array: jax.device_put(np.asarray(array, dtype=np.int32 if array.dtype.kind == "i" else None), device)
-    next_tokens, pool = step(model, pool, as_array(tokens), as_array(start), as_array(block_tables),
-                             [(generation, as_array(rows)) for generation, rows in samplers], as_array(uniform))
-    return np.asarray(next_tokens, dtype=np.int64)[:B], pool  # [B]: sliced on the host, or each batch size compiles a slice
+
+    def on_device(array: np.ndarray) -> jax.Array:
+        return jax.device_put(np.asarray(array, dtype=np.int32 if array.dtype.kind == "i" else None), device)
+
+    rows = [(generation, on_device(in_group)) for generation, in_group in samplers]
+    next_tokens, pool = paged.paged_step(
+        model, pool, on_device(tokens), on_device(start), on_device(block_tables), rows, on_device(uniform)
+    )
+    return np.asarray(next_tokens, dtype=np.int64)[:B], pool  # [B]: sliced on the host, or each size compiles a slice

@@ -19,8 +19,7 @@ import numpy as np
 
 import kvports.numpy_impl.functional as F
 import kvports.numpy_impl.nn as nn
-from kvports.shared.config import ModelConfig
-from kvports.shared.config import cache_slots
+from kvports.shared.config import ModelConfig, cache_slots
 from kvports.shared.generation import PAD, GenerationConfig, uniforms
 
 
@@ -39,8 +38,13 @@ class KVCache:
         slots = self.keys.shape[3]
         return self.window is None or slots < self.window or T <= slots - self.window + 1
 
-    def slot_index(self, T: int) -> np.ndarray:
-        return np.arange(self.length, self.length + T) % self.keys.shape[3]  # [T]: slot = column mod S
+    def slot_index(self, column: int, count: int):
+        """The slots of columns [column, column + count), slot = column mod S: a slice while they do
+        not wrap around a ring, so writes and reads are views rather than gathers."""
+        slots = self.keys.shape[3]
+        if column % slots + count <= slots:
+            return slice(column % slots, column % slots + count)
+        return np.arange(column, column + count) % slots  # [count]
 
     def mask(self, positions: np.ndarray, padded: bool) -> Optional[np.ndarray]:
         """Which keys each of this chunk's queries sees: [B, 1, T, S'], or None when all of them do."""
@@ -48,42 +52,54 @@ class KVCache:
         slots = self.keys.shape[3]
         if not self.writes_first(T):
             filled = min(self.length, slots)
-            key_positions = np.concatenate([self.slot_positions[:, :filled], np.broadcast_to(positions, (self.slot_positions.shape[0], T))], axis=1)
+            key_positions = np.concatenate(
+                [self.slot_positions[:, :filled], np.broadcast_to(positions, (self.slot_positions.shape[0], T))], axis=1
+            )
             return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
         filled = min(self.length + T, slots)
         if T == 1 and not padded and (self.window is None or filled <= self.window):
             return None  # one new token over the slots filled so far: every one is visible
         key_positions = self.slot_positions.copy()  # [B, S]: as this chunk's write leaves them
-        key_positions[:, self.slot_index(T)] = positions
+        key_positions[:, self.slot_index(self.length, T)] = positions
         return attention_mask(positions, key_positions[:, :filled], self.window)  # [B, 1, T, S']
 
     def update(self, layer: int, k: np.ndarray, v: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """Write this chunk's k and v at their slots; the keys and values to attend over."""
         T, slots = k.shape[2], self.keys.shape[3]
-        slot_index = self.slot_index(T)  # [T]
         if self.writes_first(T):
-            self.keys[layer][:, :, slot_index] = k
-            self.values[layer][:, :, slot_index] = v
+            index = self.slot_index(self.length, T)
+            self.keys[layer][:, :, index] = k
+            self.values[layer][:, :, index] = v
             filled = min(self.length + T, slots)  # a shape that grows is free in eager mode
             return self.keys[layer, :, :, :filled], self.values[layer, :, :, :filled]  # [B, Hkv, S', Dh] views
         filled, keep = min(self.length, slots), min(T, slots)  # a chunk wider than the ring keeps its newest
         keys = np.concatenate([self.keys[layer, :, :, :filled], k], axis=2)  # [B, Hkv, S', Dh]
         values = np.concatenate([self.values[layer, :, :, :filled], v], axis=2)  # [B, Hkv, S', Dh]
-        self.keys[layer][:, :, slot_index[-keep:]] = k[:, :, -keep:]
-        self.values[layer][:, :, slot_index[-keep:]] = v[:, :, -keep:]
+        index = self.slot_index(self.length + T - keep, keep)
+        self.keys[layer][:, :, index] = k[:, :, -keep:]
+        self.values[layer][:, :, index] = v[:, :, -keep:]
         return keys, values
 
     def advance(self, positions: np.ndarray) -> KVCache:
         # After every layer has read the old slot positions: they change once per forward.
         T, slots = positions.shape[1], self.keys.shape[3]
         keep = min(T, slots)
-        self.slot_positions[:, self.slot_index(T)[-keep:]] = positions[:, -keep:]
+        self.slot_positions[:, self.slot_index(self.length + T - keep, keep)] = positions[:, -keep:]
         self.length += T
         return self
 
+    def crop(self, length: int) -> KVCache:
+        """Take back every column from `length` on (rejected speculative tokens): their slots read
+        as empty again, as if never written. A ring sized with spare slots lost nothing still needed."""
+        slots = self.keys.shape[3]
+        newest = self.length - 1 - (self.length - 1 - np.arange(slots)) % slots  # [S]: the last column each slot took
+        self.slot_positions[:, newest >= length] = -1
+        self.length = length
+        return self
 
-def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: np.dtype) -> KVCache:
-    slots = cache_slots(config, total_len)
+
+def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: np.dtype, chunk: int = 1) -> KVCache:
+    slots = cache_slots(config, total_len, chunk)
     shape = (config.n_layers, batch, config.kv_heads, slots, config.head_dim)
     return KVCache(
         keys=np.zeros(shape, dtype=dtype),
@@ -100,7 +116,8 @@ def token_positions(start: int, length: int, pad: Optional[np.ndarray]) -> np.nd
     positions = start + np.arange(length, dtype=np.int64)[None, :]  # [1, T]; [B, T] where start is per row, [B, 1]
     if pad is None:
         return positions
-    return np.maximum(positions - pad[:, None], -1)  # [B, T]: a left-padded row counts from its first token; -1 on padding
+    # [B, T]: a left-padded row counts from its first token; -1 on padding
+    return np.maximum(positions - pad[:, None], -1)
 
 
 def attention_mask(query_positions: np.ndarray, key_positions: np.ndarray, window: Optional[int]) -> np.ndarray:
@@ -135,7 +152,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         # NumPy has no rsqrt.
-        return x * (1.0 / np.sqrt((x ** 2).mean(-1, keepdims=True) + self.eps)) * self.weight  # [B, T, D]
+        return x * (1.0 / np.sqrt((x**2).mean(-1, keepdims=True) + self.eps)) * self.weight  # [B, T, D]
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -254,16 +271,42 @@ def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     return logits
 
 
+def probabilities(logits: np.ndarray, generation: GenerationConfig) -> np.ndarray:
+    """logits [..., V] -> what sampling draws from [..., V]: the temperature, top-k and top-p,
+    then softmax. In float64, so the ports' draws can differ only where their logits do."""
+    logits = logits.astype(np.float64) / generation.temperature  # [..., V]
+    shape = logits.shape
+    return F.softmax(filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p), axis=-1).reshape(
+        shape
+    )
+
+
+def draw(probs: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+    """probs [B, V] (summing to any positive total), uniform [B] in [0, 1) -> tokens [B]: the
+    first token whose cumulative probability exceeds the uniform's share of the total."""
+    cumulative = probs.cumsum(axis=-1)  # [B, V]
+    # [B]: tokens whose interval ends at or below it
+    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(axis=-1)
+    return np.minimum(drawn, probs.shape[-1] - 1)
+
+
 def sample(logits: np.ndarray, generation: GenerationConfig, uniform: np.ndarray) -> np.ndarray:
-    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: temperature, top-k, top-p, then the
-    first token whose cumulative probability exceeds the uniform. In float64, so the ports'
-    draws can differ only where their logits do."""
+    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: greedy at temperature 0, else a draw
+    from the filtered probabilities."""
     if generation.greedy:
         return greedy(logits)
-    logits = filter_logits(logits.astype(np.float64) / generation.temperature, generation.top_k, generation.top_p)
-    cumulative = F.softmax(logits, axis=-1).cumsum(axis=-1)  # [B, V]
-    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(axis=-1)  # [B]: tokens whose interval ends at or below the draw
-    return np.minimum(drawn, logits.shape[-1] - 1)
+    return draw(probabilities(logits, generation), uniform)
+
+
+def choose(
+    logits: np.ndarray, generation: GenerationConfig, uniform: np.ndarray, done: np.ndarray, stops: np.ndarray
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Each row's next token [B] and whether it has stopped [B]: a stopped row stays stopped (PAD)."""
+    token = sample(logits, generation, uniform)  # [B]
+    if generation.stop_ids:  # without stop ids no row can stop: no bookkeeping
+        token = np.where(done, PAD, token)
+        done = done | np.isin(token, stops)
+    return token, done
 
 
 # on_token(token [B]) is called as each new token is made (streaming, per-step timing).
@@ -284,8 +327,13 @@ def start_generation(prompt: np.ndarray, generation: GenerationConfig):
 
 
 # No inference_mode decorator: NumPy records no autograd graph to switch off.
-def generate_naive(model: TinyModel, prompt: np.ndarray, generation: GenerationConfig, return_logits: bool = False,
-                   on_token: OnToken = None):
+def generate_naive(
+    model: TinyModel,
+    prompt: np.ndarray,
+    generation: GenerationConfig,
+    return_logits: bool = False,
+    on_token: OnToken = None,
+):
     """Recompute the whole history every step: O(n^2) work per token.
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
@@ -297,18 +345,23 @@ def generate_naive(model: TinyModel, prompt: np.ndarray, generation: GenerationC
         logits, _ = model(np.maximum(tokens[:, : P + step], 0), pad=pad)  # [B, P + step, V]: the whole history again
         if return_logits:
             step_logits.append(logits[:, -1])
-        token = np.where(done, PAD, sample(logits[:, -1], generation, draws[:, step]))  # [B]; a stopped row stays stopped
+        token, done = choose(logits[:, -1], generation, draws[:, step], done, stops)  # [B], [B]
         tokens[:, P + step] = token
         if on_token is not None:
             on_token(token)
-        done |= np.isin(token, stops)
-        if stops.size and done.all():
+        if generation.stop_ids and done.all():
             break  # every row has stopped
     return (tokens, np.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
 
-def generate_cached(model: TinyModel, prompt: np.ndarray, generation: GenerationConfig, return_logits: bool = False,
-                    prefill: bool = True, on_token: OnToken = None):
+def generate_cached(
+    model: TinyModel,
+    prompt: np.ndarray,
+    generation: GenerationConfig,
+    return_logits: bool = False,
+    prefill: bool = True,
+    on_token: OnToken = None,
+):
     """Prefill the prompt in one forward, then one token per step against the cache.
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
@@ -328,12 +381,11 @@ def generate_cached(model: TinyModel, prompt: np.ndarray, generation: Generation
             logits, cache = model(np.maximum(tokens[:, P + step - 1 : P + step], 0), cache, pad)  # [B, 1, V]
         if return_logits:
             step_logits.append(logits[:, -1])
-        token = np.where(done, PAD, sample(logits[:, -1], generation, draws[:, step]))  # [B]; a stopped row stays stopped
+        token, done = choose(logits[:, -1], generation, draws[:, step], done, stops)  # [B], [B]
         tokens[:, P + step] = token
         if on_token is not None:
             on_token(token)
-        done |= np.isin(token, stops)
-        if stops.size and done.all():
+        if generation.stop_ids and done.all():
             break  # every row has stopped
     return (tokens, np.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 

@@ -111,7 +111,7 @@ def paged_cache(
     )
 
 
-def choose(
+def sample_rows(
     logits: np.ndarray, samplers: Sequence[tuple[GenerationConfig, np.ndarray]], uniform: np.ndarray
 ) -> np.ndarray:
     """Each row's next token [B] from logits [B, V]: greedy, unless its sampler says otherwise.
@@ -142,6 +142,5 @@ def paged_step(
     pad = pad if pad.any() else None  # decode steps and equal-length prefills skip the padding arithmetic
     cache = paged_cache(pool, block_tables, start, pad, T, model.config.sliding_window)
     logits, _ = model(np.maximum(tokens, 0), cache, pad)  # [B, T, V]
-    return choose(
-        logits[:, -1], samplers, uniform
-    ), pool  # [B]: left padding puts every row's last token in column T - 1
+    # Left padding puts every row's last token in column T - 1: its logits choose the next token [B].
+    return sample_rows(logits[:, -1], samplers, uniform), pool

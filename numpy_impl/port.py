@@ -4,19 +4,21 @@ The same names in every port (the contract: docs/PORTS.md); only the framework c
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from kvports.numpy_impl import speculative
+from kvports.numpy_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, as_generation
-from kvports.numpy_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
 
 NAME = "numpy"
 NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
-def versions() -> Dict[str, str]:
+def versions() -> dict[str, str]:
     return {"numpy": np.__version__}
 
 
@@ -26,16 +28,25 @@ def resolve_device(device: str) -> str:
     return "cpu"
 
 
-def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu") -> TinyModel:
+def load_model(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+) -> TinyModel:
+    config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     resolve_device(device)
     model = TinyModel(config)  # placeholder weights: every tensor comes from the file
     model.load_state_dict(tensors)
     return model.to(NUMPY_DTYPES[dtype]).eval()
 
 
-def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, GenerationConfig], mode: str,
-             return_logits: bool = False, prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
-             ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+def generate(
+    model: TinyModel,
+    prompts: np.ndarray,
+    generation: int | GenerationConfig,
+    mode: str,
+    return_logits: bool = False,
+    prefill: bool = True,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
     """prompts [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N] (PAD after a row
     stops) and step logits [B, steps, V]; on_token(token [B]) as each token is made.
     generation: a GenerationConfig, or a number of greedy tokens."""
@@ -49,6 +60,24 @@ def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, Gener
         return result, None
     tokens, logits = result
     return tokens, logits  # [B, P + N], [B, N, V]
+
+
+def generate_speculative(
+    model: TinyModel,
+    draft: TinyModel | None,
+    prompts: np.ndarray,
+    generation: int | GenerationConfig,
+    draft_tokens: int,
+    ngram: int = 2,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, dict[str, int]]:
+    """The target's own tokens [B, P + N] from draft-and-verify rounds, and their counts. draft:
+    a model loaded with load_model (same vocabulary), or None for prompt lookup of n-grams."""
+    prompt = np.asarray(prompts, dtype=np.int64)  # [B, P]
+    to_host = None if on_token is None else (lambda token: on_token(token.copy()))  # a copy: the caller may keep it
+    return speculative.generate_speculative(
+        model, draft, prompt, as_generation(generation), draft_tokens, ngram, to_host
+    )
 
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
@@ -68,7 +97,7 @@ def synchronize(model: TinyModel) -> None:
     pass  # NumPy returns only when the work is done: nothing to wait for
 
 
-def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> List[float]:
+def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> list[float]:
     """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
     call (page faults, thread start-up): the matrix's bytes over this time is the streaming
     bandwidth a roofline divides by."""
@@ -92,23 +121,31 @@ def clear_compiled() -> None:
 # and one step of the running batch over it (numpy_impl/paged.py; docs/BATCHING.md).
 
 
-def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int):
-    """The pool [L, num_blocks, Hkv, block_size, Dh] of keys and of values. max_batch and max_blocks
-    (per sequence) fix JAX's step shapes; eager steps take the shapes each step has."""
-    from kvports.numpy_impl.paged import init_block_pool as init_pool
+def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> Any:
+    """The pool of keys and of values, [L, num_blocks, block_size, Hkv, Dh] each. max_batch and
+    max_blocks (per sequence) fix JAX's step shapes; eager steps take the shapes each step has."""
+    from kvports.numpy_impl import paged
 
-    return init_pool(model.config, num_blocks, block_size, model.emb.weight.dtype)
+    return paged.init_block_pool(model.config, num_blocks, block_size, model.emb.weight.dtype)
 
 
-def paged_step(model: TinyModel, pool, tokens: np.ndarray, start: np.ndarray, block_tables: np.ndarray,
-               samplers: Sequence[Tuple[GenerationConfig, np.ndarray]], uniform: np.ndarray) -> Tuple[np.ndarray, object]:
+def paged_step(
+    model: TinyModel,
+    pool: Any,
+    tokens: np.ndarray,
+    start: np.ndarray,
+    block_tables: np.ndarray,
+    samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
+    uniform: np.ndarray,
+) -> tuple[np.ndarray, Any]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
     `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), samplers: each
     sampling setting with its rows [B] bool, uniform [B]: each row's draw. The next token of every
     row [B], and the pool to pass to the next step."""
-    from kvports.numpy_impl.paged import paged_step as step
+    from kvports.numpy_impl import paged
 
-    as_array = lambda array: np.asarray(array)
-    next_tokens, pool = step(model, pool, as_array(tokens), as_array(start), as_array(block_tables),
-                             [(generation, as_array(rows)) for generation, rows in samplers], as_array(uniform))
+    rows = [(generation, np.asarray(in_group)) for generation, in_group in samplers]
+    next_tokens, pool = paged.paged_step(
+        model, pool, np.asarray(tokens), np.asarray(start), np.asarray(block_tables), rows, np.asarray(uniform)
+    )
     return next_tokens, pool  # [B]

@@ -10,15 +10,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-from kvports.shared.errors import UserError
+import numpy as np
+
+from kvports.shared.errors import UserError, echo
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 DTYPES = ("float32", "float64")
+# Every size and count (vocab, widths, heads, layers, positions; a run's batch, prompt and new
+# tokens) is at most this: JAX computes token ids, positions and cache slots in int32, and
+# 2**30 leaves room for the sums (a position plus a chunk) to stay in range.
+MAX_SIZE = 2**30
+# A window needs no such bound to be computed right (the ports attend with
+# `ModelConfig.for_compute`'s, at most max_seq_len); this one keeps it an int64, as every
+# framework and Hugging Face's config store it.
+MAX_WINDOW = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -28,9 +39,9 @@ class ModelConfig:
     n_heads: int = 4
     n_layers: int = 2
     max_seq_len: int = 512
-    n_kv_heads: Optional[int] = None  # None: = n_heads (MHA); 1: MQA; between: GQA
+    n_kv_heads: int | None = None  # None: = n_heads (MHA); 1: MQA; between: GQA
     activation: str = "gelu"  # exact erf GELU, as the seed's nn.GELU()
-    ffn_hidden: Optional[int] = None  # None: 4 * d_model
+    ffn_hidden: int | None = None  # None: 4 * d_model
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     positions: str = "learned"
@@ -38,8 +49,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     attn_bias: bool = True  # bias on qkv and proj
     ffn_bias: bool = True
-    sliding_window: Optional[int] = None  # None: full causal attention
+    sliding_window: int | None = None  # None: full causal attention
     dropout: float = 0.0  # training-only; generation always runs in eval mode
+    eos_token_ids: tuple[int, ...] = ()  # where generation stops by default (a converted checkpoint's eos_token_id)
 
     # Derived sizes, so no port recomputes them its own way.
     @property
@@ -66,69 +78,110 @@ class ModelConfig:
             return "gpt2" if self.activation == "gelu_tanh" and self.tie_embeddings else "seed-gpt"
         return "mistral" if self.sliding_window is not None else "llama"
 
-    def validate(self) -> "ModelConfig":
-        def positive_int(name: str, value: Any) -> None:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UserError(f"config field {name}={value!r} must be an integer >= 1")
+    def validate(self) -> ModelConfig:
+        def size(name: str, value: Any, high: int = MAX_SIZE) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+                raise UserError(f"config field {name}={echo(value)} must be an integer in [1, {high}]")
 
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len"):
-            positive_int(name, getattr(self, name))
+            size(name, getattr(self, name))
         if self.d_model % self.n_heads:
             raise UserError(f"config d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.n_kv_heads is not None:
-            positive_int("n_kv_heads", self.n_kv_heads)
+            size("n_kv_heads", self.n_kv_heads)
             if self.n_heads % self.n_kv_heads:
                 raise UserError(f"config n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.ffn_hidden is not None:
-            positive_int("ffn_hidden", self.ffn_hidden)
+            size("ffn_hidden", self.ffn_hidden)
         if self.sliding_window is not None:
-            positive_int("sliding_window", self.sliding_window)
+            size("sliding_window", self.sliding_window, MAX_WINDOW)
         for name, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("positions", POSITIONS)):
             if getattr(self, name) not in allowed:
-                raise UserError(f"config {name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+                raise UserError(f"config {name}={echo(getattr(self, name))} is not one of {', '.join(allowed)}")
         if self.positions == "rope" and self.head_dim % 2:
             raise UserError(f"config head_dim={self.head_dim} must be even for rope positions")
         for name in ("norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise UserError(f"config field {name}={value!r} must be a number > 0")
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"config field dropout={self.dropout!r} must be in [0, 1)")
+            # JSON's 1e999 is inf: a model with an infinite epsilon outputs token 0 forever.
+            if not is_number(value) or not math.isfinite(value) or not value > 0:
+                raise UserError(f"config field {name}={echo(value)} must be a finite number > 0")
+        if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"config field dropout={echo(self.dropout)} must be in [0, 1)")
         for name in ("tie_embeddings", "attn_bias", "ffn_bias"):
             if not isinstance(getattr(self, name), bool):
-                raise UserError(f"config field {name}={getattr(self, name)!r} must be true or false")
+                raise UserError(f"config field {name}={echo(getattr(self, name))} must be true or false")
+        if not isinstance(self.eos_token_ids, tuple):
+            raise UserError(f"config field eos_token_ids={echo(self.eos_token_ids)} must be a list of token ids")
+        for token in self.eos_token_ids:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
+                raise UserError(
+                    f"config field eos_token_ids has {echo(token)}, not a token id in [0, {self.vocab_size})"
+                )
         return self
+
+    def validate_at(self, dtype: str) -> ModelConfig:
+        """The floats a port computes with stay finite and positive in `dtype`: an epsilon of
+        1e300 is finite, but inf in float32, and every token would come out 0."""
+        with np.errstate(over="ignore", under="ignore"):  # the overflow is the finding, not a warning
+            eps = np.asarray(self.norm_eps, dtype=dtype)
+        if not (np.isfinite(eps) and eps > 0):
+            raise UserError(
+                f"config field norm_eps={echo(self.norm_eps)} is not a finite number > 0 in {dtype}, the compute dtype"
+            )
+        return self
+
+    def for_compute(self) -> ModelConfig:
+        """The config a port builds its model from: the same model, with a sliding window no
+        wider than max_seq_len. A window at least that wide hides nothing (no two positions of
+        a run are max_seq_len apart), and JAX's int32 mask arithmetic (query - window) wraps
+        for a window past 2**31: narrowed, it is computed right in every port."""
+        if self.sliding_window is None or self.sliding_window <= self.max_seq_len:
+            return self
+        return dataclasses.replace(self, sliding_window=self.max_seq_len)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelConfig":
+    def from_json(cls, text: str) -> ModelConfig:
         try:
             data = json.loads(text)
+        except RecursionError:
+            raise UserError("config metadata is not valid JSON (nested too deeply)") from None
         except (TypeError, ValueError) as exc:
             raise UserError(f"config metadata is not valid JSON ({exc})") from None
         return cls.from_dict(data)
 
     @classmethod
-    def from_dict(cls, data: Any) -> "ModelConfig":
+    def from_dict(cls, data: Any) -> ModelConfig:
         if not isinstance(data, dict):
             raise UserError(f"config metadata must be a JSON object, got {type(data).__name__}")
         known = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise UserError(f"config metadata has unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+            raise UserError(f"config metadata has unknown field {echo(unknown[0])} (known: {', '.join(sorted(known))})")
+        if isinstance(data.get("eos_token_ids"), list):  # JSON has lists, the frozen config tuples
+            data = {**data, "eos_token_ids": tuple(data["eos_token_ids"])}
         # Absent fields take the seed's values, so older files stay valid.
         return cls(**data).validate()
 
 
-def cache_slots(config: ModelConfig, total_len: int) -> int:
-    """How many positions the KV cache holds: all of them, or a ring of `sliding_window`."""
+def is_number(value: Any) -> bool:
+    """An int or a float, not a bool (JSON's true is no number)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def cache_slots(config: ModelConfig, total_len: int, chunk: int = 1) -> int:
+    """How many positions the KV cache holds: all of them, or a ring for the sliding window.
+    chunk: the widest chunk written before it is attended and then partly taken back
+    (speculative verification: K + 1). The ring keeps chunk - 1 spare slots, so a write
+    never destroys a key the window still needs, even one later taken back."""
     if config.sliding_window is not None:
-        return min(config.sliding_window, total_len)
+        return min(config.sliding_window + chunk - 1, total_len)
     return total_len
 
 
-def kv_cache_bytes(config: ModelConfig, batch: int, total_len: int, itemsize: int) -> int:
+def kv_cache_bytes(config: ModelConfig, batch: int, total_len: int, itemsize: int, chunk: int = 1) -> int:
     """Bytes of the k and v buffers (the slot-position vector is negligible and not counted)."""
-    return 2 * config.n_layers * batch * config.kv_heads * cache_slots(config, total_len) * config.head_dim * itemsize
+    slots = cache_slots(config, total_len, chunk)
+    return 2 * config.n_layers * batch * config.kv_heads * slots * config.head_dim * itemsize

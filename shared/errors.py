@@ -1,5 +1,34 @@
-"""The one exception type that means "the user gave us something wrong"."""
+"""The one exception type that means "the user gave us something wrong", and how a message
+shows the value it refuses."""
+
+from __future__ import annotations
+
+MAX_ECHO = 60  # characters of a refused value a message repeats
+MAX_PATH_ECHO = 300  # characters of a path: the user's own, and worth showing whole
+MAX_MESSAGE = 1000  # characters of a whole message: an echo of a caught exception could be any length
 
 
 class UserError(ValueError):
-    """A bad input. The command line prints it as one `error: ...` line and exits 2."""
+    """A bad input. The command line prints it as one `error: ...` line and exits 2: the
+    message is made one line (a caught library error may hold newlines) and bounded."""
+
+    def __init__(self, message: str):
+        line = " ".join(str(message).split())
+        super().__init__(line if len(line) <= MAX_MESSAGE else line[: MAX_MESSAGE - 3] + "...")
+
+
+def echo(value: object, limit: int = MAX_ECHO) -> str:
+    """repr(value), shortened: a 5000-digit id or a megabyte of JSON is named, not printed."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**limit:
+        # repr of a huge int is slow (and refused past 4300 digits): say how long it is instead.
+        return f"<an integer of about {value.bit_length() * 3 // 10 + 1} digits>"
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 3]}... ({len(text)} characters)"
+
+
+def echo_path(path: object) -> str:
+    """A path as a message shows it: quoted (a newline in it stays escaped), shortened only
+    when very long."""
+    return echo(str(path), MAX_PATH_ECHO)

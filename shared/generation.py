@@ -11,8 +11,8 @@ the first token whose cumulative probability passes the uniform).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -29,7 +29,7 @@ class GenerationConfig:
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # 1: no nucleus filter
     seed: int = 0
-    stop_ids: Tuple[int, ...] = ()  # a row ends after it emits any of these (kept as its last token)
+    stop_ids: tuple[int, ...] = ()  # a row ends after it emits any of these (kept as its last token)
 
     @property
     def greedy(self) -> bool:
@@ -38,8 +38,12 @@ class GenerationConfig:
     def validate(self, vocab_size: int) -> GenerationConfig:
         """The same one-line errors for every port, before any framework code runs."""
         check_int("new tokens", self.max_new_tokens, 1)
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
+        if (
+            not isinstance(self.temperature, (int, float))
+            or isinstance(self.temperature, bool)
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise UserError(f"temperature {self.temperature!r} must be a finite number >= 0 (0 means greedy)")
         check_int("top-k", self.top_k, 0)
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
@@ -50,7 +54,7 @@ class GenerationConfig:
         return self
 
 
-def check_int(name: str, value: object, low: int, high: Optional[int] = None) -> int:
+def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
         raise UserError(f"{name} {value!r} is not an integer")
     if value < low or (high is not None and value > high):
@@ -59,7 +63,7 @@ def check_int(name: str, value: object, low: int, high: Optional[int] = None) ->
     return int(value)
 
 
-def as_generation(generation: Union[int, GenerationConfig]) -> GenerationConfig:
+def as_generation(generation: int | GenerationConfig) -> GenerationConfig:
     """An int means that many greedy tokens with no stop tokens: the common case in tests and timings."""
     if isinstance(generation, GenerationConfig):
         return generation
@@ -69,28 +73,39 @@ def as_generation(generation: Union[int, GenerationConfig]) -> GenerationConfig:
 def uniforms(seed: int, batch: int, steps: int) -> np.ndarray:
     """The draws of a sampled generation, [B, N] float64 in [0, 1): row b's stream is Philox
     keyed by (seed, b), one number per step, so a row's draws depend on nothing else."""
-    rows = [np.random.Generator(np.random.Philox(key=np.array([seed, row], dtype=np.uint64))).random(steps)
-            for row in range(batch)]
+    rows = [
+        np.random.Generator(np.random.Philox(key=np.array([seed, row], dtype=np.uint64))).random(steps)
+        for row in range(batch)
+    ]
     return np.stack(rows) if rows else np.zeros((0, steps))  # [B, N]
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
+def speculative_uniforms(seed: int, batch: int, steps: int, draft_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The draws of speculative sampling from the same per-row streams: one for the token after
+    the prompt [B], then 2K + 1 per round [B, N, 2K + 1] (K for the draft's proposals, K to
+    accept them, one for the token after them), whether or not a round uses them all."""
+    width = 2 * draft_tokens + 1
+    draws = uniforms(seed, batch, 1 + steps * width)  # [B, 1 + N (2K + 1)]
+    return draws[:, 0], draws[:, 1:].reshape(batch, steps, width)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Prompts of different lengths as one left-padded batch [B, P] (PAD where a row is
     shorter) and each row's padding [B]: every row's last prompt token sits in column P - 1,
     so one decode step serves them all."""
     P = max(len(prompt) for prompt in prompts)
     tokens = np.full((len(prompts), P), PAD, dtype=np.int64)  # [B, P]
     for row, prompt in enumerate(prompts):
-        tokens[row, P - len(prompt):] = prompt
+        tokens[row, P - len(prompt) :] = prompt
     return tokens, (tokens == PAD).sum(axis=1).astype(np.int64)  # [B, P], [B]
 
 
-def row_tokens(tokens: np.ndarray) -> List[List[int]]:
+def row_tokens(tokens: np.ndarray) -> list[list[int]]:
     """Each row's prompt and generated tokens, padding dropped: rows of different lengths."""
     return [[int(token) for token in row if token != PAD] for row in np.asarray(tokens)]
 
 
-def finish_reasons(tokens: np.ndarray, prompt_len: int, stop_ids: Sequence[int]) -> List[str]:
+def finish_reasons(tokens: np.ndarray, prompt_len: int, stop_ids: Sequence[int]) -> list[str]:
     """'stop' for a row whose last generated token is a stop id, else 'length'."""
     reasons = []
     for row in np.asarray(tokens)[:, prompt_len:]:

@@ -4,8 +4,9 @@ the others and reports the missing one as unavailable."""
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
-from typing import Dict, Optional
+from typing import cast
+
+from kvports.shared.contract import Port
 
 PORTS = ("torch", "jax", "numpy")
 REFERENCE = "torch"
@@ -19,21 +20,22 @@ class PortUnavailable(RuntimeError):
         self.reason = reason
 
 
-_loaded: Dict[str, ModuleType] = {}
+_loaded: dict[str, Port] = {}
 
 
-def load_port(name: str) -> ModuleType:
+def load_port(name: str) -> Port:
+    """The port's module, which tests/test_contract.py checks against `Port`."""
     if name not in MODULES:
         raise PortUnavailable(name, f"known frameworks: {', '.join(PORTS)}")
     if name not in _loaded:
         try:
-            _loaded[name] = importlib.import_module(MODULES[name])
+            _loaded[name] = cast(Port, importlib.import_module(MODULES[name]))
         except ImportError as exc:
             raise PortUnavailable(name, str(exc)) from None
     return _loaded[name]
 
 
-def available_port(name: str) -> Optional[ModuleType]:
+def available_port(name: str) -> Port | None:
     try:
         return load_port(name)
     except PortUnavailable:

@@ -1,152 +1,301 @@
 """The weights file every port loads: safetensors, the seed's state_dict names and
 (out, in) Linear layouts, the ModelConfig as JSON under the metadata key `config`.
 
-The header is parsed here by hand before safetensors touches the data, so every
-problem is reported by tensor name; nothing is ever unpickled.
+Every safetensors file (ours, and a Hugging Face checkpoint's shards) is read by one
+reader, `SafetensorsFile`: the safetensors library's `safe_open`, which enforces the
+format's rules (a bounded header; offsets in order, in bounds, never overlapping,
+covering the data exactly). One open file serves the header, the metadata and the
+tensors, so a file replaced while it is read is read whole, the old one or the new one.
+Names, dtypes and shapes are checked against the config from the header alone, before
+any tensor is read; then each tensor is checked finite at the dtype the run computes
+in. Nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
-import struct
+import stat
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Dict, Tuple
+from types import TracebackType
+from typing import TypeVar
 
 import numpy as np
 
 from kvports.shared.config import DTYPES, ModelConfig
-from kvports.shared.errors import UserError
+from kvports.shared.errors import UserError, echo, echo_path
 from kvports.shared.files import write_atomic
 
-SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64"}
+SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64", "F16": "float16", "BF16": "bfloat16"}
 DEFAULT_WEIGHTS = Path(__file__).parent / "data" / "seed_model.safetensors"
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+# What the library's refusals mean, in the words a user knows the file by.
+SAFETENSORS_REFUSALS = {
+    "header too small": "shorter than a safetensors header",
+    "header too large": "its header length is past the format's 100 MB",
+    "invalid JSON": "its header is not the JSON the format allows",
+    "invalid UTF-8": "its header is not UTF-8",
+    "not fully covered": "truncated, or bytes past its last tensor",
+    "invalid offset": "tensors' byte ranges out of order, overlapping or outside the file",
+    "invalid shape": "a tensor's shape and dtype do not match its byte range",
+    "overflow": "a tensor's shape is too large to address",
+}
 
 
-def expected_shapes(config: ModelConfig) -> Dict[str, Tuple[int, ...]]:
-    """Every tensor's name and shape, in the seed's state_dict order."""
-    D, V = config.d_model, config.vocab_size
+OPEN = TypeVar("OPEN", bound="Closing")
+
+
+class Closing:
+    """A reader holding files open: `with` closes them."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: OPEN) -> OPEN:
+        return self
+
+    def __exit__(self, kind: type | None, value: BaseException | None, traceback: TracebackType | None) -> None:
+        self.close()
+
+
+class SafetensorsFile(Closing):
+    """One safetensors file, open: its tensors' dtypes and shapes (from the header, checked by
+    the library), its metadata, and each tensor read on request from the same open file."""
+
+    def __init__(self, path: os.PathLike, what: str = "weights file"):
+        from safetensors import SafetensorError, safe_open
+
+        self.path, self.what = Path(path), what
+        name = f"{what} {echo_path(path)}"
+        try:
+            status = os.stat(path)
+        except FileNotFoundError:
+            raise UserError(f"{name} does not exist") from None
+        except OSError as exc:  # a name too long, a folder without permission, ...
+            raise UserError(f"cannot read {name} ({exc.strerror or exc})") from None
+        if not stat.S_ISREG(status.st_mode):
+            raise UserError(f"{name} is not a regular file")
+        if status.st_size == 0:
+            raise UserError(f"{name} is empty")
+        try:
+            self.handle = safe_open(str(path), framework="numpy")
+        except SafetensorError as exc:
+            raise UserError(f"{name} is not a valid safetensors file ({explain(str(exc))})") from None
+        except OSError as exc:
+            raise UserError(f"cannot read {name} ({exc.strerror or exc})") from None
+        self.metadata: dict[str, str] = self.handle.metadata() or {}
+        # name -> (safetensors dtype, shape); bounded by the header, which the library bounds.
+        self.entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for key in self.handle.offset_keys():
+            view = self.handle.get_slice(key)
+            self.entries[key] = (view.get_dtype(), tuple(view.get_shape()))
+
+    def read(self, name: str) -> np.ndarray:
+        """A tensor as a NumPy array of the file's dtype (bfloat16 through ml_dtypes)."""
+        from safetensors import SafetensorError
+
+        if self.entries[name][0] == "BF16":
+            try:
+                import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, which safetensors asks for)
+            except ImportError:
+                raise UserError(
+                    f"tensor {echo(name)} is bfloat16, which needs ml_dtypes (pip install ml_dtypes)"
+                ) from None
+        try:
+            return self.handle.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise UserError(
+                f"{self.what} {echo_path(self.path)}: tensor {echo(name)} could not be read ({exc})"
+            ) from None
+
+    def close(self) -> None:
+        self.handle.__exit__(None, None, None)
+
+
+def explain(message: str) -> str:
+    for phrase, meaning in SAFETENSORS_REFUSALS.items():
+        if phrase in message:
+            return f"{meaning}: {message}"
+    return message
+
+
+def layer_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Block i's tensors, in the seed's state_dict order."""
+    D = config.d_model
     gated = 2 if config.activation == "swiglu" else 1
-    shapes: Dict[str, Tuple[int, ...]] = {"emb.weight": (V, D)}
-    if config.positions == "learned":
-        shapes["pos.weight"] = (config.max_seq_len, D)
-
-    def norm(prefix: str) -> None:
-        shapes[f"{prefix}.weight"] = (D,)
-        if config.norm == "layernorm":
-            shapes[f"{prefix}.bias"] = (D,)
-
-    def linear(prefix: str, n_out: int, n_in: int, bias: bool) -> None:
-        shapes[f"{prefix}.weight"] = (n_out, n_in)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for norm in ("ln1", "ln2"):
+        shapes.update(norm_shapes(config, f"blocks.{i}.{norm}"))
+    for name, n_out, n_in, bias in (
+        ("qkv", config.qkv_dim, D, config.attn_bias),
+        ("proj", D, D, config.attn_bias),
+        ("ffn.0", gated * config.ffn_dim, D, config.ffn_bias),
+        ("ffn.2", D, config.ffn_dim, config.ffn_bias),
+    ):
+        shapes[f"blocks.{i}.{name}.weight"] = (n_out, n_in)
         if bias:
-            shapes[f"{prefix}.bias"] = (n_out,)
-
-    for i in range(config.n_layers):
-        norm(f"blocks.{i}.ln1")
-        norm(f"blocks.{i}.ln2")
-        linear(f"blocks.{i}.qkv", config.qkv_dim, D, config.attn_bias)
-        linear(f"blocks.{i}.proj", D, D, config.attn_bias)
-        linear(f"blocks.{i}.ffn.0", gated * config.ffn_dim, D, config.ffn_bias)
-        linear(f"blocks.{i}.ffn.2", D, config.ffn_dim, config.ffn_bias)
-    norm("ln")
-    if not config.tie_embeddings:
-        shapes["head.weight"] = (V, D)
+            shapes[f"blocks.{i}.{name}.bias"] = (n_out,)
     return shapes
 
 
-def save_weights(path: os.PathLike, tensors: Dict[str, np.ndarray], config: ModelConfig) -> None:
+def norm_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.weight": (config.d_model,)}
+    if config.norm == "layernorm":
+        shapes[f"{prefix}.bias"] = (config.d_model,)
+    return shapes
+
+
+def outer_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """The tensors before the blocks and after them."""
+    D, V = config.d_model, config.vocab_size
+    before: dict[str, tuple[int, ...]] = {"emb.weight": (V, D)}
+    if config.positions == "learned":
+        before["pos.weight"] = (config.max_seq_len, D)
+    after = norm_shapes(config, "ln")
+    if not config.tie_embeddings:
+        after["head.weight"] = (V, D)
+    return before, after
+
+
+def iter_expected(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor's name and shape in state_dict order, one at a time: a config's n_layers
+    may be anything up to 2**30, and a file is checked against it without a list that long."""
+    before, after = outer_shapes(config)
+    yield from before.items()
+    for i in range(config.n_layers):
+        yield from layer_shapes(config, i).items()
+    yield from after.items()
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, in the seed's state_dict order (for a config whose size
+    is already bounded: by a file it was checked against, or by the run's byte limit)."""
+    return dict(iter_expected(config))
+
+
+def tensor_count(config: ModelConfig) -> int:
+    before, after = outer_shapes(config)
+    return len(before) + config.n_layers * len(layer_shapes(config, 0)) + len(after)
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """The model's numbers, counted without listing its tensors."""
+    before, after = outer_shapes(config)
+    outer = sum(math.prod(shape) for shape in (*before.values(), *after.values()))
+    return outer + config.n_layers * sum(math.prod(shape) for shape in layer_shapes(config, 0).values())
+
+
+def check_entries(entries: Mapping[str, tuple[str, tuple[int, ...]]], config: ModelConfig, source: str) -> str:
+    """Names, shapes and dtypes ({name: (dtype, shape)}) against the config; the one dtype
+    (float32 or float64). The expected names are walked lazily and the walk stops at the
+    first one missing, so it takes at most len(entries) + 1 steps, whatever n_layers says."""
+    source = echo_path(source)
+    walked: set[str] = set()
+    for name, shape in iter_expected(config):
+        if name not in entries:
+            raise UserError(f"weights {source}: missing tensor {name!r} (expected shape {list(shape)})")
+        dtype, found = entries[name]
+        if SAFETENSORS_DTYPES.get(dtype, dtype) not in DTYPES:
+            raise UserError(f"tensor {name!r} has dtype {dtype}; supported: {', '.join(DTYPES)}")
+        if found != shape:
+            raise UserError(
+                f"weights {source}: tensor {name!r} has shape {list(found)}, the config needs {list(shape)}"
+            )
+        walked.add(name)
+    if len(walked) < len(entries):
+        extra = sorted(set(entries) - walked)[0]
+        raise UserError(f"weights {source}: unexpected tensor {echo(extra)} (not in this config's model)")
+    dtypes = sorted({SAFETENSORS_DTYPES.get(dtype, dtype) for dtype, _ in entries.values()})
+    if len(dtypes) > 1:
+        raise UserError(f"weights {source}: tensors mix dtypes {dtypes}; use one")
+    return dtypes[0]
+
+
+def check_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig, source: str) -> None:
+    """Tensors in memory, checked as a file's are: names, shapes, dtypes, finite values."""
+    check_entries({name: (str(array.dtype), tuple(array.shape)) for name, array in tensors.items()}, config, source)
+    for name, array in tensors.items():
+        check_finite(name, array, source)
+
+
+def check_finite(name: str, array: np.ndarray, source: str) -> None:
+    if not np.isfinite(array).all():
+        raise UserError(f"weights {echo_path(source)}: tensor {name!r} has non-finite values")
+
+
+def cast_checked(name: str, array: np.ndarray, dtype: str, source: str) -> np.ndarray:
+    """The array at `dtype`, refused if a finite value overflows there: float64 weights past
+    float32's range would be inf in a float32 run, and every logit NaN."""
+    if array.dtype == np.dtype(dtype):
+        return array
+    with np.errstate(over="ignore"):  # the overflow is the finding, not a warning
+        cast = array.astype(dtype)
+    if not np.isfinite(cast).all():
+        index = int(np.flatnonzero(~np.isfinite(cast))[0])
+        value = array.reshape(-1)[index]
+        raise UserError(
+            f"weights {echo_path(source)}: tensor {name!r} holds {value:.6g}, beyond {dtype}'s range: "
+            f"it would be inf at dtype {dtype}"
+        )
+    return cast
+
+
+class WeightsFile(Closing):
+    """Our weights file, open and checked from its header: `config`, and `read(dtype)` for
+    the tensors. Between the two a caller checks whatever the config bounds (prompts, the
+    bytes the run will allocate), so nothing is read for a run that will be refused."""
+
+    def __init__(self, path: os.PathLike):
+        self.source = str(path)
+        self.file = SafetensorsFile(path)
+        try:
+            if "config" not in self.file.metadata:
+                raise UserError(
+                    f"weights file {echo_path(self.source)} has no 'config' metadata (expected the ModelConfig as JSON)"
+                )
+            self.config = ModelConfig.from_json(self.file.metadata["config"])
+            self.dtype = check_entries(self.file.entries, self.config, self.source)
+        except BaseException:
+            self.file.close()
+            raise
+
+    def read(self, dtype: str | None = None) -> dict[str, np.ndarray]:
+        """Every tensor, in state_dict order, finite, at `dtype` (None: the file's own)."""
+        target = self.dtype if dtype is None else dtype
+        self.config.validate_at(target)
+        tensors = {}
+        for name, _ in iter_expected(self.config):
+            array = self.file.read(name)
+            check_finite(name, array, self.source)
+            tensors[name] = cast_checked(name, array, target, self.source)
+        return tensors
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def open_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> WeightsFile:
+    return WeightsFile(path)
+
+
+def load_weights(
+    path: os.PathLike = DEFAULT_WEIGHTS, dtype: str | None = None
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read and check a weights file: (config, tensors at `dtype`, None: the file's own).
+    Every error names the tensor or field at fault."""
+    with open_weights(path) as weights:
+        return weights.config, weights.read(dtype)
+
+
+def save_weights(path: os.PathLike, tensors: dict[str, np.ndarray], config: ModelConfig) -> None:
     """Write atomically: a reader never sees a half-written file."""
     from safetensors.numpy import save
 
     config.validate()
     check_tensors(tensors, config, source=str(path))
-    payload = save({name: np.ascontiguousarray(tensors[name]) for name in expected_shapes(config)},
-                   metadata={"config": config.to_json()})
+    payload = save(
+        {name: np.ascontiguousarray(tensors[name]) for name, _ in iter_expected(config)},
+        metadata={"config": config.to_json()},
+    )
     write_atomic(path, payload)
-
-def read_header(path: Path) -> Tuple[dict, int]:
-    """The safetensors JSON header and the file's data size, checked for truncation."""
-    if not path.exists():
-        raise UserError(f"weights file {str(path)!r} does not exist")
-    if not path.is_file():
-        raise UserError(f"weights file {str(path)!r} is not a regular file")
-    size = path.stat().st_size
-    if size == 0:
-        raise UserError(f"weights file {str(path)!r} is empty")
-    with open(path, "rb") as handle:
-        head = handle.read(8)
-        if len(head) < 8:
-            raise UserError(f"weights file {str(path)!r} is not a safetensors file ({size} bytes, shorter than its 8-byte header length)")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len == 0 or header_len > min(MAX_HEADER_BYTES, size - 8):
-            raise UserError(f"weights file {str(path)!r} is not a safetensors file (header length {header_len} does not fit its {size} bytes)")
-        raw = handle.read(header_len)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise UserError(f"weights file {str(path)!r} is not a safetensors file (its header is not JSON)") from None
-    if not isinstance(header, dict):
-        raise UserError(f"weights file {str(path)!r} is not a safetensors file (its header is not a JSON object)")
-    data_size = size - 8 - header_len
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-            raise UserError(f"weights file {str(path)!r}: tensor {name!r} has a malformed header entry")
-        if offsets[1] > data_size or offsets[0] > offsets[1]:
-            raise UserError(f"weights file {str(path)!r} is truncated: tensor {name!r} needs bytes up to {offsets[1]}, the file holds {data_size}")
-    return header, data_size
-
-
-def read_config(path: os.PathLike) -> ModelConfig:
-    header, _ = read_header(Path(path))
-    metadata = header.get("__metadata__") or {}
-    if "config" not in metadata:
-        raise UserError(f"weights file {str(path)!r} has no 'config' metadata (expected the ModelConfig as JSON)")
-    return ModelConfig.from_json(metadata["config"])
-
-
-def load_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> Tuple[ModelConfig, Dict[str, np.ndarray]]:
-    """Read and check a weights file; every error names the tensor or field at fault."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
-    path = Path(path)
-    header, _ = read_header(path)
-    config = read_config(path)
-    expected = expected_shapes(config)
-    names = [name for name in header if name != "__metadata__"]
-    for name in names:
-        dtype = header[name].get("dtype")
-        if dtype not in SAFETENSORS_DTYPES:
-            raise UserError(f"tensor {name!r} has dtype {dtype}; supported: {', '.join(DTYPES)}")
-    try:
-        tensors = load_file(str(path))
-    except SafetensorError as exc:
-        raise UserError(f"weights file {str(path)!r} could not be read as safetensors ({exc})") from None
-    check_tensors(tensors, config, source=str(path))
-    return config, tensors
-
-
-def check_tensors(tensors: Dict[str, np.ndarray], config: ModelConfig, source: str) -> None:
-    expected = expected_shapes(config)
-    missing = [name for name in expected if name not in tensors]
-    if missing:
-        raise UserError(f"weights {source!r}: missing tensor {missing[0]!r} (expected shape {list(expected[missing[0]])})")
-    extra = sorted(set(tensors) - set(expected))
-    if extra:
-        raise UserError(f"weights {source!r}: unexpected tensor {extra[0]!r} (not in this config's model)")
-    dtypes = set()
-    for name, shape in expected.items():
-        array = tensors[name]
-        if str(array.dtype) not in DTYPES:
-            raise UserError(f"tensor {name!r} has dtype {array.dtype}; supported: {', '.join(DTYPES)}")
-        if tuple(array.shape) != shape:
-            raise UserError(f"weights {source!r}: tensor {name!r} has shape {list(array.shape)}, the config needs {list(shape)}")
-        if not np.all(np.isfinite(array)):
-            raise UserError(f"weights {source!r}: tensor {name!r} has non-finite values")
-        dtypes.add(str(array.dtype))
-    if len(dtypes) > 1:
-        raise UserError(f"weights {source!r}: tensors mix dtypes {sorted(dtypes)}; use one")

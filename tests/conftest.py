@@ -1,28 +1,27 @@
-"""Fixtures shared by every test: the ports, by name, and the seed's model."""
+"""Fixtures shared by every test (the ports, by name, and the seed's model) and the session's
+settings. Helpers and constants live in tests/helpers.py; nothing imports this file."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
+import os
+from pathlib import Path
 
-from kvports.shared.ports import PORTS, available_port
-from kvports.shared.weights import load_weights
+# Set before anything imports numpy, torch or jax; a user's own settings win.
+# One thread per BLAS/OpenMP pool: the models here are tiny, and on two cores shared with
+# other work, pools whose threads spin while they wait for each other made the torch and
+# NumPy tests ten times slower.
+for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+# JAX keeps what it compiles on disk, so a second run of the suite skips the compiles (most
+# of the JAX tests' time on a first run).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache/jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
-GOLDEN = [315, 391, 221, 120, 342, 371, 223, 418, 20, 350, 493, 286, 342, 444, 438, 281,
-          424, 121, 456, 214, 244, 113, 142, 198, 381, 65, 409, 15, 299, 483, 94, 398,
-          454, 387, 344, 214, 477, 230, 223, 421, 43, 481, 172, 103, 26, 252, 226, 134,
-          492, 358, 243, 34, 493, 458, 337, 495, 17, 249, 435, 301, 360, 432, 374, 274,
-          316, 57, 82, 163, 122, 421, 136, 41, 383, 107, 467, 143, 424, 456, 239, 391,
-          253, 301, 279, 358, 491, 390, 366, 444, 476, 464, 136, 428, 29, 194, 175, 46,
-          147, 83, 75, 289]  # the seed's README: torch.manual_seed(0) model, 100 greedy tokens
-SEED_PROMPT = np.array([[160, 248, 104, 209, 394]], dtype=np.int64)
+import pytest  # noqa: E402
 
-
-def port_or_skip(name: str):
-    port = available_port(name)
-    if port is None:
-        pytest.skip(f"{name} is not installed")
-    return port
+from kvports.shared.ports import PORTS  # noqa: E402
+from kvports.shared.weights import load_weights  # noqa: E402
+from tests.helpers import port_or_skip  # noqa: E402
 
 
 @pytest.fixture(params=PORTS)
@@ -39,8 +38,3 @@ def reference():
 @pytest.fixture(scope="session")
 def seed_weights():
     return load_weights()
-
-
-def random_weights(config, seed: int = 0):
-    """Weights for any config, from the reference initialisation (torch)."""
-    return port_or_skip("torch").init_weights(config, seed)

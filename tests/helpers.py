@@ -1,26 +1,258 @@
-"""Assertions shared by the test files."""
+"""What the test files share: the seed's golden tokens, ports by name, weights and prompts
+for any config, and the assertions that compare ports. Imported as `tests.helpers`, the
+one way; conftest.py holds only fixtures and session settings."""
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 
 import numpy as np
+import pytest
+from safetensors.numpy import save_file
 
-from kvports.shared.compare import NEAR_TIE, compare_tokens
+from kvports.shared.cli import main
+from kvports.shared.compare import Agreement, compare_tokens
+from kvports.shared.config import ModelConfig
+from kvports.shared.contract import Port
+from kvports.shared.ports import available_port
+
+GOLDEN = [
+    315,
+    391,
+    221,
+    120,
+    342,
+    371,
+    223,
+    418,
+    20,
+    350,
+    493,
+    286,
+    342,
+    444,
+    438,
+    281,
+    424,
+    121,
+    456,
+    214,
+    244,
+    113,
+    142,
+    198,
+    381,
+    65,
+    409,
+    15,
+    299,
+    483,
+    94,
+    398,
+    454,
+    387,
+    344,
+    214,
+    477,
+    230,
+    223,
+    421,
+    43,
+    481,
+    172,
+    103,
+    26,
+    252,
+    226,
+    134,
+    492,
+    358,
+    243,
+    34,
+    493,
+    458,
+    337,
+    495,
+    17,
+    249,
+    435,
+    301,
+    360,
+    432,
+    374,
+    274,
+    316,
+    57,
+    82,
+    163,
+    122,
+    421,
+    136,
+    41,
+    383,
+    107,
+    467,
+    143,
+    424,
+    456,
+    239,
+    391,
+    253,
+    301,
+    279,
+    358,
+    491,
+    390,
+    366,
+    444,
+    476,
+    464,
+    136,
+    428,
+    29,
+    194,
+    175,
+    46,
+    147,
+    83,
+    75,
+    289,
+]  # the seed's README: torch.manual_seed(0) model, 100 greedy tokens
+SEED_PROMPT = np.array([[160, 248, 104, 209, 394]], dtype=np.int64)  # [1, 5]
 
 
-def assert_tokens_agree(reference_tokens, reference_logits, tokens, prompt_len, label=""):
+def port_or_skip(name: str) -> Port:
+    port = available_port(name)
+    if port is None:
+        pytest.skip(f"{name} is not installed")
+    return port
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Weights for any config, from the reference initialisation (torch)."""
+    return port_or_skip("torch").init_weights(config, seed)  # type: ignore[attr-defined]
+
+
+def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab_size, size=(batch, length), dtype=np.int64)  # [B, P]
+
+
+def run_cli(capsys: pytest.CaptureFixture, *argv: object) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `kvports ARGV...`, run in this process."""
+    code = main([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_error_line(code: int, out: str, err: str) -> str:
+    """A user error as every command reports one: exit 2, nothing on stdout, one `error:` line; the line."""
+    assert (code, out) == (2, ""), (code, out, err)
+    assert err.startswith("error: ") and err.count("\n") == 1, err  # one line, no traceback
+    return err
+
+
+def assert_same_tensors(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray]) -> None:
+    assert sorted(actual) == sorted(expected)
+    for name in expected:
+        np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)
+
+
+def assert_tokens_agree(
+    reference_tokens: np.ndarray, reference_logits: np.ndarray, tokens: np.ndarray, prompt_len: int, label: str = ""
+) -> Agreement:
     """Equal tokens, or a divergence at a float near-tie of the reference (margin < NEAR_TIE),
     which is reported, not failed: two frameworks' float32 logits differ in the last bits."""
     agreement = compare_tokens(reference_tokens, tokens, prompt_len, reference_logits)
     if agreement.agree:
         return agreement
     assert agreement.explained, f"{label}: {agreement.describe()}"
-    warnings.warn(f"{label}: {agreement.describe()}")
+    warnings.warn(f"{label}: {agreement.describe()}", stacklevel=2)
     return agreement
 
 
-def assert_logits_close(reference_logits, logits, atol, agreement=None, label=""):
+def assert_logits_close(
+    reference_logits: np.ndarray, logits: np.ndarray, atol: float, agreement: Agreement | None = None, label: str = ""
+) -> None:
     """Step logits allclose up to the first divergent step (after it the histories differ)."""
     steps = reference_logits.shape[1] if agreement is None or agreement.agree else agreement.first_divergent_step + 1
     np.testing.assert_allclose(logits[:, :steps], reference_logits[:, :steps], atol=atol, rtol=0, err_msg=label)
+
+
+# --- Hugging Face directories written by hand (no transformers) ---------------------------
+
+D, H, F, V, L = 16, 4, 24, 40, 2  # a small Llama: width, heads, FFN width, vocabulary, layers
+
+
+def llama_config(**changes) -> dict:
+    """A config.json as transformers 5.24 writes it for LlamaForCausalLM (GQA 4q/2kv)."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "dtype": "float32",
+        "eos_token_id": 2,
+        "head_dim": D // H,
+        "hidden_act": "silu",
+        "hidden_size": D,
+        "initializer_range": 0.02,
+        "intermediate_size": F,
+        "max_position_embeddings": 32,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": H,
+        "num_hidden_layers": L,
+        "num_key_value_heads": 2,
+        "pad_token_id": None,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": False,
+        "transformers_version": "5.24.0",
+        "use_cache": True,
+        "vocab_size": V,
+    }
+    config.update(changes)
+    return config
+
+
+def mistral_config(**changes) -> dict:
+    config = llama_config(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4)
+    for name in ("attention_bias", "mlp_bias", "pretraining_tp"):
+        del config[name]  # transformers' Mistral has no such fields
+    config.update(changes)
+    return config
+
+
+def llama_tensors(config: dict, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    Dh = D // H
+    kv = config["num_key_value_heads"] * Dh
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (D,),
+                p + "post_attention_layernorm.weight": (D,),
+                p + "self_attn.q_proj.weight": (D, D),
+                p + "self_attn.k_proj.weight": (kv, D),
+                p + "self_attn.v_proj.weight": (kv, D),
+                p + "self_attn.o_proj.weight": (D, D),
+                p + "mlp.gate_proj.weight": (F, D),
+                p + "mlp.up_proj.weight": (F, D),
+                p + "mlp.down_proj.weight": (D, F),
+            }
+        )
+    if config.get("tie_word_embeddings"):
+        del shapes["lm_head.weight"]
+    return {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+def write_hf_dir(directory: Path, config: dict, tensors: dict) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Tuple
 
 import numpy as np
 import torch
@@ -22,23 +21,40 @@ INIT_STD = 0.3
 @dataclass(frozen=True)
 class Case:
     kind: str  # "gpt2", "llama" or "mistral"
-    options: Tuple[Tuple[str, object], ...] = ()  # extra transformers config fields
+    options: tuple[tuple[str, object], ...] = ()  # extra transformers config fields
     seed: int = 0
-    prompt: Tuple[int, int] = (1, 1)  # (batch, length) of the prompts this case runs
+    prompt: tuple[int, int] = (1, 1)  # (batch, length) of the prompts this case runs
 
     def hf_config(self):
         from transformers import GPT2Config, LlamaConfig, MistralConfig
 
         # No special tokens: an eos in a 96-token vocab would stop generate() early.
-        common = dict(vocab_size=SIZE["vocab_size"], initializer_range=INIT_STD,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        common = dict(
+            vocab_size=SIZE["vocab_size"],
+            initializer_range=INIT_STD,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
         options = dict(self.options)
         if self.kind == "gpt2":
-            return GPT2Config(n_positions=SIZE["max_seq_len"], n_embd=SIZE["d_model"], n_layer=SIZE["n_layers"],
-                              n_head=SIZE["n_heads"], n_inner=SIZE["ffn_hidden"], **common, **options)
-        llama_like = dict(hidden_size=SIZE["d_model"], intermediate_size=SIZE["ffn_hidden"],
-                          num_hidden_layers=SIZE["n_layers"], num_attention_heads=SIZE["n_heads"],
-                          max_position_embeddings=SIZE["max_seq_len"], **common)
+            return GPT2Config(
+                n_positions=SIZE["max_seq_len"],
+                n_embd=SIZE["d_model"],
+                n_layer=SIZE["n_layers"],
+                n_head=SIZE["n_heads"],
+                n_inner=SIZE["ffn_hidden"],
+                **common,
+                **options,
+            )
+        llama_like = dict(
+            hidden_size=SIZE["d_model"],
+            intermediate_size=SIZE["ffn_hidden"],
+            num_hidden_layers=SIZE["n_layers"],
+            num_attention_heads=SIZE["n_heads"],
+            max_position_embeddings=SIZE["max_seq_len"],
+            **common,
+        )
         if self.kind == "llama":
             return LlamaConfig(**llama_like, **options)
         return MistralConfig(**llama_like, **options)
@@ -52,7 +68,7 @@ class Case:
         with torch.no_grad():
             # Norm gains and biases start at 1 and 0; random ones make sure each lands in
             # the right place (a swapped ln1/ln2 or a dropped bias would still agree otherwise).
-            for name, param in model.named_parameters():
+            for param in model.parameters():
                 if param.ndim == 1:
                     param.add_(0.1 * torch.randn_like(param))
         return model.to(dtype)
@@ -60,14 +76,15 @@ class Case:
 
 # Prompt shapes vary across cases rather than multiply them: each new shape costs every
 # port a run and JAX a compilation, and the cases already cover lengths 1 to 7 and batches.
-CASES: Dict[str, Case] = {
+CASES: dict[str, Case] = {
     "gpt2-tied": Case("gpt2", prompt=(2, 3)),  # GPT2Config's defaults: tied head, tanh GELU ("gelu_new")
     "llama-mha-untied": Case("llama", (("num_key_value_heads", 4),), seed=1, prompt=(1, 1)),
     "llama-mha-tied": Case("llama", (("num_key_value_heads", 4), ("tie_word_embeddings", True)), seed=2, prompt=(2, 5)),
     "llama-gqa-untied": Case("llama", (("num_key_value_heads", 2),), seed=3, prompt=(1, 7)),
     "llama-mqa-tied": Case("llama", (("num_key_value_heads", 1), ("tie_word_embeddings", True)), seed=4, prompt=(2, 2)),
-    "llama-gqa-biases": Case("llama", (("num_key_value_heads", 2), ("attention_bias", True), ("mlp_bias", True)),
-                             seed=5, prompt=(1, 4)),
+    "llama-gqa-biases": Case(
+        "llama", (("num_key_value_heads", 2), ("attention_bias", True), ("mlp_bias", True)), seed=5, prompt=(1, 4)
+    ),
     # The window (4) is shorter than the prompt (6) and than prompt + generation (16).
     "mistral-window": Case("mistral", (("num_key_value_heads", 2), ("sliding_window", 4)), seed=6, prompt=(2, 6)),
 }
@@ -79,15 +96,20 @@ def save_hf(model, directory: Path, **kwargs) -> Path:
 
 
 @torch.no_grad()
-def hf_generate(model, prompts: np.ndarray, new_tokens: int) -> Tuple[np.ndarray, np.ndarray]:
-    """transformers' greedy generate (its own KV cache): tokens [B, P + N] and step logits [B, N, V]."""
-    input_ids = torch.from_numpy(np.asarray(prompts, dtype=np.int64))
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
+def hf_generate(model, prompts: np.ndarray, new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' greedy generate (its own KV cache): tokens [B, P + N] and step logits [B, N, V].
+    Rows of different lengths come left-padded with PAD: transformers gets id 0 there, masked out."""
+    prompts = np.asarray(prompts, dtype=np.int64)
+    input_ids = torch.from_numpy(np.maximum(prompts, 0))
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.from_numpy((prompts >= 0).astype(np.int64)),
+        pad_token_id=0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     logits = torch.stack(out.logits, dim=1)  # [B, N, V]
     return out.sequences.numpy(), logits.to(torch.float64).numpy()
-
-
-def prompts_for(vocab_size: int, batch: int, length: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, vocab_size, size=(batch, length), dtype=np.int64)  # [B, P]

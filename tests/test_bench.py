@@ -11,15 +11,28 @@ import json
 import numpy as np
 import pytest
 
-from kvports.shared import bench, cli
+from kvports.shared import cli, ports
+from kvports.shared.bench.measure import decode_bytes, fit_slope
+from kvports.shared.bench.presets import PRESETS, random_weights
+from kvports.shared.bench.runners import RUNNERS
 from kvports.shared.config import ModelConfig, kv_cache_bytes
-from kvports.shared.ports import available_port
 from kvports.shared.weights import load_weights
-from tests.conftest import GOLDEN, SEED_PROMPT
+from tests.helpers import GOLDEN, SEED_PROMPT, assert_one_error_line, run_cli
 
 NEW_TOKENS = 4
-ROW_FIELDS = {"framework", "mode", "ttft_ms", "decode_ms_per_token", "decode_ms_p90", "tokens_per_s", "total_s",
-              "compile_s", "kv_cache_bytes", "roofline_ratio", "per_step_ms"}
+ROW_FIELDS = {
+    "framework",
+    "mode",
+    "ttft_ms",
+    "decode_ms_per_token",
+    "decode_ms_p90",
+    "tokens_per_s",
+    "total_s",
+    "compile_s",
+    "kv_cache_bytes",
+    "roofline_ratio",
+    "per_step_ms",
+}
 
 
 def baseline_or_skip(name: str):
@@ -35,17 +48,33 @@ SLOW = ("jax", "transformers")  # JAX compiles seven programs, transformers take
 
 def run_bench(folder, frameworks, *extra):
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli.main(["bench", "--json", "--new-tokens", str(NEW_TOKENS), "--repeats", "2",
-                         "--frameworks", ",".join(frameworks), "--plot", str(folder), *extra])
+    with contextlib.redirect_stdout(out):  # a module-scoped fixture has no capsys
+        code = cli.main(
+            [
+                "bench",
+                "--json",
+                "--new-tokens",
+                str(NEW_TOKENS),
+                "--repeats",
+                "2",
+                "--frameworks",
+                ",".join(frameworks),
+                "--plot",
+                str(folder),
+                *extra,
+            ]
+        )
     assert code == 0
     return json.loads(out.getvalue()), folder
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(QUICK, id="quick"),
-    pytest.param(SLOW, id="jax-transformers", marks=pytest.mark.slow),
-])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(QUICK, id="quick"),
+        pytest.param(SLOW, id="jax-transformers", marks=pytest.mark.slow),
+    ],
+)
 def bench_run(request, tmp_path_factory):
     """A small run, with the roofline, a sweep and plots."""
     return run_bench(tmp_path_factory.mktemp("bench") / "img", request.param, "--roofline", "--sweep", "2,4")
@@ -58,8 +87,9 @@ def test_bench_json_has_settings_machine_and_a_row_per_framework_and_mode(bench_
     assert (settings["batch"], settings["prompt_len"], settings["new_tokens"]) == (1, 5, NEW_TOKENS)
     assert settings["dtype"] == "float32" and settings["device"] == "cpu" and "numpy" in settings["versions"]
     frameworks = {row["framework"] for row in result["rows"]}
-    expected = [(runner.framework, mode) for runner in bench.RUNNERS if runner.framework in frameworks
-                for mode in runner.modes]
+    expected = [
+        (runner.framework, mode) for runner in RUNNERS if runner.framework in frameworks for mode in runner.modes
+    ]
     assert [(row["framework"], row["mode"]) for row in result["rows"]] == expected
     assert frameworks in (set(QUICK), set(SLOW))
     assert result["machine"]["bandwidth_gb_s"]["numpy (cpu)"] > 0
@@ -100,10 +130,23 @@ def test_kv_cache_bytes_are_the_configs(bench_run):
         assert row["kv_cache_bytes"] == expected, f"{row['framework']} {row['mode']}"
 
 
-def test_unavailable_rows_say_why(bench_run):
-    result, _ = bench_run
-    for row in (row for row in result["rows"] if not row["available"]):
-        assert row["reason"], f"{row['framework']} {row['mode']}"
+def test_a_framework_that_is_not_installed_gets_rows_that_say_why(capsys, monkeypatch):
+    real = ports.load_port
+
+    def no_jax(name):
+        if name == "jax":
+            raise ports.PortUnavailable(name, "No module named 'jax'")
+        return real(name)
+
+    monkeypatch.setattr(ports, "load_port", no_jax)
+    code, out, _ = run_cli(
+        capsys, "bench", "--json", "--new-tokens", "2", "--repeats", "1", "--frameworks", "jax,numpy"
+    )
+    rows = json.loads(out)["rows"]
+    assert code == 0
+    assert [(row["framework"], row["available"]) for row in rows] == [("jax", False)] * 2 + [("numpy", True)] * 2
+    assert all(row["reason"] == "No module named 'jax'" for row in rows[:2])
+    assert all(set(row) >= ROW_FIELDS and row["ttft_ms"] is None for row in rows[:2])  # every field, empty
 
 
 def test_plots_are_written_as_png(bench_run):
@@ -116,60 +159,69 @@ def test_plots_are_written_as_png(bench_run):
 
 
 def test_csv_is_a_header_and_one_line_per_row(capsys):
-    code = cli.main(["bench", "--csv", "--new-tokens", "2", "--repeats", "1", "--frameworks", "numpy"])
-    lines = capsys.readouterr().out.splitlines()
+    code, out, _ = run_cli(capsys, "bench", "--csv", "--new-tokens", "2", "--repeats", "1", "--frameworks", "numpy")
+    lines = out.splitlines()
     assert code == 0 and len(lines) == 3
     assert lines[0].startswith("preset,batch,prompt_len,new_tokens,framework,variant,mode")
     assert lines[1].startswith("seed,1,5,2,numpy,,naive,True")
 
 
 def test_table_is_printed_without_json(capsys):
-    code = cli.main(["bench", "--new-tokens", "2", "--repeats", "1", "--frameworks", "numpy", "--modes", "cached"])
-    out = capsys.readouterr().out
+    code, out, _ = run_cli(
+        capsys, "bench", "--new-tokens", "2", "--repeats", "1", "--frameworks", "numpy", "--modes", "cached"
+    )
     assert code == 0 and "kvports bench: seed" in out and "numpy" in out and "cached" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--new-tokens", "1"], "error: new tokens 1 is below 2"),
-    (["--new-tokens", "600"], "error: prompt length 5 + new tokens 600 = 605 exceeds max_seq_len 512"),
-    (["--frameworks", "tensorflow"], "error: unknown framework 'tensorflow'"),
-    (["--modes", "speculative"], "error: unknown mode 'speculative'"),
-    (["--repeats", "0"], "error: --repeats 0 is below 1"),
-    (["--warmup", "0"], "error: --warmup 0 is below 1"),
-    (["--sweep", "2,x"], "error: --sweep value 'x' is not an integer"),
-    (["--sweep", "600"], "error: --sweep value 600 + prompt length 5 exceeds max_seq_len 512"),
-    (["--plot", "/no/such/folder/img"], "error: folder '/no/such/folder' does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--new-tokens", "1"], "error: new tokens 1 is below 2"),
+        (["--new-tokens", "600"], "error: prompt length 5 + new tokens 600 = 605 exceeds max_seq_len 512"),
+        (["--frameworks", "tensorflow"], "error: unknown framework 'tensorflow'"),
+        (["--modes", "speculative"], "error: unknown mode 'speculative'"),
+        (["--repeats", "0"], "error: --repeats 0 is below 1"),
+        (["--warmup", "0"], "error: --warmup 0 is below 1"),
+        (["--sweep", "2,x"], "error: --sweep value 'x' is not an integer"),
+        (["--sweep", "600"], "error: --sweep value 600 + prompt length 5 exceeds max_seq_len 512"),
+        (["--plot", "/no/such/folder/img"], "error: folder '/no/such/folder' does not exist"),
+    ],
+)
 def test_bad_bench_input_is_one_error_line(capsys, argv, message):
-    code = cli.main(["bench", "--frameworks", "numpy", *argv])
-    captured = capsys.readouterr()
-    assert (code, captured.out) == (2, "")
-    assert captured.err.startswith(message) and captured.err.count("\n") == 1
+    assert assert_one_error_line(*run_cli(capsys, "bench", "--frameworks", "numpy", *argv)).startswith(message)
 
 
 def test_gpu_rows_without_a_gpu_are_unavailable_not_a_crash(capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    code = cli.main(["bench", "--json", "--device", "gpu", "--new-tokens", "2", "--repeats", "1",
-                     "--frameworks", "torch,numpy"])
-    rows = json.loads(capsys.readouterr().out)["rows"]
+    code, out, _ = run_cli(
+        capsys,
+        "bench",
+        "--json",
+        "--device",
+        "gpu",
+        "--new-tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--frameworks",
+        "torch,numpy",
+    )
+    rows = json.loads(out)["rows"]
     assert code == 0
     assert [(row["framework"], row["available"]) for row in rows] == [("torch", False)] * 2 + [("numpy", True)] * 2
     assert all(row["device"] == "cpu" for row in rows if row["available"])  # NumPy stays on the CPU
 
 
-@pytest.mark.parametrize("mode", ["naive", "cached"])
-def test_on_token_reports_each_token_and_matches_generate(port, seed_weights, mode):
+def test_baseline_on_token_reports_each_token(seed_weights):
+    baseline = baseline_or_skip("seed_concat")
     config, tensors = seed_weights
-    model = port.load_model(config, tensors)
-    prompts = np.concatenate([SEED_PROMPT, SEED_PROMPT[:, ::-1]])  # [2, 5]
     streamed = []
-    tokens, _ = port.generate(model, prompts, 3, mode, on_token=streamed.append)
-    expected, _ = port.generate(model, prompts, 3, mode)
-    np.testing.assert_array_equal(tokens, expected)
-    assert len(streamed) == 3 and all(token.shape == (2,) for token in streamed)
-    np.testing.assert_array_equal(np.stack(streamed, axis=1), expected[:, 5:])
+    tokens, _ = baseline.generate(
+        baseline.load_model(config, tensors), SEED_PROMPT, 3, "cached", on_token=streamed.append
+    )
+    assert np.stack(streamed, axis=1).tolist() == [GOLDEN[:3]] and tokens[0, 5:].tolist() == GOLDEN[:3]
 
 
 @pytest.mark.parametrize("name", ["seed_concat", "hf_gpt2"])
@@ -192,21 +244,27 @@ def test_gpt2_mapping_names_every_parameter_once(seed_weights):
 
 def test_decode_bytes_count_weights_once_and_the_cache_so_far():
     config = ModelConfig(vocab_size=10, d_model=4, n_heads=2, n_layers=1, max_seq_len=8)
-    tensors = bench.random_weights(config)
+    tensors = random_weights(config)
     table_bytes = (10 + 8) * 4 * 4  # emb and pos: only one looked-up row each is read
     weights = sum(array.nbytes for array in tensors.values()) - table_bytes + 2 * 4 * 4
     kv_per_position = 2 * 1 * 2 * 2 * 4  # k and v, 1 layer, 2 heads, head_dim 2, float32
     # prompt 2, 3 new tokens: decode steps 1 and 2 see 3 and 4 positions, 3.5 on average
-    assert bench.decode_bytes(config, tensors, 1, 2, 3, 4) == weights + 3.5 * kv_per_position
+    assert decode_bytes(config, tensors, 1, 2, 3, 4) == weights + 3.5 * kv_per_position
 
 
 def test_fit_slope_recovers_a_power_law():
     n = [8, 16, 32, 64]
-    assert bench.fit_slope(n, [0.001 * value ** 2 for value in n]) == pytest.approx(2.0)
-    assert bench.fit_slope([8], [1.0]) is None
+    assert fit_slope(n, [0.001 * value**2 for value in n]) == pytest.approx(2.0)
+    assert fit_slope([8], [1.0]) is None
 
 
 def test_gpt2_small_preset_has_gpt2_small_sizes():
-    config = bench.PRESETS["gpt2-small"]
-    assert (config.d_model, config.n_layers, config.n_heads, config.vocab_size, config.max_seq_len) == (768, 12, 12, 50257, 1024)
+    config = PRESETS["gpt2-small"]
+    assert (config.d_model, config.n_layers, config.n_heads, config.vocab_size, config.max_seq_len) == (
+        768,
+        12,
+        12,
+        50257,
+        1024,
+    )
     assert load_weights()[0] == ModelConfig()  # and the seed preset is the shipped seed model

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 
-from kvports.shared import cli, ports
+from kvports.shared import ports
 from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
-from tests.conftest import GOLDEN, port_or_skip
-
-
-def run_cli(argv, capsys):
-    code = cli.main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+from tests.helpers import GOLDEN, assert_one_error_line, port_or_skip, run_cli
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -23,8 +18,23 @@ def run_cli(argv, capsys):
 @pytest.mark.parametrize("framework", ports.PORTS)
 def test_generate_json_is_one_object_with_the_contract_fields(capsys, framework, mode, dtype):
     port_or_skip(framework)
-    code, out, _ = run_cli(["generate", "--framework", framework, "--mode", mode, "--dtype", dtype, "--json",
-                            "--prompt", "160,248,104,209,394", "--prompt", "1,2,3,4,5", "--new-tokens", "6"], capsys)
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--framework",
+        framework,
+        "--mode",
+        mode,
+        "--dtype",
+        dtype,
+        "--json",
+        "--prompt",
+        "160,248,104,209,394",
+        "--prompt",
+        "1,2,3,4,5",
+        "--new-tokens",
+        "6",
+    )
     assert code == 0
     result = json.loads(out)
     assert {"framework", "mode", "dtype", "tokens", "seconds"} <= set(result)
@@ -37,41 +47,71 @@ def test_generate_json_is_one_object_with_the_contract_fields(capsys, framework,
 
 def test_generate_defaults_are_the_seed_prompt_and_100_tokens(capsys):
     port_or_skip("numpy")
-    code, out, _ = run_cli(["generate", "--framework", "numpy", "--mode", "cached", "--json"], capsys)
+    code, out, _ = run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached", "--json")
     assert code == 0 and json.loads(out)["tokens"] == [[160, 248, 104, 209, 394] + GOLDEN]
 
 
 def test_generate_without_json_lists_prompt_and_tokens(capsys):
     port_or_skip("torch")
-    code, out, _ = run_cli(["generate", "--framework", "torch", "--mode", "naive", "--new-tokens", "3"], capsys)
+    code, out, _ = run_cli(capsys, "generate", "--framework", "torch", "--mode", "naive", "--new-tokens", "3")
     assert code == 0 and "160 248 104 209 394" in out and "315 391 221" in out
 
 
 def test_generate_with_an_uninstalled_framework_is_an_error(capsys, monkeypatch):
     def unavailable(name):
         raise ports.PortUnavailable(name, "No module named 'jax'")
-    monkeypatch.setattr(cli, "load_port", unavailable)
-    code, out, err = run_cli(["generate", "--framework", "jax", "--mode", "cached"], capsys)
-    assert (code, out) == (2, "")
+
+    monkeypatch.setattr(ports, "load_port", unavailable)
+    err = assert_one_error_line(*run_cli(capsys, "generate", "--framework", "jax", "--mode", "cached"))
     assert err == "error: framework 'jax' is not available (No module named 'jax')\n"
 
 
 def test_compare_skips_an_uninstalled_framework_and_still_agrees(capsys, monkeypatch):
     real = ports.available_port
-    monkeypatch.setattr(cli, "available_port", lambda name: None if name == "jax" else real(name))
-    code, out, _ = run_cli(["compare", "--json", "--new-tokens", "10"], capsys)
+    monkeypatch.setattr(ports, "available_port", lambda name: None if name == "jax" else real(name))
+    code, out, _ = run_cli(capsys, "compare", "--json", "--new-tokens", "10")
     result = json.loads(out)
     assert code == 0 and result["ok"]
     assert [row["available"] for row in result["rows"] if row["framework"] == "jax"] == [False, False]
 
 
+def test_compare_without_torch_takes_the_first_installed_port_as_reference(capsys, monkeypatch):
+    real = ports.available_port
+    monkeypatch.setattr(ports, "available_port", lambda name: real(name) if name == "numpy" else None)
+    code, out, _ = run_cli(capsys, "compare", "--json", "--new-tokens", "5")
+    result = json.loads(out)
+    assert code == 0 and result["ok"] and result["reference"] == "numpy naive"
+    assert [(row["framework"], row["available"]) for row in result["rows"]] == [
+        ("numpy", True),
+        ("numpy", True),
+        ("torch", False),
+        ("torch", False),
+        ("jax", False),
+        ("jax", False),
+    ]
+
+
+def test_compare_table_says_not_installed(capsys, monkeypatch):
+    real = ports.available_port
+    monkeypatch.setattr(ports, "available_port", lambda name: real(name) if name == "numpy" else None)
+    code, out, _ = run_cli(capsys, "compare", "--new-tokens", "5")
+    assert code == 0 and "reference: numpy naive" in " ".join(out.split())  # the title wraps
+    assert re.findall(r"(\w+)\W+(naive|cached)\W+not installed", out) == [
+        ("torch", "naive"),
+        ("torch", "cached"),
+        ("jax", "naive"),
+        ("jax", "cached"),
+    ]
+
+
 def test_compare_reports_every_path_agreeing_on_the_golden_tokens(capsys):
     for name in ports.PORTS:
         port_or_skip(name)
-    code, out, _ = run_cli(["compare", "--json", "--new-tokens", "100"], capsys)
+    # 20 tokens, not the demo's 100: every port's 100 golden tokens are test_generation's.
+    code, out, _ = run_cli(capsys, "compare", "--json", "--new-tokens", "20")
     result = json.loads(out)
     assert code == 0 and result["ok"]
-    assert result["tokens"] == [[160, 248, 104, 209, 394] + GOLDEN]
+    assert result["tokens"] == [[160, 248, 104, 209, 394] + GOLDEN[:20]]
     assert len(result["rows"]) == 6 and all(row["agree"] for row in result["rows"])
     assert all(row["cached_speedup"] > 0 for row in result["rows"] if row["mode"] == "cached")
 
@@ -93,8 +133,10 @@ def test_compare_exits_1_when_a_path_disagrees(capsys, monkeypatch):
             return tokens, logits
 
     real = ports.available_port
-    monkeypatch.setattr(cli, "available_port", lambda name: Broken() if name == "numpy" else (None if name == "jax" else real(name)))
-    code, out, _ = run_cli(["compare", "--json", "--new-tokens", "10"], capsys)
+    monkeypatch.setattr(
+        ports, "available_port", lambda name: Broken() if name == "numpy" else (None if name == "jax" else real(name))
+    )
+    code, out, _ = run_cli(capsys, "compare", "--json", "--new-tokens", "10")
     result = json.loads(out)
     assert code == 1 and not result["ok"]
     broken = [row for row in result["rows"] if row["framework"] == "numpy"]
@@ -104,7 +146,7 @@ def test_compare_exits_1_when_a_path_disagrees(capsys, monkeypatch):
 def test_init_weights_seed_0_reproduces_the_shipped_seed_model_bit_for_bit(tmp_path, capsys):
     port_or_skip("torch")
     out_file = tmp_path / "seed.safetensors"
-    code, _, _ = run_cli(["init-weights", "--out", str(out_file), "--seed", "0"], capsys)
+    code, _, _ = run_cli(capsys, "init-weights", "--out", str(out_file), "--seed", "0")
     assert code == 0
     shipped_config, shipped = load_weights(DEFAULT_WEIGHTS)
     config, tensors = load_weights(out_file)
@@ -116,11 +158,35 @@ def test_init_weights_seed_0_reproduces_the_shipped_seed_model_bit_for_bit(tmp_p
 def test_init_weights_writes_any_config_and_dtype(tmp_path, capsys):
     port_or_skip("torch")
     out_file = tmp_path / "small.safetensors"
-    code, out, _ = run_cli(["init-weights", "--out", str(out_file), "--seed", "3", "--vocab-size", "50", "--d-model", "32",
-                            "--n-heads", "2", "--n-layers", "3", "--max-seq-len", "64", "--dtype", "float64"], capsys)
+    code, out, _ = run_cli(
+        capsys,
+        "init-weights",
+        "--out",
+        out_file,
+        "--seed",
+        "3",
+        "--vocab-size",
+        "50",
+        "--d-model",
+        "32",
+        "--n-heads",
+        "2",
+        "--n-layers",
+        "3",
+        "--max-seq-len",
+        "64",
+        "--dtype",
+        "float64",
+    )
     config, tensors = load_weights(out_file)
     assert code == 0 and "wrote" in out
-    assert (config.vocab_size, config.d_model, config.n_heads, config.n_layers, config.max_seq_len) == (50, 32, 2, 3, 64)
+    assert (config.vocab_size, config.d_model, config.n_heads, config.n_layers, config.max_seq_len) == (
+        50,
+        32,
+        2,
+        3,
+        64,
+    )
     assert all(array.dtype == np.float64 for array in tensors.values())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["small.safetensors"]  # no temp file left behind
 
@@ -129,17 +195,16 @@ def test_init_weights_refuses_to_overwrite_without_force(tmp_path, capsys):
     port_or_skip("torch")
     out_file = tmp_path / "taken.safetensors"
     out_file.write_bytes(b"precious")
-    code, out, err = run_cli(["init-weights", "--out", str(out_file)], capsys)
-    assert (code, out) == (2, "") and "exists; pass --force" in err
+    err = assert_one_error_line(*run_cli(capsys, "init-weights", "--out", out_file))
+    assert "exists; pass --force" in err
     assert out_file.read_bytes() == b"precious"
-    code, _, _ = run_cli(["init-weights", "--out", str(out_file), "--force"], capsys)
+    code, _, _ = run_cli(capsys, "init-weights", "--out", str(out_file), "--force")
     assert code == 0 and load_weights(out_file)[0].d_model == 128
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--d-model", "130", "--n-heads", "4"], "d_model=130 is not divisible by n_heads=4"),
-    (["--n-layers", "0"], "n_layers=0 must be an integer >= 1"),
-])
-def test_init_weights_refuses_an_impossible_config(tmp_path, capsys, argv, expected):
-    code, out, err = run_cli(["init-weights", "--out", str(tmp_path / "x.safetensors"), *argv], capsys)
-    assert (code, out) == (2, "") and expected in err
+def test_init_weights_refuses_an_impossible_config(tmp_path, capsys):
+    err = assert_one_error_line(
+        *run_cli(capsys, "init-weights", "--out", tmp_path / "x.safetensors", "--d-model", "130", "--n-heads", "4")
+    )
+    assert "d_model=130 is not divisible by n_heads=4" in err
+    assert list(tmp_path.iterdir()) == []

@@ -15,58 +15,21 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from kvports.shared.cli import main
+from kvports.shared import ports
 from kvports.shared.hf import import_hf
 from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
-
-D, H, F, V, L = 16, 4, 24, 40, 2
-
-
-def llama_config(**changes) -> dict:
-    """A config.json as transformers 5.24 writes it for LlamaForCausalLM (GQA 4q/2kv)."""
-    config = {
-        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 1, "dtype": "float32", "eos_token_id": 2, "head_dim": D // H, "hidden_act": "silu",
-        "hidden_size": D, "initializer_range": 0.02, "intermediate_size": F, "max_position_embeddings": 32,
-        "mlp_bias": False, "model_type": "llama", "num_attention_heads": H, "num_hidden_layers": L,
-        "num_key_value_heads": 2, "pad_token_id": None, "pretraining_tp": 1, "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "tie_word_embeddings": False,
-        "transformers_version": "5.24.0", "use_cache": True, "vocab_size": V,
-    }
-    config.update(changes)
-    return config
-
-
-def mistral_config(**changes) -> dict:
-    config = llama_config(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4)
-    for name in ("attention_bias", "mlp_bias", "pretraining_tp"):
-        del config[name]  # transformers' Mistral has no such fields
-    config.update(changes)
-    return config
-
-
-def llama_tensors(config: dict, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    Dh = D // H
-    kv = config["num_key_value_heads"] * Dh
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-                       p + "self_attn.q_proj.weight": (D, D), p + "self_attn.k_proj.weight": (kv, D),
-                       p + "self_attn.v_proj.weight": (kv, D), p + "self_attn.o_proj.weight": (D, D),
-                       p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-                       p + "mlp.down_proj.weight": (D, F)})
-    if config.get("tie_word_embeddings"):
-        del shapes["lm_head.weight"]
-    return {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
-
-
-def write_hf_dir(directory: Path, config: dict, tensors: dict) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
+from tests.helpers import (
+    D,
+    F,
+    V,
+    assert_one_error_line,
+    assert_same_tensors,
+    llama_config,
+    llama_tensors,
+    mistral_config,
+    run_cli,
+    write_hf_dir,
+)
 
 
 @pytest.fixture
@@ -102,19 +65,16 @@ def write_bf16_safetensors(path: Path, tensors: dict) -> None:
 
 def convert(capsys, *argv):
     """(exit status, stdout, stderr) of `kvports convert ...`."""
-    status = main(["convert", *map(str, argv)])
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
+    return run_cli(capsys, "convert", *argv)
 
 
 def refused(capsys, *argv) -> str:
-    status, out, err = convert(capsys, *argv)
-    assert status == 2 and out == ""
-    assert err.startswith("error: ") and err.count("\n") == 1, err  # one line, no traceback
-    return err
+    """The one error line of a refused `kvports convert ...`."""
+    return assert_one_error_line(*convert(capsys, *argv))
 
 
 # --- accepted -------------------------------------------------------------------------
+
 
 def test_llama_directory_converts_to_our_names_and_layouts(llama_dir, tmp_path, capsys):
     status, out, _ = convert(capsys, "--from-hf", llama_dir, "--out", tmp_path / "m.safetensors")
@@ -123,8 +83,9 @@ def test_llama_directory_converts_to_our_names_and_layouts(llama_dir, tmp_path, 
     hf = load_file(str(llama_dir / "model.safetensors"))
     assert (config.family, config.n_kv_heads, config.positions, config.activation) == ("llama", 2, "rope", "swiglu")
     p = "model.layers.1."
-    expected_qkv = np.concatenate([hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"],
-                                   hf[p + "self_attn.v_proj.weight"]])
+    expected_qkv = np.concatenate(
+        [hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"]]
+    )
     np.testing.assert_array_equal(tensors["blocks.1.qkv.weight"], expected_qkv)
     expected_ffn = np.concatenate([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
     np.testing.assert_array_equal(tensors["blocks.1.ffn.0.weight"], expected_ffn)
@@ -165,9 +126,7 @@ def test_sharded_checkpoint_converts_like_one_file(llama_dir, tmp_path):
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     _, one = import_hf(llama_dir)
     _, many = import_hf(sharded)
-    assert sorted(one) == sorted(many)
-    for name in one:
-        np.testing.assert_array_equal(one[name], many[name])
+    assert_same_tensors(one, many)
 
 
 def test_float64_checkpoint_stays_float64(llama_dir):
@@ -195,26 +154,37 @@ def test_fp16_checkpoint_casts_with_dtype(llama_dir):
 
 # --- refused: config ------------------------------------------------------------------
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("model_type", "bert", 'model_type="bert"'),
-    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling="),
-    ("rope_parameters", {"rope_theta": 10000.0, "rope_type": "llama3", "factor": 8.0}, 'rope_parameters.rope_type="llama3"'),
-    ("head_dim", 8, "head_dim=8"),
-    ("hidden_act", "gelu", 'hidden_act="gelu"'),
-    ("sliding_window", 4, "sliding_window=4"),  # Llama has no window: transformers would ignore it
-    ("qk_layernorm", True, "qk_layernorm=true"),
-    ("num_key_value_heads", 3, "num_key_value_heads=3"),
-])
+
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("model_type", "bert", 'model_type="bert"'),
+        ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling="),
+        (
+            "rope_parameters",
+            {"rope_theta": 10000.0, "rope_type": "llama3", "factor": 8.0},
+            'rope_parameters.rope_type="llama3"',
+        ),
+        ("head_dim", 8, "head_dim=8"),
+        ("hidden_act", "gelu", 'hidden_act="gelu"'),
+        ("sliding_window", 4, "sliding_window=4"),  # Llama has no window: transformers would ignore it
+        ("qk_layernorm", True, "qk_layernorm=true"),
+        ("num_key_value_heads", 3, "num_key_value_heads=3"),
+    ],
+)
 def test_llama_field_we_do_not_model_is_refused_by_name(llama_dir, tmp_path, capsys, field, value, needle):
     edit_config(llama_dir, **{field: value})
     assert needle in refused(capsys, "--from-hf", llama_dir, "--out", tmp_path / "m.safetensors")
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("attention_bias", True, "attention_bias=true"),
-    ("sliding_window", 0, "sliding_window=0"),
-    ("sliding_window", 4.5, "sliding_window=4.5"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("attention_bias", True, "attention_bias=true"),
+        ("sliding_window", 0, "sliding_window=0"),
+        ("sliding_window", 4.5, "sliding_window=4.5"),
+    ],
+)
 def test_mistral_field_we_cannot_honour_is_refused_by_name(tmp_path, capsys, field, value, needle):
     config = mistral_config(**{field: value})
     directory = write_hf_dir(tmp_path / "mistral", config, llama_tensors(config))
@@ -229,18 +199,22 @@ def gpt2_dir(tmp_path, capsys):
     return tmp_path / "gpt2"
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx=true"),
-    ("scale_attn_weights", False, "scale_attn_weights=false"),
-    ("activation_function", "relu", 'activation_function="relu"'),
-    ("add_cross_attention", True, "add_cross_attention=true"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx=true"),
+        ("scale_attn_weights", False, "scale_attn_weights=false"),
+        ("activation_function", "relu", 'activation_function="relu"'),
+        ("add_cross_attention", True, "add_cross_attention=true"),
+    ],
+)
 def test_gpt2_field_we_do_not_model_is_refused_by_name(gpt2_dir, tmp_path, capsys, field, value, needle):
     edit_config(gpt2_dir, **{field: value})
     assert needle in refused(capsys, "--from-hf", gpt2_dir, "--out", tmp_path / "m.safetensors")
 
 
 # --- refused: tensors and files -------------------------------------------------------
+
 
 def test_missing_tensor_is_named(llama_dir, tmp_path, capsys):
     edit_tensors(llama_dir, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
@@ -262,7 +236,9 @@ def test_unexpected_tensor_is_named(llama_dir, tmp_path, capsys):
 
 def test_bias_tensors_without_the_config_flag_are_refused(llama_dir, tmp_path, capsys):
     edit_tensors(llama_dir, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.ones(D, np.float32)}))
-    assert "'model.layers.0.self_attn.o_proj.bias'" in refused(capsys, "--from-hf", llama_dir, "--out", tmp_path / "m.st")
+    assert "'model.layers.0.self_attn.o_proj.bias'" in refused(
+        capsys, "--from-hf", llama_dir, "--out", tmp_path / "m.st"
+    )
 
 
 def test_tied_config_with_a_different_head_is_refused(llama_dir, tmp_path, capsys):
@@ -310,6 +286,7 @@ def test_refused_conversion_writes_nothing(llama_dir, tmp_path, capsys):
 
 # --- export ---------------------------------------------------------------------------
 
+
 def test_to_hf_round_trip_is_exact(gpt2_dir, tmp_path, capsys):
     status, out, _ = convert(capsys, "--from-hf", gpt2_dir, "--out", tmp_path / "back.safetensors")
     assert status == 0 and "seed-gpt model" in out
@@ -340,6 +317,7 @@ def test_to_hf_over_an_existing_model_needs_force(gpt2_dir, capsys):
 
 # --- text prompts and the family on show ----------------------------------------------
 
+
 @pytest.fixture
 def llama_with_tokenizer(llama_dir, tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers")
@@ -355,29 +333,52 @@ def llama_with_tokenizer(llama_dir, tmp_path, capsys):
 
 def test_generate_encodes_text_and_prints_decoded_text(llama_with_tokenizer, capsys):
     directory, weights = llama_with_tokenizer
-    status = main(["generate", "--framework", "numpy", "--mode", "cached", "--weights", str(weights),
-                   "--tokenizer", str(directory), "--text", "w3 w1 w4", "--new-tokens", "4", "--json"])
-    result = json.loads(capsys.readouterr().out)
+    status, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--framework",
+        "numpy",
+        "--mode",
+        "cached",
+        "--weights",
+        weights,
+        "--tokenizer",
+        directory,
+        "--text",
+        "w3 w1 w4",
+        "--new-tokens",
+        "4",
+        "--json",
+    )
+    result = json.loads(out)
     assert status == 0 and result["tokens"][0][:3] == [3, 1, 4]
     assert result["text"] == [" ".join(f"w{i}" for i in result["tokens"][0])]
 
 
 def test_text_without_tokenizer_is_refused(capsys):
-    status = main(["generate", "--framework", "numpy", "--mode", "cached", "--text", "hello"])
-    err = capsys.readouterr().err
-    assert status == 2 and "--tokenizer" in err and err.count("\n") == 1
+    err = assert_one_error_line(
+        *run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached", "--text", "hello")
+    )
+    assert "--tokenizer" in err
 
 
 def test_tokenizer_folder_without_tokenizer_json_is_refused(tmp_path, capsys):
     pytest.importorskip("tokenizers")
-    status = main(["generate", "--framework", "numpy", "--mode", "cached", "--tokenizer", str(tmp_path), "--text", "hi"])
-    err = capsys.readouterr().err
-    assert status == 2 and "no tokenizer.json" in err
+    err = assert_one_error_line(
+        *run_cli(
+            capsys, "generate", "--framework", "numpy", "--mode", "cached", "--tokenizer", tmp_path, "--text", "hi"
+        )
+    )
+    assert "no tokenizer.json" in err
 
 
-def test_compare_reports_the_family(tmp_path, capsys):
+def test_compare_reports_the_family(tmp_path, capsys, monkeypatch):
+    real = ports.available_port
+    monkeypatch.setattr(ports, "available_port", lambda name: real(name) if name == "numpy" else None)  # one is enough
     config = mistral_config()
     directory = write_hf_dir(tmp_path / "mistral", config, llama_tensors(config))
     assert convert(capsys, "--from-hf", directory, "--out", tmp_path / "m.safetensors")[0] == 0
-    status = main(["compare", "--weights", str(tmp_path / "m.safetensors"), "--prompt", "1,2,3", "--new-tokens", "2", "--json"])
-    assert status == 0 and json.loads(capsys.readouterr().out)["family"] == "mistral"
+    status, out, _ = run_cli(
+        capsys, "compare", "--weights", tmp_path / "m.safetensors", "--prompt", "1,2,3", "--new-tokens", "2", "--json"
+    )
+    assert status == 0 and json.loads(out)["family"] == "mistral"

@@ -6,14 +6,9 @@ import numpy as np
 import pytest
 
 from kvports.shared.config import ModelConfig
-from tests.conftest import GOLDEN, SEED_PROMPT, random_weights
-from tests.helpers import assert_logits_close, assert_tokens_agree
+from tests.helpers import GOLDEN, SEED_PROMPT, assert_logits_close, assert_tokens_agree, random_prompts, random_weights
 
 LOGIT_ATOL = {"float32": 1e-5, "float64": 1e-10}
-
-
-def random_prompts(config: ModelConfig, batch: int, length: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, config.vocab_size, size=(batch, length), dtype=np.int64)  # [B, P]
 
 
 @pytest.mark.parametrize("mode", ["naive", "cached"])
@@ -31,7 +26,7 @@ def test_seed_model_gives_the_golden_tokens(port, seed_weights, mode):
 def test_cached_equals_naive_at_every_prompt_length(port, seed_weights, prompt_len, batch, dtype):
     config, tensors = seed_weights
     model = port.load_model(config, tensors, dtype)
-    prompts = random_prompts(config, batch, prompt_len, seed=prompt_len * 10 + batch)
+    prompts = random_prompts(config.vocab_size, batch, prompt_len, seed=prompt_len * 10 + batch)
     naive, naive_logits = port.generate(model, prompts, 12, "naive", return_logits=True)
     cached, cached_logits = port.generate(model, prompts, 12, "cached", return_logits=True)
     # Within one port both paths run the same kernels on the same numbers, but not in the
@@ -46,8 +41,10 @@ def test_cached_equals_naive_at_every_prompt_length(port, seed_weights, prompt_l
 @pytest.mark.parametrize("mode", ["naive", "cached"])
 def test_port_matches_torch_reference(port, reference, seed_weights, mode, dtype):
     config, tensors = seed_weights
-    prompts = random_prompts(config, 3, 9, seed=7)
-    expected, expected_logits = reference.generate(reference.load_model(config, tensors, dtype), prompts, 40, "naive", return_logits=True)
+    prompts = random_prompts(config.vocab_size, 3, 9, seed=7)
+    expected, expected_logits = reference.generate(
+        reference.load_model(config, tensors, dtype), prompts, 40, "naive", return_logits=True
+    )
     tokens, logits = port.generate(port.load_model(config, tensors, dtype), prompts, 40, mode, return_logits=True)
     agreement = assert_tokens_agree(expected, expected_logits, tokens, 9, f"{port.NAME} {mode} {dtype}")
     if dtype == "float64":
@@ -59,15 +56,26 @@ def test_port_matches_torch_reference(port, reference, seed_weights, mode, dtype
 def test_chunked_prefill_equals_one_token_at_a_time(port, seed_weights, chunk_sizes):
     config, tensors = seed_weights
     model = port.load_model(config, tensors, "float64")
-    tokens = random_prompts(config, 2, 12, seed=3)
+    tokens = random_prompts(config.vocab_size, 2, 12, seed=3)
     one_at_a_time = port.forward_chunks(model, tokens, [1] * 12)  # [B, T, V]
     chunked = port.forward_chunks(model, tokens, chunk_sizes)  # [B, T, V]
     np.testing.assert_allclose(chunked, one_at_a_time, atol=1e-10, rtol=0)
 
 
-WINDOWED = ModelConfig(vocab_size=97, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64,
-                       positions="rope", norm="rmsnorm", activation="swiglu", attn_bias=False, ffn_bias=False,
-                       sliding_window=4)
+WINDOWED = ModelConfig(
+    vocab_size=97,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    n_layers=2,
+    max_seq_len=64,
+    positions="rope",
+    norm="rmsnorm",
+    activation="swiglu",
+    attn_bias=False,
+    ffn_bias=False,
+    sliding_window=4,
+)
 
 
 @pytest.mark.parametrize("chunk_sizes", [[6, 1, 5, 1, 3], [16], [3, 9, 4], [2] * 8])
@@ -75,7 +83,7 @@ def test_chunks_wider_than_a_sliding_window_ring_equal_one_token_at_a_time(port,
     # A ring of 4 slots: a chunk of more than one token would overwrite keys its own first
     # queries still need, if it were written before it is attended.
     model = port.load_model(WINDOWED, random_weights(WINDOWED, seed=1), "float64")
-    tokens = random_prompts(WINDOWED, 2, 16, seed=5)
+    tokens = random_prompts(WINDOWED.vocab_size, 2, 16, seed=5)
     one_at_a_time = port.forward_chunks(model, tokens, [1] * 16)  # [B, T, V]
     chunked = port.forward_chunks(model, tokens, chunk_sizes)  # [B, T, V]
     np.testing.assert_allclose(chunked, one_at_a_time, atol=1e-10, rtol=0)
@@ -84,9 +92,10 @@ def test_chunks_wider_than_a_sliding_window_ring_equal_one_token_at_a_time(port,
 @pytest.mark.parametrize("mode", ["naive", "cached"])
 def test_sliding_window_generation_past_the_window_matches_torch(port, reference, mode):
     weights = random_weights(WINDOWED, seed=2)
-    prompts = random_prompts(WINDOWED, 2, 7, seed=9)
-    expected, expected_logits = reference.generate(reference.load_model(WINDOWED, weights, "float64"), prompts, 20,
-                                                   "naive", return_logits=True)
+    prompts = random_prompts(WINDOWED.vocab_size, 2, 7, seed=9)
+    expected, expected_logits = reference.generate(
+        reference.load_model(WINDOWED, weights, "float64"), prompts, 20, "naive", return_logits=True
+    )
     tokens, logits = port.generate(port.load_model(WINDOWED, weights, "float64"), prompts, 20, mode, return_logits=True)
     assert tokens.tolist() == expected.tolist()
     np.testing.assert_allclose(logits, expected_logits, atol=1e-10, rtol=0)

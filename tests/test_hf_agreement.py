@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
-import torch  # noqa: E402  (transformers needs it; after the skip so its absence skips)
+import torch
 
-from hf_util import CASES, hf_generate, prompts_for, save_hf  # noqa: E402
-from kvports.shared.cli import main  # noqa: E402
-from kvports.shared.weights import load_weights  # noqa: E402
+from kvports.shared.cli import main
+from kvports.shared.generation import pad_prompts
+from kvports.shared.weights import load_weights
+from tests.helpers import random_prompts
+from tests.hf_util import CASES, hf_generate, save_hf
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +48,7 @@ class Runs:
             assert main(["convert", "--from-hf", str(directory), "--out", str(out)]) == 0
             config, tensors = load_weights(out)
             batch, length = CASES[case_name].prompt
-            prompts = prompts_for(config.vocab_size, batch, length, seed=length)
+            prompts = random_prompts(config.vocab_size, batch, length, seed=length)
             self.hf[(case_name, dtype)] = (config, tensors, (prompts, *hf_generate(model, prompts, NEW_TOKENS)))
         return self.hf[(case_name, dtype)]
 
@@ -91,3 +93,13 @@ def test_mistral_window_off_by_one_disagrees_with_transformers(port, runs, windo
     model = port.load_model(dataclasses.replace(config, sliding_window=window), tensors, "float64")
     _, logits = port.generate(model, prompts, 1, "naive", return_logits=True)
     assert np.abs(logits[:, 0] - hf_logits[:, 0]).max() > 100 * LOGITS_ATOL
+
+
+@pytest.mark.parametrize("mode", ["naive", "cached"])
+@pytest.mark.parametrize("case", ["gpt2-tied", "llama-gqa-untied", "mistral-window"])
+def test_a_ragged_batch_equals_transformers_with_left_padding(port, runs, case, mode):
+    config, tensors, _ = runs.reference(case, "float64")
+    prompts, _ = pad_prompts([[5, 9, 2, 40, 7, 1], [11, 3], [60, 1, 33]])  # [3, 6], PAD on the left
+    hf_tokens, _ = hf_generate(CASES[case].build(torch.float64), prompts, NEW_TOKENS)
+    tokens, _ = port.generate(port.load_model(config, tensors, "float64"), prompts, NEW_TOKENS, mode)
+    assert tokens[:, 6:].tolist() == hf_tokens[:, 6:].tolist()

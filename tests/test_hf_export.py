@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
-import torch  # noqa: E402
+import torch
 
-from conftest import GOLDEN, SEED_PROMPT  # noqa: E402
-from hf_util import CASES  # noqa: E402
-from kvports.shared.cli import main  # noqa: E402
-from kvports.shared.hf import import_hf  # noqa: E402
-from kvports.shared.weights import DEFAULT_WEIGHTS  # noqa: E402
+from kvports.shared.cli import main
+from kvports.shared.hf import import_hf
+from kvports.shared.weights import DEFAULT_WEIGHTS
+from tests.helpers import GOLDEN, SEED_PROMPT, assert_same_tensors
+from tests.hf_util import CASES
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +25,10 @@ def test_exported_seed_model_gives_golden_tokens_in_transformers(tmp_path):
     model = GPT2LMHeadModel.from_pretrained(tmp_path / "seed").eval()
     prompt = torch.from_numpy(SEED_PROMPT)
     with torch.no_grad():
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=len(GOLDEN), do_sample=False)
-    assert out[0, SEED_PROMPT.shape[1]:].tolist() == GOLDEN
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=len(GOLDEN), do_sample=False
+        )
+    assert out[0, SEED_PROMPT.shape[1] :].tolist() == GOLDEN
 
 
 def test_transformers_sharded_checkpoint_converts_like_one_file(tmp_path):
@@ -36,8 +38,7 @@ def test_transformers_sharded_checkpoint_converts_like_one_file(tmp_path):
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     _, one = import_hf(tmp_path / "one")
     _, sharded = import_hf(tmp_path / "sharded")
-    for name in one:
-        np.testing.assert_array_equal(one[name], sharded[name])
+    assert_same_tensors(one, sharded)
 
 
 def test_transformers_bfloat16_checkpoint_casts_to_the_same_values(tmp_path):

@@ -10,10 +10,21 @@ import numpy as np
 import pytest
 
 from kvports.shared.config import ModelConfig, kv_cache_bytes
+from tests.helpers import port_or_skip, random_weights
 
 # Same d_model, heads and layers: only the k/v heads and the window differ.
-BASE = ModelConfig(vocab_size=64, d_model=64, n_heads=8, n_layers=2, max_seq_len=256, activation="swiglu",
-                   norm="rmsnorm", positions="rope", attn_bias=False, ffn_bias=False)
+BASE = ModelConfig(
+    vocab_size=64,
+    d_model=64,
+    n_heads=8,
+    n_layers=2,
+    max_seq_len=256,
+    activation="swiglu",
+    norm="rmsnorm",
+    positions="rope",
+    attn_bias=False,
+    ffn_bias=False,
+)
 VARIANTS = {
     "mha": BASE,
     "gqa": dataclasses.replace(BASE, n_kv_heads=2),
@@ -26,10 +37,12 @@ BATCH, TOTAL = 2, 64  # the windowed model generates 4x its window
 def allocated_bytes(port, config: ModelConfig, batch: int, total_len: int) -> int:
     """keys.nbytes + values.nbytes of the cache the port's own init_cache builds."""
     model_module = importlib.import_module(f"kvports.{port.NAME}_impl.model")
-    dtype = getattr(importlib.import_module("torch"), "float32") if port.NAME == "torch" else np.float32
+    dtype = importlib.import_module("torch").float32 if port.NAME == "torch" else np.float32
     cache = model_module.init_cache(config, batch, total_len, dtype)
-    return sum(int(np.prod(a.shape)) * np.dtype(str(a.dtype).replace("torch.", "")).itemsize
-               for a in (cache.keys, cache.values))
+    return sum(
+        int(np.prod(a.shape)) * np.dtype(str(a.dtype).replace("torch.", "")).itemsize
+        for a in (cache.keys, cache.values)
+    )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -52,8 +65,6 @@ def test_windowed_cache_holds_the_window_not_the_sequence(port):
 def test_cached_generation_allocates_through_init_cache(name, monkeypatch):
     """The bytes measured above are the ones generation uses: generate_cached builds its
     cache with init_cache, once, of window size. (JAX allocates inside its compiled call.)"""
-    from conftest import port_or_skip, random_weights
-
     port = port_or_skip(name)
     model_module = importlib.import_module(f"kvports.{name}_impl.model")
     made = []

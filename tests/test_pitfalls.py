@@ -8,8 +8,7 @@ import importlib
 
 import numpy as np
 
-from tests.conftest import SEED_PROMPT
-from tests.helpers import assert_logits_close, assert_tokens_agree
+from tests.helpers import SEED_PROMPT, assert_logits_close, assert_tokens_agree
 
 NEW_TOKENS = 8
 

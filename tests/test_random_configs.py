@@ -8,8 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvports.shared.config import ModelConfig
-from tests.conftest import random_weights
-from tests.helpers import assert_logits_close, assert_tokens_agree
+from tests.helpers import assert_logits_close, assert_tokens_agree, random_prompts, random_weights
 
 
 @st.composite
@@ -40,11 +39,15 @@ def configs(draw):
 @given(config=configs(), prompt_len=st.integers(1, 9), batch=st.integers(1, 2), seed=st.integers(0, 2**16))
 def test_random_config_cached_equals_naive_and_matches_torch(port, reference, config, prompt_len, batch, seed):
     tensors = random_weights(config, seed)
-    prompts = np.random.default_rng(seed).integers(0, config.vocab_size, size=(batch, prompt_len), dtype=np.int64)
+    prompts = random_prompts(config.vocab_size, batch, prompt_len, seed)
     new_tokens = 32 - prompt_len - np.random.default_rng(seed).integers(0, 10)
-    expected, expected_logits = reference.generate(reference.load_model(config, tensors, "float64"), prompts, new_tokens, "naive", return_logits=True)
+    expected, expected_logits = reference.generate(
+        reference.load_model(config, tensors, "float64"), prompts, new_tokens, "naive", return_logits=True
+    )
     for mode in ("naive", "cached"):
-        tokens, logits = port.generate(port.load_model(config, tensors, "float64"), prompts, new_tokens, mode, return_logits=True)
+        tokens, logits = port.generate(
+            port.load_model(config, tensors, "float64"), prompts, new_tokens, mode, return_logits=True
+        )
         agreement = assert_tokens_agree(expected, expected_logits, tokens, prompt_len, f"{port.NAME} {mode} {config}")
         assert agreement.agree, agreement.describe()
         assert_logits_close(expected_logits, logits, 1e-9, agreement, f"{port.NAME} {mode}")

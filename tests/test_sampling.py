@@ -11,7 +11,7 @@ import pytest
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, finish_reasons, pad_prompts, row_tokens, uniforms
-from tests.conftest import random_weights
+from tests.helpers import random_weights
 
 # Untied, learned positions, GQA: small enough for float64 runs in every test.
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64)
@@ -55,8 +55,11 @@ def test_a_different_seed_gives_different_tokens(port, weights):
     assert first.tolist() != other.tolist()
 
 
-@pytest.mark.parametrize("generation", [GenerationConfig(10, temperature=0.0, seed=4),
-                                        GenerationConfig(10, temperature=1.5, top_k=1, seed=4)], ids=["t0", "k1"])
+@pytest.mark.parametrize(
+    "generation",
+    [GenerationConfig(10, temperature=0.0, seed=4), GenerationConfig(10, temperature=1.5, top_k=1, seed=4)],
+    ids=["t0", "k1"],
+)
 def test_temperature_zero_and_top_k_one_are_greedy(port, weights, generation):
     model = port.load_model(CONFIG, weights, "float32")
     prompts = np.array([[5, 9, 2, 40, 7], [1, 2, 3, 4, 5]])
@@ -92,10 +95,15 @@ def softmax(x):
     return e / e.sum()
 
 
-@pytest.mark.parametrize("generation", [GenerationConfig(1, temperature=0.8, seed=0),
-                                        GenerationConfig(1, temperature=1.0, top_k=6, seed=0),
-                                        GenerationConfig(1, temperature=1.2, top_p=0.7, seed=0)],
-                         ids=["plain", "top-k", "top-p"])
+@pytest.mark.parametrize(
+    "generation",
+    [
+        GenerationConfig(1, temperature=0.8, seed=0),
+        GenerationConfig(1, temperature=1.0, top_k=6, seed=0),
+        GenerationConfig(1, temperature=1.2, top_p=0.7, seed=0),
+    ],
+    ids=["plain", "top-k", "top-p"],
+)
 def test_one_sampled_step_follows_the_softmax_of_the_filtered_logits(port, generation):
     logits = np.random.default_rng(11).normal(0, 1.5, size=24)  # [V]
     draws = np.array([uniforms(seed, 1, 1)[0, 0] for seed in range(20_000)])  # one draw per seed
@@ -156,8 +164,9 @@ def test_generation_ends_when_every_row_has_stopped(port, weights, mode):
     model = port.load_model(CONFIG, weights, "float64")
     prompts = np.array([[5, 9, 2, 40, 7]])
     free, free_logits = port.generate(model, prompts, 12, mode, return_logits=True)
-    tokens, logits = port.generate(model, prompts, GenerationConfig(12, stop_ids=(int(free[0, 6]),)), mode,
-                                   return_logits=True)
+    tokens, logits = port.generate(
+        model, prompts, GenerationConfig(12, stop_ids=(int(free[0, 6]),)), mode, return_logits=True
+    )
     assert logits.shape[1] == 2  # two steps made, no more
     np.testing.assert_allclose(logits, free_logits[:, :2], atol=1e-12, rtol=0)
 
@@ -169,7 +178,7 @@ def test_rows_of_a_ragged_batch_equal_the_rows_run_alone(port, weights, mode, dt
     rows = [[5, 9, 2, 40, 7], [11, 3], [60, 1, 33, 8]]
     prompts, pad = ragged_prompts()
     tokens, logits = port.generate(model, prompts, 10, mode, return_logits=True)
-    for row, (prompt, padding) in enumerate(zip(rows, pad)):
+    for row, (prompt, padding) in enumerate(zip(rows, pad, strict=True)):
         alone, alone_logits = port.generate(model, np.array([prompt]), 10, mode, return_logits=True)
         assert tokens[row, padding:].tolist() == alone[0].tolist()
         np.testing.assert_allclose(logits[row], alone_logits[0], atol=1e-4 if dtype == "float32" else 1e-10, rtol=0)
@@ -177,23 +186,42 @@ def test_rows_of_a_ragged_batch_equal_the_rows_run_alone(port, weights, mode, dt
 
 @pytest.mark.parametrize("window", [3, None])
 def test_ragged_rows_equal_rows_alone_with_rope_and_a_sliding_window(port, window):
-    config = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=1, n_layers=2, max_seq_len=64,
-                         positions="rope", norm="rmsnorm", activation="swiglu", attn_bias=False, ffn_bias=False,
-                         sliding_window=window)
+    config = ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=1,
+        n_layers=2,
+        max_seq_len=64,
+        positions="rope",
+        norm="rmsnorm",
+        activation="swiglu",
+        attn_bias=False,
+        ffn_bias=False,
+        sliding_window=window,
+    )
     model = port.load_model(config, random_weights(config, seed=4), "float64")
     rows = [[5, 9, 2, 40, 7], [11, 3], [60, 1, 33, 8]]
     prompts, pad = ragged_prompts()
     for mode in ("naive", "cached"):
         tokens, _ = port.generate(model, prompts, 9, mode)
-        for row, (prompt, padding) in enumerate(zip(rows, pad)):
+        for row, (prompt, padding) in enumerate(zip(rows, pad, strict=True)):
             assert tokens[row, padding:].tolist() == port.generate(model, np.array([prompt]), 9, mode)[0][0].tolist()
 
 
-@pytest.mark.parametrize("bad,message", [
-    (dict(temperature=-0.5), "temperature -0.5"), (dict(temperature=float("nan")), "temperature nan"),
-    (dict(top_k=-1), "top-k -1"), (dict(top_p=0.0), "top-p 0.0"), (dict(top_p=1.5), "top-p 1.5"),
-    (dict(seed=-3), "seed -3"), (dict(stop_ids=(64,)), "stop id 64"), (dict(max_new_tokens=0), "new tokens 0"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (dict(temperature=-0.5), "temperature -0.5"),
+        (dict(temperature=float("nan")), "temperature nan"),
+        (dict(top_k=-1), "top-k -1"),
+        (dict(top_p=0.0), "top-p 0.0"),
+        (dict(top_p=1.5), "top-p 1.5"),
+        (dict(seed=-3), "seed -3"),
+        (dict(stop_ids=(64,)), "stop id 64"),
+        (dict(max_new_tokens=0), "new tokens 0"),
+    ],
+)
 def test_bad_generation_settings_are_refused_by_name(bad, message):
     settings = dict(max_new_tokens=4) | bad
     with pytest.raises(UserError, match=message.replace("(", r"\(")):

@@ -38,8 +38,9 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path, seed_weights, 
 
     def crash(src, dst):
         raise OSError("disk full")
+
     monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(UserError, match=r"cannot write .*w\.safetensors' \(disk full\)"):
         save_weights(target, tensors, config)
     assert target.read_bytes() == b"old contents"
     assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]

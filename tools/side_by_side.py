@@ -26,7 +26,7 @@ def table() -> str:
         return "`" + line.replace("|", "\\|") + "`" if line.strip() else ""
 
     rows = ["| " + " | ".join(f"`{port}/model.py`" for port in PORTS) + " |", "|---|---|---|"]
-    rows += ["| " + " | ".join(cell(line) for line in row) + " |" for row in zip(*columns)]
+    rows += ["| " + " | ".join(cell(line) for line in row) + " |" for row in zip(*columns, strict=True)]
     return "\n".join(rows)
 
 

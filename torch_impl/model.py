@@ -17,8 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kvports.shared.config import ModelConfig
-from kvports.shared.config import cache_slots
+from kvports.shared.config import ModelConfig, cache_slots
 from kvports.shared.generation import PAD, GenerationConfig, uniforms
 
 
@@ -28,7 +27,9 @@ class KVCache:
     keys: torch.Tensor  # [L, B, Hkv, S, Dh], S = slots (prompt + new tokens, or a ring for the window)
     values: torch.Tensor  # [L, B, Hkv, S, Dh]
     slot_positions: torch.Tensor  # [B, S] int64: the position each slot holds in each row, -1 while empty or padding
-    length: int  # columns written so far; a column is one step of every row (rows differ by their left padding)
+    # Columns written so far; a column is one step of every row (rows differ by their left padding).
+    # An int in eager mode; a tensor for torch.compile, so every step is one graph of one shape.
+    length: int | torch.Tensor
     window: Optional[int]  # the sliding window, or None
 
     def writes_first(self, T: int) -> bool:
@@ -37,57 +38,85 @@ class KVCache:
         slots = self.keys.shape[3]
         return self.window is None or slots < self.window or T <= slots - self.window + 1
 
-    def slot_index(self, T: int) -> torch.Tensor:
-        return torch.arange(self.length, self.length + T) % self.keys.shape[3]  # [T]: slot = column mod S
+    def filled(self, count: int) -> int:
+        """How many slots the keys span once `count` more columns are written: the prefix filled so
+        far (a shape that grows is free in eager mode), or every slot under torch.compile."""
+        if isinstance(self.length, torch.Tensor):
+            return self.keys.shape[3]
+        return min(self.length + count, self.keys.shape[3])
+
+    def slot_index(self, column: int | torch.Tensor, count: int):
+        """The slots of columns [column, column + count), slot = column mod S: a slice while they do
+        not wrap around a ring, so writes and reads are views rather than gathers."""
+        slots = self.keys.shape[3]
+        if not isinstance(column, torch.Tensor) and column % slots + count <= slots:
+            return slice(column % slots, column % slots + count)
+        return (column + torch.arange(count)) % slots  # [count]
 
     def mask(self, positions: torch.Tensor, padded: bool) -> Optional[torch.Tensor]:
         """Which keys each of this chunk's queries sees: [B, 1, T, S'], or None when all of them do."""
         B, T = positions.shape
-        slots = self.keys.shape[3]
         if not self.writes_first(T):
-            filled = min(self.length, slots)
-            key_positions = torch.cat([self.slot_positions[:, :filled], positions.expand(self.slot_positions.shape[0], T)], dim=1)
+            filled = self.filled(0)
+            key_positions = torch.cat(
+                [self.slot_positions[:, :filled], positions.expand(self.slot_positions.shape[0], T)], dim=1
+            )
             return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
-        filled = min(self.length + T, slots)
-        if T == 1 and not padded and (self.window is None or filled <= self.window):
+        filled = self.filled(T)
+        growing = not isinstance(self.length, torch.Tensor)  # compiled: every slot is attended, the empty ones masked
+        if growing and T == 1 and not padded and (self.window is None or filled <= self.window):
             return None  # one new token over the slots filled so far: every one is visible
         key_positions = self.slot_positions.clone()  # [B, S]: as this chunk's write leaves them
-        key_positions[:, self.slot_index(T)] = positions
+        key_positions[:, self.slot_index(self.length, T)] = positions
         return attention_mask(positions, key_positions[:, :filled], self.window)  # [B, 1, T, S']
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write this chunk's k and v at their slots; the keys and values to attend over."""
         T, slots = k.shape[2], self.keys.shape[3]
-        slot_index = self.slot_index(T)  # [T]
         if self.writes_first(T):
-            self.keys[layer].index_copy_(2, slot_index, k)
-            self.values[layer].index_copy_(2, slot_index, v)
-            filled = min(self.length + T, slots)  # a shape that grows is free in eager mode
+            index = self.slot_index(self.length, T)
+            self.keys[layer][:, :, index] = k
+            self.values[layer][:, :, index] = v
+            filled = self.filled(T)
             return self.keys[layer, :, :, :filled], self.values[layer, :, :, :filled]  # [B, Hkv, S', Dh] views
-        filled, keep = min(self.length, slots), min(T, slots)  # a chunk wider than the ring keeps its newest
+        filled, keep = self.filled(0), min(T, slots)  # a chunk wider than the ring keeps its newest
         keys = torch.cat([self.keys[layer, :, :, :filled], k], dim=2)  # [B, Hkv, S', Dh]
         values = torch.cat([self.values[layer, :, :, :filled], v], dim=2)  # [B, Hkv, S', Dh]
-        self.keys[layer].index_copy_(2, slot_index[-keep:], k[:, :, -keep:])
-        self.values[layer].index_copy_(2, slot_index[-keep:], v[:, :, -keep:])
+        index = self.slot_index(self.length + T - keep, keep)
+        self.keys[layer][:, :, index] = k[:, :, -keep:]
+        self.values[layer][:, :, index] = v[:, :, -keep:]
         return keys, values
 
     def advance(self, positions: torch.Tensor) -> KVCache:
         # After every layer has read the old slot positions: they change once per forward.
         T, slots = positions.shape[1], self.keys.shape[3]
         keep = min(T, slots)
-        self.slot_positions[:, self.slot_index(T)[-keep:]] = positions[:, -keep:]
-        self.length += T
+        self.slot_positions[:, self.slot_index(self.length + T - keep, keep)] = positions[:, -keep:]
+        self.length = self.length + T
+        return self
+
+    def crop(self, length: int | torch.Tensor) -> KVCache:
+        """Take back every column from `length` on (rejected speculative tokens): their slots read
+        as empty again, as if never written. A ring sized with spare slots lost nothing still needed."""
+        slots = self.keys.shape[3]
+        # [S]: the last column each slot took
+        newest = self.length - 1 - (self.length - 1 - torch.arange(slots)) % slots
+        self.slot_positions[:, newest >= length] = -1
+        self.length = length
         return self
 
 
-def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: torch.dtype) -> KVCache:
-    slots = cache_slots(config, total_len)
+def init_cache(
+    config: ModelConfig, batch: int, total_len: int, dtype: torch.dtype, chunk: int = 1, compiled: bool = False
+) -> KVCache:
+    """compiled: the length as a tensor, for a torch.compile'd forward (one shape at every step)."""
+    slots = cache_slots(config, total_len, chunk)
     shape = (config.n_layers, batch, config.kv_heads, slots, config.head_dim)
     return KVCache(
         keys=torch.zeros(shape, dtype=dtype),
         values=torch.zeros(shape, dtype=dtype),
         slot_positions=torch.full((batch, slots), -1, dtype=torch.int64),
-        length=0,
+        length=torch.zeros((), dtype=torch.int64) if compiled else 0,
         window=config.sliding_window,
     )
 
@@ -98,7 +127,8 @@ def token_positions(start: int, length: int, pad: Optional[torch.Tensor]) -> tor
     positions = start + torch.arange(length)[None, :]  # [1, T]; [B, T] where start is per row, [B, 1]
     if pad is None:
         return positions
-    return (positions - pad[:, None]).clamp(min=-1)  # [B, T]: a left-padded row counts from its first token; -1 on padding
+    # [B, T]: a left-padded row counts from its first token; -1 on padding
+    return (positions - pad[:, None]).clamp(min=-1)
 
 
 def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -251,16 +281,42 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def probabilities(logits: torch.Tensor, generation: GenerationConfig) -> torch.Tensor:
+    """logits [..., V] -> what sampling draws from [..., V]: the temperature, top-k and top-p,
+    then softmax. In float64, so the ports' draws can differ only where their logits do."""
+    logits = logits.to(torch.float64) / generation.temperature  # [..., V]
+    shape = logits.shape
+    return (
+        filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p).softmax(dim=-1).reshape(shape)
+    )
+
+
+def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] (summing to any positive total), uniform [B] in [0, 1) -> tokens [B]: the
+    first token whose cumulative probability exceeds the uniform's share of the total."""
+    cumulative = probs.cumsum(dim=-1)  # [B, V]
+    # [B]: tokens whose interval ends at or below it
+    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)
+    return drawn.clamp(max=probs.shape[-1] - 1)
+
+
 def sample(logits: torch.Tensor, generation: GenerationConfig, uniform: torch.Tensor) -> torch.Tensor:
-    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: temperature, top-k, top-p, then the
-    first token whose cumulative probability exceeds the uniform. In float64, so the ports'
-    draws can differ only where their logits do."""
+    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: greedy at temperature 0, else a draw
+    from the filtered probabilities."""
     if generation.greedy:
         return greedy(logits)
-    logits = filter_logits(logits.to(torch.float64) / generation.temperature, generation.top_k, generation.top_p)
-    cumulative = logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
-    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)  # [B]: tokens whose interval ends at or below the draw
-    return drawn.clamp(max=logits.shape[-1] - 1)
+    return draw(probabilities(logits, generation), uniform)
+
+
+def choose(
+    logits: torch.Tensor, generation: GenerationConfig, uniform: torch.Tensor, done: torch.Tensor, stops: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each row's next token [B] and whether it has stopped [B]: a stopped row stays stopped (PAD)."""
+    token = sample(logits, generation, uniform)  # [B]
+    if generation.stop_ids:  # without stop ids no row can stop: no bookkeeping
+        token = token.masked_fill(done, PAD)
+        done = done | torch.isin(token, stops)
+    return token, done
 
 
 # on_token(token [B]) is called as each new token is made (streaming, per-step timing); the
@@ -273,7 +329,8 @@ def start_generation(prompt: torch.Tensor, generation: GenerationConfig):
     row's draws [B, N], the stop ids, and the token buffer [B, P + N] with the prompt in it."""
     B, P = prompt.shape
     pad = (prompt == PAD).sum(dim=1)  # [B]
-    pad = pad if bool(pad.any()) else None  # the one host look before the loop: unpadded batches skip every mask they can
+    # The one host look before the loop: unpadded batches skip every mask they can
+    pad = pad if bool(pad.any()) else None
     draws = torch.from_numpy(uniforms(generation.seed, B, generation.max_new_tokens)).to(prompt.device)  # [B, N]
     stops = torch.tensor(generation.stop_ids, dtype=prompt.dtype, device=prompt.device)  # [K]
     tokens = torch.full((B, P + generation.max_new_tokens), PAD, dtype=prompt.dtype, device=prompt.device)  # [B, P + N]
@@ -282,8 +339,13 @@ def start_generation(prompt: torch.Tensor, generation: GenerationConfig):
 
 
 @torch.inference_mode()
-def generate_naive(model: TinyModel, prompt: torch.Tensor, generation: GenerationConfig, return_logits: bool = False,
-                   on_token: OnToken = None):
+def generate_naive(
+    model: TinyModel,
+    prompt: torch.Tensor,
+    generation: GenerationConfig,
+    return_logits: bool = False,
+    on_token: OnToken = None,
+):
     """Recompute the whole history every step: O(n^2) work per token.
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
@@ -295,25 +357,32 @@ def generate_naive(model: TinyModel, prompt: torch.Tensor, generation: Generatio
         logits, _ = model(tokens[:, : P + step].clamp(min=0), pad=pad)  # [B, P + step, V]: the whole history again
         if return_logits:
             step_logits.append(logits[:, -1])
-        token = sample(logits[:, -1], generation, draws[:, step]).masked_fill(done, PAD)  # [B]; a stopped row stays stopped
+        token, done = choose(logits[:, -1], generation, draws[:, step], done, stops)  # [B], [B]
         tokens[:, P + step] = token
         if on_token is not None:
             on_token(token)
-        done |= torch.isin(token, stops)
-        if stops.numel() and bool(done.all()):
+        if generation.stop_ids and bool(done.all()):
             break  # every row has stopped
     return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
 
 @torch.inference_mode()
-def generate_cached(model: TinyModel, prompt: torch.Tensor, generation: GenerationConfig, return_logits: bool = False,
-                    prefill: bool = True, on_token: OnToken = None):
+def generate_cached(
+    model: TinyModel,
+    prompt: torch.Tensor,
+    generation: GenerationConfig,
+    return_logits: bool = False,
+    prefill: bool = True,
+    on_token: OnToken = None,
+    compiled: bool = False,
+):
     """Prefill the prompt in one forward, then one token per step against the cache.
-    prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
+    prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one.
+    compiled: for a torch.compile'd model, the cache keeps one shape at every step."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
     pad, draws, stops, tokens = start_generation(prompt, generation)
-    cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
+    cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype, compiled=compiled)
     if prefill:
         logits, cache = model(prompt.clamp(min=0), cache, pad)  # [B, P, V]
     else:
@@ -327,12 +396,11 @@ def generate_cached(model: TinyModel, prompt: torch.Tensor, generation: Generati
             logits, cache = model(tokens[:, P + step - 1 : P + step].clamp(min=0), cache, pad)  # [B, 1, V]
         if return_logits:
             step_logits.append(logits[:, -1])
-        token = sample(logits[:, -1], generation, draws[:, step]).masked_fill(done, PAD)  # [B]; a stopped row stays stopped
+        token, done = choose(logits[:, -1], generation, draws[:, step], done, stops)  # [B], [B]
         tokens[:, P + step] = token
         if on_token is not None:
             on_token(token)
-        done |= torch.isin(token, stops)
-        if stops.numel() and bool(done.all()):
+        if generation.stop_ids and bool(done.all()):
             break  # every row has stopped (a host look per step, only when there are stop ids)
     return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 

@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, as_generation
+from kvports.torch_impl import speculative
 from kvports.torch_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
 
 NAME = "torch"
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def versions() -> Dict[str, str]:
+def versions() -> dict[str, str]:
     return {"torch": torch.__version__}
 
 
@@ -39,17 +41,28 @@ def _on_device(device: torch.device):
     return device if device.type != "cpu" else contextlib.nullcontext()
 
 
-def load_model(config: ModelConfig, tensors: Dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu") -> TinyModel:
+def load_model(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+) -> TinyModel:
+    config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     with torch.device("meta"):
         model = TinyModel(config)  # no random init: every tensor comes from the file
-    state = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in tensors.items()}
+    # Copied into torch's own allocations: the file's arrays sit at arbitrary offsets, and MKL's
+    # small matrix products run about twice as slow on memory not aligned to 64 bytes.
+    state = {name: torch.tensor(array) for name, array in tensors.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device=resolve_device(device), dtype=TORCH_DTYPES[dtype]).eval()
 
 
-def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, GenerationConfig], mode: str,
-             return_logits: bool = False, prefill: bool = True, on_token: Optional[Callable[[np.ndarray], None]] = None
-             ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+def generate(
+    model: TinyModel,
+    prompts: np.ndarray,
+    generation: int | GenerationConfig,
+    mode: str,
+    return_logits: bool = False,
+    prefill: bool = True,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
     """prompts [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N] (PAD after a row
     stops) and step logits [B, steps, V]; on_token(token [B]) as each token reaches the host.
     generation: a GenerationConfig, or a number of greedy tokens."""
@@ -65,6 +78,27 @@ def generate(model: TinyModel, prompts: np.ndarray, generation: Union[int, Gener
         return result.cpu().numpy(), None
     tokens, logits = result
     return tokens.cpu().numpy(), logits.cpu().numpy()  # [B, P + N], [B, N, V]
+
+
+def generate_speculative(
+    model: TinyModel,
+    draft: TinyModel | None,
+    prompts: np.ndarray,
+    generation: int | GenerationConfig,
+    draft_tokens: int,
+    ngram: int = 2,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> tuple[np.ndarray, dict[str, int]]:
+    """The target's own tokens [B, P + N] from draft-and-verify rounds, and their counts. draft:
+    a model loaded with load_model (same vocabulary), or None for prompt lookup of n-grams."""
+    device = model.emb.weight.device
+    prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(device)  # [B, P]
+    to_host = None if on_token is None else (lambda token: on_token(token.cpu().numpy()))
+    with _on_device(device):
+        tokens, counts = speculative.generate_speculative(
+            model, draft, prompt, as_generation(generation), draft_tokens, ngram, to_host
+        )
+    return tokens.cpu().numpy(), counts  # [B, P + N]
 
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
@@ -87,7 +121,7 @@ def synchronize(model: TinyModel) -> None:
         torch.cuda.synchronize()
 
 
-def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> List[float]:
+def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> list[float]:
     """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
     call: the matrix's bytes over this time is the streaming bandwidth a roofline divides by."""
     target = resolve_device(device)
@@ -105,7 +139,7 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> L
     return seconds[1:]
 
 
-def init_weights(config: ModelConfig, seed: int) -> Dict[str, np.ndarray]:
+def init_weights(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """The reference initialisation: seed 0 with the default config is the seed's model."""
     torch.manual_seed(seed)
     model = TinyModel(config)
@@ -121,27 +155,39 @@ def clear_compiled() -> None:
 # and one step of the running batch over it (torch_impl/paged.py; docs/BATCHING.md).
 
 
-def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int):
-    """The pool [L, num_blocks, Hkv, block_size, Dh] of keys and of values. max_batch and max_blocks
-    (per sequence) fix JAX's step shapes; eager steps take the shapes each step has."""
-    from kvports.torch_impl.paged import init_block_pool as init_pool
+def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> Any:
+    """The pool of keys and of values, [L, num_blocks, block_size, Hkv, Dh] each. max_batch and
+    max_blocks (per sequence) fix JAX's step shapes; eager steps take the shapes each step has."""
+    from kvports.torch_impl import paged
 
     weight = model.emb.weight
     with _on_device(weight.device):
-        return init_pool(model.config, num_blocks, block_size, weight.dtype)
+        return paged.init_block_pool(model.config, num_blocks, block_size, weight.dtype)
 
 
-def paged_step(model: TinyModel, pool, tokens: np.ndarray, start: np.ndarray, block_tables: np.ndarray,
-               samplers: Sequence[Tuple[GenerationConfig, np.ndarray]], uniform: np.ndarray) -> Tuple[np.ndarray, object]:
+def paged_step(
+    model: TinyModel,
+    pool: Any,
+    tokens: np.ndarray,
+    start: np.ndarray,
+    block_tables: np.ndarray,
+    samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
+    uniform: np.ndarray,
+) -> tuple[np.ndarray, Any]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
     `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), samplers: each
     sampling setting with its rows [B] bool, uniform [B]: each row's draw. The next token of every
     row [B], and the pool to pass to the next step."""
-    from kvports.torch_impl.paged import paged_step as step
+    from kvports.torch_impl import paged
 
     device = model.emb.weight.device
-    as_tensor = lambda array: torch.from_numpy(np.asarray(array)).to(device)
+
+    def on_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(array)).to(device)
+
     with _on_device(device):
-        next_tokens, pool = step(model, pool, as_tensor(tokens), as_tensor(start), as_tensor(block_tables),
-                                 [(generation, as_tensor(rows)) for generation, rows in samplers], as_tensor(uniform))
+        rows = [(generation, on_device(in_group)) for generation, in_group in samplers]
+        next_tokens, pool = paged.paged_step(
+            model, pool, on_device(tokens), on_device(start), on_device(block_tables), rows, on_device(uniform)
+        )
     return next_tokens.cpu().numpy(), pool  # [B]

@@ -18,17 +18,29 @@ from typing import Any
 import numpy as np
 
 from kvports.shared.batching.blocks import blocks_for
-from kvports.shared.batching.engine import BLOCK_SIZE, MAX_BATCH, MAX_STEP_TOKENS, BatchSettings, Engine
+from kvports.shared.batching.engine import (
+    BLOCK_SIZE,
+    MAX_BATCH,
+    MAX_STEP_TOKENS,
+    BatchSettings,
+    Engine,
+    run_bytes,
+)
 from kvports.shared.batching.requests import BadLine, Request, parse_requests
 from kvports.shared.batching.scheduler import Sequence
+from kvports.shared.commands.arguments import positive_int
 from kvports.shared.config import DTYPES, ModelConfig
-from kvports.shared.errors import UserError
+from kvports.shared.errors import UserError, echo_path
+from kvports.shared.limits import check_bytes
 from kvports.shared.ports import PORTS, REFERENCE, PortUnavailable, load_port
-from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
+from kvports.shared.progress import make_progress
+from kvports.shared.weights import DEFAULT_WEIGHTS, open_weights
 
 HELP = "run a JSONL file of requests with continuous batching over a paged KV cache (or --bench it)"
 EXIT_BAD_LINES = 2  # a user error, as every other: some lines were not run
 DEFAULT_NEW_TOKENS = 16
+# Parsed, a token id of a few JSON characters becomes a 28-byte int and an 8-byte list slot.
+PARSED_BYTES_PER_BYTE = 10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="FILE",
         help='JSONL, one request a line: {"prompt": [ids]} or {"text": "..."}, and optionally "id", '
-        '"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids"',
+        '"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids" (default: the model\'s eos ids)',
     )
     parser.add_argument("--framework", choices=PORTS, default=REFERENCE, help=f"default {REFERENCE}")
     parser.add_argument(
@@ -56,26 +68,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--new-tokens",
-        type=int,
+        type=positive_int,
         default=DEFAULT_NEW_TOKENS,
         metavar="N",
         help=f"max_new_tokens of a line that gives none (default {DEFAULT_NEW_TOKENS})",
     )
     parser.add_argument(
-        "--max-batch", type=int, default=MAX_BATCH, help=f"sequences running at once (default {MAX_BATCH})"
+        "--max-batch", type=positive_int, default=MAX_BATCH, help=f"sequences running at once (default {MAX_BATCH})"
     )
     parser.add_argument(
-        "--block-size", type=int, default=BLOCK_SIZE, help=f"tokens per KV block (default {BLOCK_SIZE})"
+        "--block-size", type=positive_int, default=BLOCK_SIZE, help=f"tokens per KV block (default {BLOCK_SIZE})"
     )
     parser.add_argument(
         "--num-blocks",
-        type=int,
+        type=positive_int,
         default=None,
         help="KV blocks in the pool (default: enough for --max-batch of the longest request)",
     )
     parser.add_argument(
         "--max-step-tokens",
-        type=int,
+        type=positive_int,
         default=MAX_STEP_TOKENS,
         help=f"a prefill step's [batch x tokens] budget, padding included (default {MAX_STEP_TOKENS})",
     )
@@ -93,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="gpt2-small",
         help="--bench: the model (default gpt2-small: GPT-2 small's sizes, random weights)",
     )
-    bench.add_argument("--count", type=int, default=32, help="--bench: requests per workload (default 32)")
+    bench.add_argument("--count", type=positive_int, default=32, help="--bench: requests per workload (default 32)")
     bench.add_argument("--workloads", default="mixed,prefix", help="--bench: mixed, prefix or both (default both)")
     bench.add_argument("--json", action="store_true", help="--bench: one JSON object on stdout instead of the table")
 
@@ -116,17 +128,18 @@ def run(args: argparse.Namespace) -> int:
         return run_bench(args)
     if args.requests is None:
         raise UserError("give --requests FILE.jsonl (or --bench)")
-    if args.new_tokens < 1:
-        raise UserError(f"--new-tokens {args.new_tokens} is below 1")
-    config, tensors = load_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS)
-    settings_of(args, None).validate(config)  # the flags, before the file: they decide what fits
-    tokenizer = load_tokenizer(args.tokenizer)
-    requests, bad = read_requests(args, config, tokenizer)
-    for line in bad:
-        print(f"error: {line}", file=sys.stderr)
-    if not requests:
-        raise UserError(f"no request to run in {str(args.requests)!r}")
-    settings = settings_of(args, max(request.max_length for request in requests)).validate(config)
+    with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
+        config = weights.config.validate_at(args.dtype)
+        settings_of(args, None).validate(config)  # the flags, before the file: they decide what fits
+        tokenizer = load_tokenizer(args.tokenizer, config)
+        requests, bad = read_requests(args, config, tokenizer)
+        for line in bad:
+            print(f"error: {line}", file=sys.stderr)
+        if not requests:
+            raise UserError(f"no request to run in {echo_path(args.requests)}")
+        settings = settings_of(args, max(request.max_length for request in requests)).validate(config)
+        check_bytes(run_bytes(config, args.dtype, settings), f"a batch of {len(requests)} requests in {args.dtype}")
+        tensors = weights.read(args.dtype)
     try:
         port = load_port(args.framework)
     except PortUnavailable as exc:
@@ -138,28 +151,33 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_BAD_LINES if bad else 0
 
 
-def load_tokenizer(path: Path | None) -> Any:
+def load_tokenizer(path: Path | None, config: ModelConfig) -> Any:
     if path is None:
         return None
-    from kvports.shared.text import load_tokenizer as load
+    from kvports.shared.hf.text import check_vocabulary
+    from kvports.shared.hf.text import load_tokenizer as load
 
-    return load(path)
+    return check_vocabulary(load(path), config.vocab_size)
 
 
 def read_requests(args: argparse.Namespace, config: ModelConfig, tokenizer: Any) -> tuple[list[Request], list[BadLine]]:
     path: Path = args.requests
-    if not path.is_file():
-        raise UserError(
-            f"requests file {str(path)!r} does not exist"
-            if not path.exists()
-            else f"requests file {str(path)!r} is not a regular file"
-        )
+    try:
+        if not path.is_file():
+            exists = path.exists()
+            raise UserError(
+                f"requests file {echo_path(path)} {'is not a regular file' if exists else 'does not exist'}"
+            )
+        size = path.stat().st_size
+    except OSError as exc:  # a name too long, say
+        raise UserError(f"cannot read {echo_path(path)} ({exc.strerror or exc})") from None
+    check_bytes({"requests file": size, "parsed requests": PARSED_BYTES_PER_BYTE * size}, f"reading {echo_path(path)}")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
-        raise UserError(f"requests file {str(path)!r} is not UTF-8 text") from None
+        raise UserError(f"requests file {echo_path(path)} is not UTF-8 text") from None
     if not any(line.strip() for line in lines):
-        raise UserError(f"requests file {str(path)!r} has no requests")
+        raise UserError(f"requests file {echo_path(path)} has no requests")
     encode = None if tokenizer is None else (lambda text: tokenizer.encode(text).ids)
     # A request the pool could never hold is a bad line, not a run that waits forever.
     pool_tokens = None if args.num_blocks is None else args.num_blocks * args.block_size
@@ -174,7 +192,7 @@ def run_requests(
     start = time.perf_counter()
     for request in requests:
         engine.add(request)
-    with make_progress("requests") as progress:
+    with make_progress(quiet=False) as progress:
         task = progress.add_task("batch", total=len(requests))
 
         def report(sequence: Sequence) -> None:
@@ -198,7 +216,7 @@ def result_line(sequence: Sequence, tokenizer: Any) -> dict[str, Any]:
         "preemptions": sequence.preemptions,
     }
     if tokenizer is not None:
-        from kvports.shared.text import decode
+        from kvports.shared.hf.text import decode
 
         line["text"] = decode(tokenizer, sequence.generated)
     return line
@@ -240,21 +258,3 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
         return None
     array = np.asarray(values, dtype=np.float64)
     return {"median": float(np.median(array)), "p90": float(np.percentile(array, 90)), "max": float(array.max())}
-
-
-def make_progress(unit: str) -> Any:
-    """A bar on stderr counting `unit`s while they run; off when stderr is not a terminal."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = Console(stderr=True)
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn(unit),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=not console.is_terminal,
-    )

@@ -32,6 +32,7 @@ from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig, row_tokens
 from kvports.shared.ports import PORTS, PortUnavailable, load_port
+from kvports.shared.progress import make_progress
 
 WORKLOADS = ("mixed", "prefix")
 COMPILES = ("jax",)  # ports whose first run of a shape compiles: warmed up before timing
@@ -223,13 +224,11 @@ def run_workloads(
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kvports.shared.bench import PRESETS, random_weights
+    from kvports.shared.bench.presets import PRESETS, random_weights
     from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
 
     frameworks = choices(args.frameworks, PORTS, "frameworks")
     workloads = choices(args.workloads, WORKLOADS, "workloads")
-    if args.count < 1:
-        raise UserError(f"--count {args.count} is below 1")
     settings = BatchSettings(
         max_batch=args.max_batch,
         block_size=args.block_size,
@@ -244,11 +243,9 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UserError(
             f"the bench's requests reach {needed} tokens; the {args.preset} model's max_seq_len is {config.max_seq_len}"
         )
-    from kvports.shared.batching.batch import make_progress
-
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
-    with make_progress("runs") as progress:
+    with make_progress(quiet=args.json) as progress:
         task = progress.add_task("bench", total=2 * len(frameworks) * len(workloads))  # two runs a workload
 
         def tick(description: str) -> None:  # called as each run starts: the bar counts the ones begun

@@ -12,11 +12,15 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from kvports.shared.batching.blocks import BlockManager, blocks_for
 from kvports.shared.batching.requests import Request
 from kvports.shared.batching.scheduler import Scheduler, Sequence, Step
 from kvports.shared.config import ModelConfig
-from kvports.shared.errors import UserError
+from kvports.shared.errors import UserError, echo
+from kvports.shared.limits import check_count
+from kvports.shared.weights import parameter_count
 
 BLOCK_SIZE = 16
 MAX_BATCH = 32
@@ -36,7 +40,12 @@ class BatchSettings:
         for name in ("max_batch", "block_size", "max_step_tokens", "num_blocks", "max_length"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise UserError(f"{name.replace('_', ' ')} {value!r} must be an integer >= 1")
+                raise UserError(f"{name.replace('_', ' ')} {echo(value)} must be an integer >= 1")
+            if value is not None:
+                check_count(name.replace("_", " "), value)
+        # JAX indexes the pool's slots and each step's [B, T] block in int32.
+        check_count("pool slots (num blocks x block size)", self.pool_blocks(config) * self.block_size)
+        check_count("a step's rows x tokens", self.max_batch * max(self.max_step_tokens, self.longest(config)))
         if self.max_length is not None and self.max_length > config.max_seq_len:
             raise UserError(f"max length {self.max_length} exceeds max_seq_len {config.max_seq_len}")
         return self
@@ -48,6 +57,24 @@ class BatchSettings:
         if self.num_blocks is not None:
             return self.num_blocks
         return self.max_batch * blocks_for(self.longest(config), self.block_size)
+
+
+def run_bytes(config: ModelConfig, dtype: str, settings: BatchSettings) -> dict[str, int]:
+    """What a batch run cannot do without (shared.limits' rule: a floor, not a ceiling): the weights
+    twice, the block pool, each row's blocks gathered for one layer, and the widest step's logits
+    and attention scores (a prefill step's [B, T] up to the budget, or one prompt that exceeds it)."""
+    itemsize = np.dtype(dtype).itemsize
+    longest = settings.longest(config)
+    slots = settings.pool_blocks(config) * settings.block_size
+    gathered = settings.max_batch * blocks_for(longest, settings.block_size) * settings.block_size
+    step_tokens = max(settings.max_step_tokens, longest)
+    return {
+        "weights": 2 * parameter_count(config) * itemsize,
+        "block pool": 2 * config.n_layers * slots * config.kv_heads * config.head_dim * itemsize,  # no ring
+        "gathered blocks": 2 * gathered * config.kv_heads * config.head_dim * itemsize,
+        "logits": step_tokens * config.vocab_size * itemsize,
+        "attention scores": step_tokens * config.n_heads * longest * itemsize,
+    }
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 A line holds a prompt as token ids (`"prompt": [1, 2, 3]`) or as text (`"text": "..."`,
 encoded with --tokenizer), and optionally `id`, `max_new_tokens`, `temperature`, `top_k`,
-`top_p`, `seed` and `stop_ids` (the generation issue's settings). A bad line is one error
-naming its line number; the other lines still run.
+`top_p`, `seed` and `stop_ids` (the generation issue's settings; without `stop_ids`, the
+model's eos ids, as `kvports generate` stops). A bad line is one error naming its line
+number; the other lines still run.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvports.shared.config import ModelConfig
-from kvports.shared.errors import UserError
+from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import GenerationConfig
 
 SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids")
@@ -52,10 +53,10 @@ def check_request(request: Request, config: ModelConfig, max_tokens: int | None 
         raise UserError("the prompt is empty: give at least one token id")
     for token in request.prompt:
         if not isinstance(token, int) or isinstance(token, bool):
-            raise UserError(f"prompt token {token!r} is not an integer")
+            raise UserError(f"prompt token {echo(token)} is not an integer")
         if not 0 <= token < config.vocab_size:
             raise UserError(
-                f"prompt token {token} is outside [0, {config.vocab_size}) (vocab_size {config.vocab_size})"
+                f"prompt token {echo(token)} is outside [0, {config.vocab_size}) (vocab_size {config.vocab_size})"
             )
     request.generation.validate(config.vocab_size)
     total = request.max_length
@@ -72,7 +73,9 @@ def check_request(request: Request, config: ModelConfig, max_tokens: int | None 
     return request
 
 
-def parse_line(text: str, line: int, default_new_tokens: int, encode: Encode | None) -> Request:
+def parse_line(
+    text: str, line: int, default_new_tokens: int, default_stops: tuple[int, ...], encode: Encode | None
+) -> Request:
     """One line as a Request (not yet checked against a model), or a UserError."""
     try:
         data = json.loads(text)
@@ -82,7 +85,7 @@ def parse_line(text: str, line: int, default_new_tokens: int, encode: Encode | N
         raise UserError(f"a request is a JSON object, got {type(data).__name__}")
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
-        raise UserError(f"unknown field {unknown[0]!r} (known: {', '.join(FIELDS)})")
+        raise UserError(f"unknown field {echo(unknown[0])} (known: {', '.join(FIELDS)})")
     if ("prompt" in data) == ("text" in data):
         raise UserError("give exactly one of 'prompt' (token ids) and 'text'")
     if "text" in data:
@@ -90,6 +93,10 @@ def parse_line(text: str, line: int, default_new_tokens: int, encode: Encode | N
             raise UserError(f"'text' must be a string, got {type(data['text']).__name__}")
         if encode is None:
             raise UserError("a 'text' prompt needs --tokenizer DIR")
+        try:
+            data["text"].encode("utf-8")
+        except UnicodeEncodeError:  # JSON allows a lone surrogate escape, which no tokenizer takes
+            raise UserError(f"'text' {echo(data['text'])} is not valid UTF-8") from None
         prompt = encode(data["text"])
     else:
         if not isinstance(data["prompt"], list):
@@ -97,17 +104,17 @@ def parse_line(text: str, line: int, default_new_tokens: int, encode: Encode | N
         prompt = data["prompt"]
     request_id = data.get("id", str(line))
     if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
-        raise UserError(f"'id' must be a string or an integer, got {request_id!r}")
+        raise UserError(f"'id' must be a string or an integer, got {echo(request_id)}")
     return Request(
         id=str(request_id),
         prompt=tuple(prompt),
-        generation=generation_of(data, default_new_tokens),
+        generation=generation_of(data, default_new_tokens, default_stops),
         text=data.get("text"),
     )
 
 
-def generation_of(data: dict[str, Any], default_new_tokens: int) -> GenerationConfig:
-    stop_ids = data.get("stop_ids", [])
+def generation_of(data: dict[str, Any], default_new_tokens: int, default_stops: tuple[int, ...]) -> GenerationConfig:
+    stop_ids = data.get("stop_ids", list(default_stops))
     if not isinstance(stop_ids, list):
         raise UserError(f"'stop_ids' must be a list of token ids, got {type(stop_ids).__name__}")
     settings = {name: data[name] for name in SETTINGS[:-1] if name in data}
@@ -122,7 +129,8 @@ def parse_requests(
     encode: Encode | None = None,
     max_tokens: int | None = None,
 ) -> tuple[list[Request], list[BadLine]]:
-    """Every good line's request, and every bad line's error (blank lines are skipped)."""
+    """Every good line's request, and every bad line's error (blank lines are skipped). A line
+    without stop ids stops at the model's eos ids, as `kvports generate` does."""
     requests: list[Request] = []
     bad: list[BadLine] = []
     seen: set[str] = set()
@@ -130,9 +138,10 @@ def parse_requests(
         if not text.strip():
             continue
         try:
-            request = check_request(parse_line(text, number, default_new_tokens, encode), config, max_tokens)
+            request = parse_line(text, number, default_new_tokens, config.eos_token_ids, encode)
+            check_request(request, config, max_tokens)
             if request.id in seen:
-                raise UserError(f"id {request.id!r} is already used by an earlier line")
+                raise UserError(f"id {echo(request.id)} is already used by an earlier line")
         except UserError as exc:
             bad.append(BadLine(number, str(exc)))
             continue

@@ -1,0 +1,29 @@
+"""The one piece of torch.nn.functional the JAX port writes itself, imported as `F` so
+model.py's attention reads as the reference's: jax.nn.dot_product_attention takes its
+softmax in float32 even in a float64 run, and float64 must agree with torch exactly."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def scaled_dot_product_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, attn_mask: jax.Array | None = None, enable_gqa: bool = False
+) -> jax.Array:
+    """torch's F.scaled_dot_product_attention, as the model calls it: query [B, H, T, Dh] over key
+    and value [B, Hkv, S, Dh]; attn_mask [B, 1, T, S] (one mask for every head), True = visible;
+    Hkv < H only with enable_gqa."""
+    B, H, T, Dh = query.shape
+    Hkv = key.shape[1]
+    if Hkv != H and not enable_gqa:
+        raise ValueError(f"{H} query heads over {Hkv} key/value heads needs enable_gqa=True")
+    # GQA by grouping: each group of G = H / Hkv query heads shares one k/v head, nothing is copied.
+    q = query.reshape(B, Hkv, H // Hkv, T, Dh)  # [B, Hkv, G, T, Dh]
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q, key) / math.sqrt(Dh)  # [B, Hkv, G, T, S]
+    if attn_mask is not None:
+        scores = jnp.where(attn_mask[:, :, None], scores, -jnp.inf)  # [B, Hkv, G, T, S]
+    probs = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, G, T, S]
+    return jnp.einsum("bkgts,bksd->bkgtd", probs, value).reshape(B, H, T, Dh)  # [B, H, T, Dh]

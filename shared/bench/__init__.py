@@ -1,0 +1,34 @@
+"""`kvports bench`: every port x {naive, cached} beside two baselines, timed step by step.
+
+Each row runs two kinds of call, both after --warmup untimed runs, --repeats times:
+- `generate()`, the whole generation as a user calls it: total time and tokens/s.
+  For JAX that is the compiled loop, so the first call's extra time is its compile time.
+- `generate(..., on_token=...)`, the same tokens with the clock read as each token reaches
+  the host: the per-step latency curve, time to first token (step 0: prefill plus the first
+  token) and the decode time per token (median and p90 over steps 1..N-1).
+Every figure is the median over repeats; the JSON keeps every repeat. Nothing here
+asserts a timing: the targets are measured and reported.
+
+For the gpt2-small preset each row also gets a roofline: the bytes a decoded token
+must read (weights plus the KV cache so far) over this machine's streaming bandwidth,
+measured in the same run by a large float32 matrix-vector product.
+
+One module per job:
+- `arguments`: the command's flags and their checks
+- `presets`: the model and prompts timed (the seed's, or GPT-2 small's sizes with random weights)
+- `runners`: what is timed (the ports, the baselines, the torch.compile row) and the notes on each
+- `measure`: the clocks: one row's timings, bandwidth, the bytes a decode step reads
+- `rows`: every runner x mode, run and compared (speed-ups, tokens agreeing, rooflines)
+- `targets`: the issue's speed targets, checked at the settings they were set for
+- `table`: the table printed on the terminal
+- `output`: CSV
+- `plots`: the PNGs
+- `command`: the subcommand, tying these together
+"""
+
+from kvports.shared.bench.arguments import add_arguments
+from kvports.shared.bench.command import run
+
+HELP = "time every framework x mode against the seed's cache and transformers: table, JSON, CSV, plots"
+
+__all__ = ["HELP", "add_arguments", "run"]

@@ -1,0 +1,169 @@
+"""Every runner x mode: loaded, measured and compared. A runner that cannot run (not
+installed, no GPU, a config a baseline cannot hold) gets rows that say why."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from typing import Any
+
+import numpy as np
+
+from kvports.shared import ports
+from kvports.shared.bench.measure import MATVEC_REPEATS, MATVEC_SHAPE, decode_bytes, matvec_bandwidth, measure_row
+from kvports.shared.bench.runners import Runner, import_runner, note
+from kvports.shared.config import ModelConfig, kv_cache_bytes
+
+MEASURES = (
+    "ttft_ms",
+    "decode_ms_per_token",
+    "decode_ms_p90",
+    "tokens_per_s",
+    "total_s",
+    "compile_s",
+    "kv_cache_bytes",
+    "roofline_ratio",
+)
+
+
+def unavailable_row(runner: Runner, mode: str, reason: str | None) -> dict[str, Any]:
+    # Every field a row has, empty: a reader of the JSON need not special-case it.
+    return {
+        "framework": runner.framework,
+        "variant": runner.variant,
+        "mode": mode,
+        "available": False,
+        "reason": reason,
+        **dict.fromkeys(MEASURES),
+        "per_step_ms": [],
+    }
+
+
+def run_rows(
+    runners: list[Runner],
+    modes: list[str],
+    config: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    prompts: np.ndarray,
+    args: argparse.Namespace,
+    sweep: list[int],
+    roofline: bool,
+    progress: Any,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(rows, what the machine did: versions, bandwidths, the roofline's bytes per step)."""
+    itemsize = np.dtype(args.dtype).itemsize
+    B, P = prompts.shape
+    N = args.new_tokens
+    calls_per_mode = 2 * args.warmup + args.repeats + len(sweep)
+    task = progress.add_task(
+        "bench", total=sum(calls_per_mode * len([m for m in runner.modes if m in modes]) for runner in runners)
+    )
+
+    def tick(description: str) -> None:
+        progress.update(task, advance=1, description=description)
+
+    rows: list[dict[str, Any]] = []
+    bandwidth: dict[str, float] = {}
+    matvec: dict[str, list[float]] = {}
+    bandwidth_device: dict[str, str] = {}
+    if roofline:
+        # NumPy's bandwidth always: the CPU's roofline even when no other framework is installed.
+        progress.update(task, description="numpy bandwidth")
+        matvec["numpy"] = ports.load_port("numpy").matvec_seconds(*MATVEC_SHAPE, MATVEC_REPEATS)
+        bandwidth["numpy"] = matvec_bandwidth(matvec["numpy"])
+        bandwidth_device["numpy"] = "cpu"
+    versions: dict[str, str] = {"numpy": np.__version__}
+    for runner in runners:
+        runner_modes = [mode for mode in runner.modes if mode in modes]
+        if not runner_modes:
+            continue
+        device = args.device if runner.gpu else "cpu"
+        module, reason = import_runner(runner)
+        model = None
+        if module is not None:
+            try:
+                model = module.load_model(config, tensors, args.dtype, device)
+            except Exception as exc:  # a missing GPU, or a config this baseline cannot run
+                reason = f"{type(exc).__name__}: {exc}"
+        if module is None or model is None:
+            rows.extend(unavailable_row(runner, mode, reason) for mode in runner_modes)
+            progress.update(task, advance=calls_per_mode * len(runner_modes))
+            continue
+        versions.update(module.versions())
+        if roofline and runner.library not in bandwidth:
+            progress.update(task, description=f"{runner.library} bandwidth")
+            matvec[runner.library] = module.matvec_seconds(*MATVEC_SHAPE, MATVEC_REPEATS, device)
+            bandwidth[runner.library] = matvec_bandwidth(matvec[runner.library])
+            bandwidth_device[runner.library] = device
+        for mode in runner_modes:
+            row = {
+                "framework": runner.framework,
+                "variant": runner.variant,
+                "mode": mode,
+                "available": True,
+                "device": device,
+                "dtype": args.dtype,
+            }
+            row.update(measure_row(runner, module, model, mode, prompts, args, sweep, tick))
+            row["kv_cache_bytes"] = cache_bytes_held(runner, mode, config, B, P, N, itemsize)
+            row["note"] = note(runner, mode)
+            rows.append(row)
+        del model
+        gc.collect()  # gpt2-small: free one framework's copy of the weights before the next loads
+    # One roofline per device: the best streaming bandwidth any framework reached on it.
+    step_bytes = decode_bytes(config, tensors, B, P, N, itemsize) if roofline else None
+    best: dict[str, float] = {}
+    for name, value in bandwidth.items():
+        best[bandwidth_device[name]] = max(value, best.get(bandwidth_device[name], 0.0))
+    for row in rows:
+        if row["available"]:
+            row["roofline_ms"] = (
+                1e3 * step_bytes / best[row["device"]] if step_bytes and row["device"] in best else None
+            )
+            row["roofline_ratio"] = (
+                None if row["roofline_ms"] is None else row["decode_ms_per_token"] / row["roofline_ms"]
+            )
+    machine = {
+        "bandwidth_gb_s": {f"{name} ({bandwidth_device[name]})": value / 1e9 for name, value in bandwidth.items()}
+        or None,
+        "roofline_bandwidth_gb_s": {device: value / 1e9 for device, value in best.items()} or None,
+        "decode_bytes_per_step": step_bytes,
+        "matvec": {"shape": list(MATVEC_SHAPE), "dtype": "float32", "seconds": matvec} if matvec else None,
+    }
+    add_comparisons(rows)
+    return rows, {"versions": versions, **machine}
+
+
+def cache_bytes_held(
+    runner: Runner, mode: str, config: ModelConfig, batch: int, prompt_len: int, new_tokens: int, itemsize: int
+) -> int:
+    if mode == "naive":
+        return 0  # no cache: every step recomputes k and v for the whole history
+    if runner.baseline:
+        # Grown, not preallocated: the last token is never fed back, so P + N - 1 positions.
+        return kv_cache_bytes(config, batch, prompt_len + new_tokens - 1, itemsize)
+    return kv_cache_bytes(config, batch, prompt_len + new_tokens, itemsize)
+
+
+def add_comparisons(rows: list[dict[str, Any]]) -> None:
+    """Speed-ups the targets name: decode per token against seed-concat, total against the same port's naive."""
+    live = [row for row in rows if row["available"]]
+    if not live:
+        return
+    seed = next((row for row in live if row["framework"] == "seed-concat"), None)
+    reference = next((row for row in live if row["framework"] == "torch" and row["variant"] is None), live[0])
+    for row in live:
+        row["decode_speedup_vs_seed_concat"] = (
+            None if seed is None else seed["decode_ms_per_token"] / row["decode_ms_per_token"]
+        )
+        naive = next(
+            (r for r in live if r["framework"] == row["framework"] and r["variant"] is None and r["mode"] == "naive"),
+            None,
+        )
+        row["total_speedup_vs_naive"] = (
+            None if naive is None or row["mode"] == "naive" else naive["total_s"] / row["total_s"]
+        )
+        row["tokens_agree"] = bool(np.array_equal(row["tokens"], reference["tokens"]))
+        row["tokens_reference"] = f"{reference['framework']} {reference['mode']}"
+    for row in live:
+        del row["tokens"]

@@ -1,0 +1,91 @@
+"""What the bench times: the three ports, two baselines and the optional torch.compile row,
+each imported only when its rows run, and the note the table prints beside each."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import cast
+
+from kvports.shared import ports
+from kvports.shared.contract import Timed
+
+MODES = ("naive", "cached")
+
+
+@dataclass(frozen=True)
+class Runner:
+    """One framework (or baseline) as the bench drives it."""
+
+    framework: str  # what the JSON calls it
+    module: str  # a port's or a baseline's module, imported when its rows run
+    modes: tuple[str, ...]
+    variant: str | None = None  # "torch.compile" for the optional compiled row
+    compiles: bool = False  # the first call compiles: report first call minus steady state as compile_s
+    gpu: bool = True  # runs on a GPU with --device gpu (NumPy stays on the CPU)
+
+    @property
+    def label(self) -> str:
+        return self.framework if self.variant is None else f"{self.framework} ({self.variant})"
+
+    @property
+    def baseline(self) -> bool:
+        """The seed's cache and transformers: PyTorch underneath, their caches grown step by step."""
+        return self.framework in ("seed-concat", "transformers")
+
+    @property
+    def library(self) -> str:
+        """Whose matrix-vector product measures this row's bandwidth."""
+        return "torch" if self.baseline else self.framework
+
+
+RUNNERS = (
+    Runner("torch", "kvports.torch_impl.port", MODES),
+    Runner("jax", "kvports.jax_impl.port", MODES, compiles=True),
+    Runner("numpy", "kvports.numpy_impl.port", MODES, gpu=False),
+    Runner("seed-concat", "kvports.baselines.seed_concat", ("cached",)),
+    Runner("transformers", "kvports.baselines.hf_gpt2", ("cached",)),
+)
+COMPILED_RUNNER = Runner(
+    "torch", "kvports.baselines.torch_compile", ("cached",), variant="torch.compile", compiles=True
+)
+FRAMEWORKS = tuple(runner.framework for runner in RUNNERS)
+
+PREALLOCATED = (
+    "writes a cache preallocated for P + N positions and attends over the slots filled so far "
+    "(copied beside each step's k and v)"
+)
+STATIC_SLOTS = (
+    "attends over all P + N preallocated slots (static shapes under jit), the empty ones masked: its "
+    "per-step cost is set by P + N, not the position"
+)
+NOTES = {
+    ("jax", "naive"): "per-step times are jitted forwards over the history padded to the next power of two (one "
+    "compile per length bucket, in warm-up), so they grow in steps; total_s is generate()'s "
+    "compiled loop, which recomputes the whole [B, P + N] buffer at every step",
+    ("jax", "cached"): STATIC_SLOTS + "; per-step times are the jitted prefill and decode_step, one call each; "
+    "total_s is the compiled loop (steady state); compile_s = first call minus steady state",
+    ("torch", "cached"): PREALLOCATED,
+    ("numpy", "cached"): PREALLOCATED,
+    ("seed-concat", "cached"): "the seed's cache: torch.cat copies the whole history and triu rebuilds the mask "
+    "every step",
+    ("transformers", "cached"): "GPT2LMHeadModel.generate(do_sample=False) on the same weights; per-step times "
+    "from its streamer",
+}
+COMPILED_NOTE = "torch.compile of the reference model's forward; compile_s = first call minus steady state"
+
+
+def note(runner: Runner, mode: str) -> str | None:
+    return NOTES.get((runner.framework, mode)) if runner.variant is None else COMPILED_NOTE
+
+
+def import_runner(runner: Runner) -> tuple[Timed | None, str | None]:
+    """The runner's module, or the reason it cannot run."""
+    try:
+        if runner.module.endswith(".port") and runner.variant is None:
+            return ports.load_port(runner.framework), None
+        return cast(Timed, importlib.import_module(runner.module)), None
+    except ports.PortUnavailable as exc:
+        return None, exc.reason
+    except ImportError as exc:
+        return None, f"not installed ({exc})"

@@ -1,0 +1,113 @@
+"""The table `kvports bench` prints: one line per row, its notes and the machine's figures below."""
+
+from __future__ import annotations
+
+from kvports.shared.bench.measure import MATVEC_SHAPE
+from kvports.shared.limits import fmt_bytes
+
+
+def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s, rows = result["settings"], result["rows"]
+    live = [row for row in rows if row["available"]]
+    title = (
+        f"kvports bench: {s['preset']} ({s['parameters'] / 1e6:.1f}M parameters), batch {s['batch']}, "
+        f"prompt {s['prompt_len']}, {s['new_tokens']} new tokens, {s['dtype']}, {s['device']}; "
+        f"median of {s['repeats']} after {s['warmup']} warm-up"
+    )
+    columns = [
+        "framework",
+        "mode",
+        "ttft ms",
+        "decode ms",
+        "p90 ms",
+        "tok/s",
+        "total s",
+        "compile s",
+        "KV cache",
+        "vs seed",
+        "vs naive",
+    ]
+    roofline = any(row["roofline_ratio"] is not None for row in live)
+    swept = any(row["sweep"] for row in live)
+    columns += ["roofline"] * roofline + ["slope"] * swept
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("framework", "mode") else "right", no_wrap=True)
+    notes: list[str] = []
+    for row in rows:
+        name = row["framework"] if row["variant"] is None else f"{row['framework']} ({row['variant']})"
+        if not row["available"]:
+            table.add_row(name, row["mode"], f"[dim]unavailable: {row['reason']}"[:70], *["-"] * (len(columns) - 3))
+            continue
+        if row["note"]:
+            if row["note"] not in notes:
+                notes.append(row["note"])
+            name += f" [{notes.index(row['note']) + 1}]"
+        if not row["tokens_agree"]:
+            name += " *"
+        cells = [
+            name,
+            row["mode"],
+            fmt(row["ttft_ms"], ".2f"),
+            fmt(row["decode_ms_per_token"], ".3f"),
+            fmt(row["decode_ms_p90"], ".3f"),
+            fmt(row["tokens_per_s"], ",.0f"),
+            fmt(row["total_s"], ".3f"),
+            fmt(row["compile_s"], ".2f"),
+            fmt_bytes(row["kv_cache_bytes"]),
+            fmt(row["decode_speedup_vs_seed_concat"], ".2f", "x"),
+            fmt(row["total_speedup_vs_naive"], ".1f", "x"),
+        ]
+        cells += [fmt(row["roofline_ratio"], ".2f", "x")] * roofline
+        cells += [fmt((row["sweep"] or {}).get("slope"), ".2f")] * swept
+        table.add_row(*cells)
+    console = Console(width=max(160, Console().width))  # the table's width, even when piped
+    console.print(table)
+    console.print(
+        "ttft: time to first token (prefill); decode: median ms per decode step, p90 its 90th percentile; "
+        "tok/s: batch x new tokens / total s; vs seed: seed-concat's decode ms over this row's; vs naive: "
+        "the same port's naive total over this row's"
+        + "; roofline: decode ms over the roofline's" * roofline
+        + "; slope: fitted log-log exponent of total time against new tokens" * swept,
+        highlight=False,
+        markup=False,
+    )
+    for index, note in enumerate(notes, 1):
+        console.print(f"[{index}] {note}", highlight=False, markup=False)
+    if any(not row["tokens_agree"] for row in live):
+        console.print(
+            f"* tokens differ from {live[0]['tokens_reference']}'s (float32 near-ties part frameworks; "
+            "kvports compare reports the step and margin)",
+            highlight=False,
+            markup=False,
+        )
+    machine = result["machine"]
+    if machine["bandwidth_gb_s"]:
+        measured = ", ".join(f"{name} {value:.1f}" for name, value in machine["bandwidth_gb_s"].items())
+        console.print(
+            f"streaming bandwidth, GB/s, float32 {MATVEC_SHAPE[0]}x{MATVEC_SHAPE[1]} matrix-vector product: "
+            f"{measured}. Roofline: {machine['decode_bytes_per_step'] / 1e6:.1f} MB read per decode step "
+            "(weights + KV cache so far) over the best bandwidth on the row's device.",
+            highlight=False,
+            markup=False,
+        )
+    threads = ", ".join(f"{name} {value}" for name, value in s["threads"].items())
+    console.print(
+        f"threads: {threads}; load average before / after: {machine['load_average'][0]} / {machine['load_average'][1]}",
+        highlight=False,
+        markup=False,
+    )
+    for target in result["targets"]:
+        verdict = "met" if target["met"] else "MISSED"
+        console.print(
+            f"target: {target['target']}: {target['value']:.2f} (target {target['threshold']}): {verdict}",
+            highlight=False,
+            markup=False,
+        )

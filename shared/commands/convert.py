@@ -1,0 +1,85 @@
+"""`kvports convert`: a local Hugging Face directory to our weights file, and back to gpt2.
+
+NumPy only: neither transformers nor torch is needed to convert, and nothing is fetched.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from kvports.shared.commands.arguments import output_file
+from kvports.shared.config import DTYPES
+from kvports.shared.errors import UserError, echo_path
+from kvports.shared.families import describe
+from kvports.shared.files import check_output_file, check_output_folder
+from kvports.shared.limits import check_bytes
+
+HELP = (
+    "convert a local Hugging Face model directory (gpt2, llama, mistral) to a weights file, or a weights file to gpt2"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--from-hf",
+        type=Path,
+        metavar="DIR",
+        help="Hugging Face directory: config.json and *.safetensors (sharded or not)",
+    )
+    source.add_argument("--to-hf", type=Path, metavar="FILE", help="our weights file, written as a gpt2-type directory")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="the weights file (--from-hf) or directory (--to-hf) to write; a directory is replaced whole",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="cast to this dtype (needed for bf16/fp16 checkpoints; default: keep float32/float64)",
+    )
+    parser.add_argument("--force", action="store_true", help="overwrite an existing output")
+
+
+def run(args: argparse.Namespace) -> int:
+    return from_hf(args) if args.from_hf is not None else to_hf(args)
+
+
+def from_hf(args: argparse.Namespace) -> int:
+    from kvports.shared.hf.importer import import_hf
+    from kvports.shared.weights import save_weights
+
+    out = output_file(args.out)
+    check_output_file(out, args.force)
+    config, tensors = import_hf(args.from_hf, args.dtype)
+    save_weights(out, tensors, config)
+    n_params = sum(array.size for array in tensors.values())
+    dtype = next(iter(tensors.values())).dtype
+    print(f"wrote {out}: {describe(config)}, {n_params:,} parameters, {dtype}, from {args.from_hf}")
+    return 0
+
+
+def to_hf(args: argparse.Namespace) -> int:
+    from kvports.shared.hf.config import gpt2_refusal
+    from kvports.shared.hf.exporter import export_gpt2
+    from kvports.shared.weights import open_weights, parameter_count
+
+    out = Path(args.out)
+    check_output_folder(out, args.force)
+    with open_weights(args.to_hf) as weights:
+        config = weights.config
+        why = gpt2_refusal(config)  # before anything is read or written
+        if why is not None:
+            raise UserError(f"cannot write {echo_path(args.to_hf)} as gpt2: {why}")
+        dtype = args.dtype if args.dtype is not None else weights.dtype
+        size = parameter_count(config) * np.dtype(dtype).itemsize
+        # The tensors, and the file's bytes made from them before it is written.
+        check_bytes({"tensors": size, "file": size}, f"writing {echo_path(args.to_hf)} as gpt2 in {dtype}")
+        tensors = weights.read(dtype)  # finite at the dtype written, or refused
+    export_gpt2(config, tensors, out)
+    print(f"wrote {out}: gpt2-type directory (config.json, model.safetensors) of a {describe(config)}, {dtype}")
+    return 0

@@ -1,0 +1,42 @@
+"""mypy over kvports as it installs (kvports/shared/..., kvports/baselines/...), from the checkout.
+
+pyproject maps kvports.shared to the top-level folder shared/ (and so on); mypy cannot follow
+that mapping, so this lays the installed tree out as symlinks under build/typecheck, runs mypy
+there with pyproject's [tool.mypy] settings, and prints the repository's own paths."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from mypy import api
+
+ROOT = Path(__file__).resolve().parent.parent
+TREE = ROOT / "build" / "typecheck"
+FOLDERS = ("shared", "torch_impl", "jax_impl", "numpy_impl", "baselines")
+
+
+def lay_out() -> None:
+    package = TREE / "kvports"
+    package.mkdir(parents=True, exist_ok=True)
+    for name, target in [("__init__.py", ROOT / "kvports" / "__init__.py")] + [(f, ROOT / f) for f in FOLDERS]:
+        link = package / name
+        if not link.is_symlink():
+            os.symlink(os.path.relpath(target, package), link)
+
+
+def main() -> int:
+    lay_out()
+    os.chdir(ROOT)
+    stdout, stderr, status = api.run(["--config-file", str(ROOT / "pyproject.toml"), *sys.argv[1:]])
+    prefix = str(Path("build", "typecheck", "kvports")) + os.sep
+    for folder in FOLDERS:  # build/typecheck/kvports/shared/x.py -> shared/x.py
+        stdout = stdout.replace(prefix + folder + os.sep, folder + os.sep)
+    sys.stdout.write(stdout)
+    sys.stderr.write(stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
