@@ -1,5 +1,5 @@
 """What the ports are measured against, not ports themselves: the seed's own cached
-generation (`seed_concat`), Hugging Face's GPT-2 `generate` (`hf_gpt2`) and the torch
+generation (`seed_concat`), Hugging Face transformers' `generate` (`hf_transformers`) and the torch
 port under torch.compile (`torch_compile`). Each is a `shared.contract.Runner`: the
 calls `kvports bench` makes (NAME, MODES, versions, load_model, generate with on_token,
 synchronize, matvec_seconds)."""

@@ -17,6 +17,7 @@ from flax import nnx
 from kvports.jax_impl import speculative
 from kvports.jax_impl.model import TinyModel, generate_cached, generate_naive, init_cache
 from kvports.jax_impl.model import prefill as prefill_step
+from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, as_generation
 
@@ -34,7 +35,10 @@ def resolve_device(device: str) -> jax.Device:
         try:
             return jax.devices("gpu")[0]
         except RuntimeError:
-            raise RuntimeError("no GPU visible to JAX") from None
+            platforms = sorted({found.platform for found in jax.devices()})
+            raise RuntimeError(
+                f"jax {jax.__version__} finds no GPU (platforms: {', '.join(platforms)}; a CUDA build is jax[cuda13])"
+            ) from None
     return jax.devices("cpu")[0]
 
 
@@ -142,6 +146,7 @@ def generate_speculative(
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
     """Feed tokens [B, T] into one cache in chunks of the given sizes; the logits [B, T, V]."""
+    chunk_sizes = check_chunk_sizes(chunk_sizes, np.shape(tokens)[1])
     tokens = jax.device_put(np.asarray(tokens, dtype=np.int32), _model_device(model))  # [B, T]
     model.eval()
     with jax.default_device(_model_device(model)):

@@ -11,6 +11,7 @@ import numpy as np
 
 from kvports.numpy_impl import speculative
 from kvports.numpy_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
+from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, as_generation
 
@@ -82,6 +83,7 @@ def generate_speculative(
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
     """Feed tokens [B, T] into one cache in chunks of the given sizes; the logits [B, T, V]."""
+    chunk_sizes = check_chunk_sizes(chunk_sizes, np.shape(tokens)[1])
     tokens = np.asarray(tokens, dtype=np.int64)  # [B, T]
     pieces, start = [], 0
     model.eval()

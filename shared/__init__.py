@@ -5,7 +5,7 @@ The core, which the ports import:
 - `config`: ModelConfig, the hyperparameters every port reads; KV-cache sizes
 - `weights`: the safetensors weights file every port loads
 - `checks`: input checks that run before any framework code
-- `compare`: token comparison with float32's near-ties explained
+- `compare`: token comparison with float32's near-ties explained; logit differences
 - `generation`: how to generate (sampling settings, stop ids, seed), the shared random draws, ragged prompts
 - `contract`: what a port must provide (`Port`), and a bench baseline (`Runner`)
 - `ports`: ports imported by name, lazily; a missing one is reported as unavailable
@@ -16,4 +16,5 @@ The tools, which no port imports:
 - `commands/`: generate, compare, init-weights, convert
 - `bench/`: `kvports bench`, one module per job (measuring, rows, targets, table, plots)
 - `hf/`: Hugging Face directories in and out (config and tensor mapping, import, export, text)
+- `devices`: `--device` (where each framework runs, and why one cannot); `terminal`: tables printed whole
 """

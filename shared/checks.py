@@ -74,3 +74,18 @@ def check_prompts(prompts: Sequence[Sequence[object]], config: ModelConfig, new_
         )
     # Rows of different lengths are left-padded with PAD: every row's last prompt token in the same column.
     return pad_prompts(batch)[0]  # [B, P]
+
+
+def check_chunk_sizes(chunk_sizes: Sequence[object], length: int) -> list[int]:
+    """forward_chunks' chunk sizes: whole numbers >= 1 that add up to the tokens given. A shortfall
+    would silently drop the last tokens' logits; an excess would run past the cache."""
+    sizes: list[int] = []
+    for size in chunk_sizes:
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool):
+            raise UserError(f"chunk size {size!r} is not an integer")
+        if size < 1:
+            raise UserError(f"chunk size {size} is below 1")
+        sizes.append(int(size))
+    if sum(sizes) != length:
+        raise UserError(f"chunk sizes {sizes} add up to {sum(sizes)}, not the {length} tokens given")
+    return sizes

@@ -8,6 +8,7 @@ framework was asked for, raised before any port runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -19,8 +20,10 @@ from kvports.shared.batching import batch
 from kvports.shared.commands import compare, convert, generate, init_weights
 from kvports.shared.commands.arguments import OutOfRange
 from kvports.shared.errors import UserError
+from kvports.version import __version__
 
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a process that SIGPIPE ended: 128 + 13
 
 # Each module has HELP, add_arguments(parser) and run(args) -> exit status.
 COMMANDS: dict[str, ModuleType] = {
@@ -50,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="kvports", description="Naive vs KV-cached generation of one decoder, in PyTorch, JAX/Flax and NumPy."
     )
+    parser.add_argument("--version", action="version", version=f"kvports {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         command = sub.add_parser(name, help=module.HELP)
@@ -70,6 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`kvports compare | head`): stop quietly. stdout is pointed at
+        # devnull so that the interpreter's own flush at exit does not fail a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

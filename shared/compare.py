@@ -6,6 +6,10 @@ the continuations part. That is a near-tie, not a bug, and is reported as one:
 the first divergent step and the reference's top-2 margin there. A sampled step has
 its own near-ties: a draw that lands within that noise of the edge between two tokens'
 probability intervals (or a logit that close to the top-k or top-p cut).
+
+Beyond agreement, how close: `logit_difference` gives the largest and the mean
+|logit - reference logit| over the steps both ran on the same history (or, teacher-forced,
+over every step), and the step where it peaks.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvports.shared.generation import GenerationConfig, uniforms
+from kvports.shared.generation import PAD, GenerationConfig, uniforms
 
 NEAR_TIE = 1e-4  # far above float32 noise between frameworks (~1e-6), far below typical margins
 
@@ -95,3 +99,52 @@ def compare_tokens(
         draws = uniforms(generation.seed, generated.shape[0], generation.max_new_tokens)  # [B, N]
         margin = draw_margin(reference_logits[row, step], generation, float(draws[row, step]))
     return Agreement(False, step, row, margin, margin < NEAR_TIE)
+
+
+@dataclass
+class LogitDifference:
+    """|logits - reference logits| over the (row, step) pairs compared: how close two ports are."""
+
+    max_abs_diff: float
+    mean_abs_diff: float  # over every logit of every compared step
+    peak_step: int  # 0-based generated step where the largest difference sits
+    peak_row: int
+    steps_compared: int  # (row, step) pairs
+    teacher_forced: bool  # both fed the reference's tokens, so every step is comparable
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def comparable_steps(reference_tokens: np.ndarray, tokens: np.ndarray, prompt_len: int) -> np.ndarray:
+    """[B, N] bool: the steps where both ran on the same history and the reference row was still
+    generating: each row up to and including its own first divergent step (the step's logits
+    came from equal histories; only the choice between them differed)."""
+    generated_ref = np.asarray(reference_tokens)[:, prompt_len:]  # [B, N]
+    differs = generated_ref != np.asarray(tokens)[:, prompt_len:]  # [B, N]
+    diverged_before = np.cumsum(differs, axis=1) - differs > 0  # [B, N]: a divergence at an earlier step
+    return (generated_ref != PAD) & ~diverged_before
+
+
+def logit_difference(
+    reference_logits: np.ndarray, logits: np.ndarray, compared: np.ndarray, teacher_forced: bool
+) -> LogitDifference | None:
+    """reference_logits, logits: [B, steps, V] (steps may stop short of N when every row stopped);
+    compared: [B, N] bool, which (row, step) pairs to take. None when nothing is comparable."""
+    steps = min(reference_logits.shape[1], logits.shape[1], compared.shape[1])
+    compared = compared[:, :steps]  # [B, steps]
+    if not compared.any():
+        return None
+    difference = np.abs(
+        np.asarray(logits[:, :steps], dtype=np.float64) - np.asarray(reference_logits[:, :steps], dtype=np.float64)
+    )  # [B, steps, V]
+    largest = np.where(compared, difference.max(axis=2), -1.0)  # [B, steps]: -1 where not compared
+    row, step = np.unravel_index(int(np.argmax(largest)), largest.shape)
+    return LogitDifference(
+        max_abs_diff=float(largest[row, step]),
+        mean_abs_diff=float(difference[compared].mean()),
+        peak_step=int(step),
+        peak_row=int(row),
+        steps_compared=int(compared.sum()),
+        teacher_forced=teacher_forced,
+    )

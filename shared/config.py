@@ -52,6 +52,7 @@ class ModelConfig:
     sliding_window: int | None = None  # None: full causal attention
     dropout: float = 0.0  # training-only; generation always runs in eval mode
     eos_token_ids: tuple[int, ...] = ()  # where generation stops by default (a converted checkpoint's eos_token_id)
+    bos_token_id: int | None = None  # a converted checkpoint's, kept so `convert --to-hf` writes it back
 
     # Derived sizes, so no port recomputes them its own way.
     @property
@@ -117,6 +118,14 @@ class ModelConfig:
                 raise UserError(
                     f"config field eos_token_ids has {echo(token)}, not a token id in [0, {self.vocab_size})"
                 )
+        if self.bos_token_id is not None and (
+            not isinstance(self.bos_token_id, int)
+            or isinstance(self.bos_token_id, bool)
+            or not 0 <= self.bos_token_id < self.vocab_size
+        ):
+            raise UserError(
+                f"config field bos_token_id={echo(self.bos_token_id)} is not a token id in [0, {self.vocab_size})"
+            )
         return self
 
     def validate_at(self, dtype: str) -> ModelConfig:
@@ -182,6 +191,7 @@ def cache_slots(config: ModelConfig, total_len: int, chunk: int = 1) -> int:
 
 
 def kv_cache_bytes(config: ModelConfig, batch: int, total_len: int, itemsize: int, chunk: int = 1) -> int:
-    """Bytes of the k and v buffers (the slot-position vector is negligible and not counted)."""
+    """Bytes of the k and v buffers (the slot-position vector is negligible and not counted);
+    chunk as in cache_slots."""
     slots = cache_slots(config, total_len, chunk)
     return 2 * config.n_layers * batch * config.kv_heads * slots * config.head_dim * itemsize

@@ -109,7 +109,7 @@ class Port(Timed, Protocol):
 
     def forward_chunks(self, model: Model, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
         """Feeds `tokens [B, T]` into one cache chunk by chunk; the logits `[B, T, V]` (chunked prefill equals
-        one token at a time)."""
+        one token at a time). Chunk sizes that do not add up to T are a `UserError` (`checks.check_chunk_sizes`)."""
         ...
 
     def clear_compiled(self) -> None:

@@ -10,6 +10,8 @@ from kvports.shared.contract import Port
 
 PORTS = ("torch", "jax", "numpy")
 REFERENCE = "torch"
+CPU_ONLY = ("numpy",)  # runs on the CPU whatever --device asks for
+COMPILES = ("jax",)  # the first call traces and compiles: compare and bench report that time apart
 MODULES = {"torch": "kvports.torch_impl.port", "jax": "kvports.jax_impl.port", "numpy": "kvports.numpy_impl.port"}
 
 

@@ -9,10 +9,11 @@ if TYPE_CHECKING:
 
 
 def make_progress(quiet: bool) -> Progress:
-    """A transient bar on stderr; off when `quiet` (machine-readable output) or stderr is no terminal."""
+    """A transient bar on stderr with the time elapsed and an estimate of the time left; off when
+    `quiet` (machine-readable output) or stderr is no terminal."""
     # rich is imported here, not at the top: `kvports generate` never draws a bar.
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     console = Console(stderr=True)
     return Progress(
@@ -20,6 +21,9 @@ def make_progress(quiet: bool) -> Progress:
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
+        TextColumn("elapsed,"),
+        TimeRemainingColumn(),
+        TextColumn("left"),
         console=console,
         transient=True,
         disable=quiet or not console.is_terminal,

@@ -299,3 +299,20 @@ def save_weights(path: os.PathLike, tensors: dict[str, np.ndarray], config: Mode
         metadata={"config": config.to_json()},
     )
     write_atomic(path, payload)
+
+
+def gpt2_init_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """GPT-2's initialisation in NumPy (N(0, 0.02) matrices, zero biases, unit norms), for any
+    config: a model of the right size without torch (`init-weights --init numpy`, the bench's
+    gpt2-small), drawn in seconds."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in iter_expected(config):
+        if name.endswith(".bias"):
+            tensors[name] = np.zeros(shape, dtype=np.float32)
+        elif len(shape) == 1:
+            tensors[name] = np.ones(shape, dtype=np.float32)
+        else:
+            tensors[name] = rng.standard_normal(shape, dtype=np.float32)
+            tensors[name] *= 0.02
+    return tensors

@@ -4,6 +4,7 @@ one way; conftest.py holds only fixtures and session settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from kvports.shared import ports
 from kvports.shared.cli import main
 from kvports.shared.compare import Agreement, compare_tokens
 from kvports.shared.config import ModelConfig
@@ -123,11 +125,47 @@ GOLDEN = [
 SEED_PROMPT = np.array([[160, 248, 104, 209, 394]], dtype=np.int64)  # [1, 5]
 
 
+# A tiny model of each family the ports run beyond the seed's: tied GPT-2, GQA Llama, and Mistral
+# with a window of 4 (shorter than any prompt + generation that uses it).
+_LLAMA = ModelConfig(
+    vocab_size=64,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    n_layers=2,
+    max_seq_len=48,
+    positions="rope",
+    norm="rmsnorm",
+    activation="swiglu",
+    attn_bias=False,
+    ffn_bias=False,
+)
+TINY_FAMILIES = {
+    "gpt2": ModelConfig(
+        vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=48, activation="gelu_tanh", tie_embeddings=True
+    ),
+    "llama": _LLAMA,
+    "mistral": dataclasses.replace(_LLAMA, sliding_window=4, tie_embeddings=True),
+}
+
+
 def port_or_skip(name: str) -> Port:
     port = available_port(name)
     if port is None:
         pytest.skip(f"{name} is not installed")
     return port
+
+
+def hide_port(monkeypatch: pytest.MonkeyPatch, name: str, reason: str) -> None:
+    """From here on, loading port `name` fails as it does where the framework is not installed."""
+    real = ports.load_port
+
+    def load_port(wanted: str) -> Port:
+        if wanted == name:
+            raise ports.PortUnavailable(wanted, reason)
+        return real(wanted)
+
+    monkeypatch.setattr(ports, "load_port", load_port)
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:

@@ -24,12 +24,18 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kvports.shared import ports
-from kvports.shared.bench.presets import random_weights
 from kvports.shared.commands.arguments import non_negative_int, positive_int
 from kvports.shared.config import MAX_SIZE, ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.ports import PORTS
-from kvports.shared.weights import DEFAULT_WEIGHTS, SafetensorsFile, load_weights, open_weights, save_weights
+from kvports.shared.weights import (
+    DEFAULT_WEIGHTS,
+    SafetensorsFile,
+    gpt2_init_weights,
+    load_weights,
+    open_weights,
+    save_weights,
+)
 from tests.helpers import assert_one_error_line, llama_config, llama_tensors, port_or_skip, run_cli, write_hf_dir
 
 SEED_BYTES = DEFAULT_WEIGHTS.read_bytes()
@@ -514,7 +520,7 @@ LONG = ModelConfig(
 @pytest.fixture
 def long_model(tmp_path):
     path = tmp_path / "long.safetensors"
-    save_weights(path, random_weights(LONG), LONG)
+    save_weights(path, gpt2_init_weights(LONG), LONG)
     return path
 
 
@@ -797,7 +803,7 @@ def test_a_window_wider_than_int32_gives_the_tokens_of_no_window(port, mode, win
     """JAX computes the mask in int32, where query - window wraps past 2**31: a window wider
     than max_seq_len hides nothing, so the tokens are those of the same model without one."""
     config = dataclasses.replace(LONG, max_seq_len=64)
-    tensors = {name: array * (20 if array.ndim == 2 else 1) for name, array in random_weights(config).items()}
+    tensors = {name: array * (20 if array.ndim == 2 else 1) for name, array in gpt2_init_weights(config).items()}
     prompts = np.array([[3, 1, 4, 1, 5]], dtype=np.int64)
     reference = port_or_skip("torch")
     expected, _ = reference.generate(reference.load_model(config, tensors), prompts, 20, "cached")

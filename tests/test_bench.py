@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import json
 
@@ -12,12 +13,13 @@ import numpy as np
 import pytest
 
 from kvports.shared import cli, ports
+from kvports.shared.bench import command
 from kvports.shared.bench.measure import decode_bytes, fit_slope
-from kvports.shared.bench.presets import PRESETS, random_weights
-from kvports.shared.bench.runners import RUNNERS
+from kvports.shared.bench.presets import PRESETS
+from kvports.shared.bench.runners import DEFAULT_MODES, RUNNERS
 from kvports.shared.config import ModelConfig, kv_cache_bytes
-from kvports.shared.weights import load_weights
-from tests.helpers import GOLDEN, SEED_PROMPT, assert_one_error_line, run_cli
+from kvports.shared.weights import gpt2_init_weights, load_weights
+from tests.helpers import GOLDEN, SEED_PROMPT, TINY_FAMILIES, assert_one_error_line, hide_port, port_or_skip, run_cli
 
 NEW_TOKENS = 4
 ROW_FIELDS = {
@@ -88,7 +90,11 @@ def test_bench_json_has_settings_machine_and_a_row_per_framework_and_mode(bench_
     assert settings["dtype"] == "float32" and settings["device"] == "cpu" and "numpy" in settings["versions"]
     frameworks = {row["framework"] for row in result["rows"]}
     expected = [
-        (runner.framework, mode) for runner in RUNNERS if runner.framework in frameworks for mode in runner.modes
+        (runner.framework, mode)
+        for runner in RUNNERS
+        if runner.framework in frameworks
+        for mode in runner.modes
+        if mode in DEFAULT_MODES
     ]
     assert [(row["framework"], row["mode"]) for row in result["rows"]] == expected
     assert frameworks in (set(QUICK), set(SLOW))
@@ -131,14 +137,7 @@ def test_kv_cache_bytes_are_the_configs(bench_run):
 
 
 def test_a_framework_that_is_not_installed_gets_rows_that_say_why(capsys, monkeypatch):
-    real = ports.load_port
-
-    def no_jax(name):
-        if name == "jax":
-            raise ports.PortUnavailable(name, "No module named 'jax'")
-        return real(name)
-
-    monkeypatch.setattr(ports, "load_port", no_jax)
+    hide_port(monkeypatch, "jax", "No module named 'jax'")
     code, out, _ = run_cli(
         capsys, "bench", "--json", "--new-tokens", "2", "--repeats", "1", "--frameworks", "jax,numpy"
     )
@@ -158,12 +157,24 @@ def test_plots_are_written_as_png(bench_run):
     assert sorted(result["plots"]) == sorted(str(folder / name) for name in names)
 
 
-def test_csv_is_a_header_and_one_line_per_row(capsys):
-    code, out, _ = run_cli(capsys, "bench", "--csv", "--new-tokens", "2", "--repeats", "1", "--frameworks", "numpy")
+def test_csv_dash_is_a_header_and_one_line_per_row_on_stdout(capsys):
+    code, out, _ = run_cli(
+        capsys, "bench", "--csv", "-", "--new-tokens", "2", "--repeats", "1", "--frameworks", "numpy"
+    )
     lines = out.splitlines()
     assert code == 0 and len(lines) == 3
     assert lines[0].startswith("preset,batch,prompt_len,new_tokens,framework,variant,mode")
     assert lines[1].startswith("seed,1,5,2,numpy,,naive,True")
+
+
+def test_csv_file_is_written_beside_the_table(capsys, tmp_path):
+    target = tmp_path / "bench.csv"
+    code, out, _ = run_cli(
+        capsys, "bench", "--csv", target, "--new-tokens", "2", "--repeats", "1", "--frameworks", "numpy"
+    )
+    assert code == 0 and "kvports bench: seed" in out and f"wrote {target}" in out
+    assert target.read_text().splitlines()[2].startswith("seed,1,5,2,numpy,,cached,True")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["bench.csv"]  # no temp file left behind
 
 
 def test_table_is_printed_without_json(capsys):
@@ -173,45 +184,96 @@ def test_table_is_printed_without_json(capsys):
     assert code == 0 and "kvports bench: seed" in out and "numpy" in out and "cached" in out
 
 
+def test_development_targets_are_printed_only_when_asked_for(capsys):
+    argv = ["bench", "--new-tokens", "2", "--repeats", "1", "--frameworks", "numpy,seed-concat", "--modes", "cached"]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0 and "target:" not in out
+    code, out, _ = run_cli(capsys, *argv, "--targets")
+    assert code == 0 and "target: numpy cached decode ms/token, x faster than seed-concat" in out
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--new-tokens", "1"], "error: new tokens 1 is below 2"),
         (["--new-tokens", "600"], "error: prompt length 5 + new tokens 600 = 605 exceeds max_seq_len 512"),
         (["--frameworks", "tensorflow"], "error: unknown framework 'tensorflow'"),
-        (["--modes", "speculative"], "error: unknown mode 'speculative'"),
+        (["--modes", "fast"], "error: unknown mode 'fast'"),
+        (
+            ["--modes", "speculative"],
+            "error: --modes speculative needs --draft FILE (a smaller model) or --draft ngram",
+        ),
+        (
+            ["--modes", "speculative", "--draft", "ngram", "--draft-tokens", "17"],
+            "error: --draft-tokens 17 is above 16",
+        ),
+        (["--csv", "-", "--json"], "error: --csv - and --json both print to stdout"),
         (["--repeats", "0"], "error: --repeats 0 is below 1"),
         (["--warmup", "0"], "error: --warmup 0 is below 1"),
         (["--sweep", "2,x"], "error: --sweep value 'x' is not an integer"),
         (["--sweep", "600"], "error: --sweep value 600 + prompt length 5 exceeds max_seq_len 512"),
         (["--plot", "/no/such/folder/img"], "error: folder '/no/such/folder' does not exist"),
+        (["--csv", "/no/such/folder/b.csv"], "error: folder '/no/such/folder' does not exist"),
+        (["--plot", "pyproject.toml"], "error: --plot 'pyproject.toml' is a file, not a folder"),
     ],
 )
 def test_bad_bench_input_is_one_error_line(capsys, argv, message):
     assert assert_one_error_line(*run_cli(capsys, "bench", "--frameworks", "numpy", *argv)).startswith(message)
 
 
-def test_gpu_rows_without_a_gpu_are_unavailable_not_a_crash(capsys):
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    code, out, _ = run_cli(
-        capsys,
-        "bench",
-        "--json",
-        "--device",
-        "gpu",
-        "--new-tokens",
-        "2",
-        "--repeats",
-        "1",
-        "--frameworks",
-        "torch,numpy",
-    )
+def test_plot_without_matplotlib_is_refused_before_anything_runs(capsys, monkeypatch, tmp_path):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    err = assert_one_error_line(*run_cli(capsys, "bench", "--frameworks", "numpy", "--plot", tmp_path / "img"))
+    assert err == "error: --plot needs matplotlib: pip install 'kvports[plot]'\n"
+
+
+def test_each_figure_is_written_as_soon_as_its_rows_exist(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    seen = []
+    real = command.write_plots
+
+    def recording(result, folder):
+        seen.append(sorted({row["framework"] for row in result["rows"]}))
+        return real(result, folder)
+
+    monkeypatch.setattr(command, "write_plots", recording)
+    argv = ["--new-tokens", "3", "--repeats", "1", "--frameworks", "numpy,seed-concat", "--plot", tmp_path / "img"]
+    code, _, _ = run_cli(capsys, "bench", *argv)
+    assert code == 0 and seen[0] == ["numpy"]  # written before seed-concat's rows ran
+    assert seen[-1] == ["numpy", "seed-concat"] and (tmp_path / "img" / "per_step_seed.png").exists()
+
+
+def test_a_framework_that_finds_no_gpu_gets_rows_that_say_why_in_the_reason_column(capsys, monkeypatch):
+    torch_port, jax_port = port_or_skip("torch"), port_or_skip("jax")
+    real = torch_port.resolve_device
+    # A machine whose torch reaches a "GPU" (the CPU, here) and whose JAX does not.
+    monkeypatch.setattr(torch_port, "resolve_device", lambda device: real("cpu"))
+    monkeypatch.setattr(jax_port, "resolve_device", lambda device: (_ for _ in ()).throw(RuntimeError("no jax GPU")))
+    argv = ["bench", "--device", "gpu", "--new-tokens", "2", "--repeats", "1", "--frameworks", "torch,jax"]
+    code, out, _ = run_cli(capsys, *argv, "--json")
     rows = json.loads(out)["rows"]
     assert code == 0
-    assert [(row["framework"], row["available"]) for row in rows] == [("torch", False)] * 2 + [("numpy", True)] * 2
-    assert all(row["device"] == "cpu" for row in rows if row["available"])  # NumPy stays on the CPU
+    assert [(row["framework"], row["available"]) for row in rows] == [("torch", True)] * 2 + [("jax", False)] * 2
+    assert all(row["reason"] == "no jax GPU" for row in rows[2:])
+    code, out, _ = run_cli(capsys, *argv)
+    jax_lines = [line for line in out.splitlines() if line.startswith("│ jax")]
+    assert code == 0 and len(jax_lines) == 2
+    for line in jax_lines:
+        cells = [cell.strip() for cell in line.strip("│").split("│")]
+        assert cells[2:-1] == ["-"] * (len(cells) - 3)  # every number column intact, none holding text
+        assert cells[-1] == "unavailable: no jax GPU"
+
+
+def test_unavailable_rows_leave_the_csv_number_fields_empty(capsys, monkeypatch):
+    hide_port(monkeypatch, "jax", "gone")
+    code, out, _ = run_cli(
+        capsys, "bench", "--csv", "-", "--new-tokens", "2", "--repeats", "1", "--frameworks", "jax,numpy"
+    )
+    header, jax_row = out.splitlines()[:2]
+    fields = dict(zip(header.split(","), jax_row.split(","), strict=True))
+    assert code == 0 and fields["reason"] == "gone" and fields["available"] == "False"
+    assert all(fields[name] == "" for name in ("ttft_ms", "decode_ms_per_token", "tokens_per_s", "total_s"))
 
 
 def test_baseline_on_token_reports_each_token(seed_weights):
@@ -224,7 +286,7 @@ def test_baseline_on_token_reports_each_token(seed_weights):
     assert np.stack(streamed, axis=1).tolist() == [GOLDEN[:3]] and tokens[0, 5:].tolist() == GOLDEN[:3]
 
 
-@pytest.mark.parametrize("name", ["seed_concat", "hf_gpt2"])
+@pytest.mark.parametrize("name", ["seed_concat", "hf_transformers"])
 def test_baseline_reproduces_the_seed_golden_tokens(seed_weights, name):
     baseline = baseline_or_skip(name)
     config, tensors = seed_weights
@@ -234,17 +296,65 @@ def test_baseline_reproduces_the_seed_golden_tokens(seed_weights, name):
 
 
 def test_gpt2_mapping_names_every_parameter_once(seed_weights):
-    hf_gpt2 = baseline_or_skip("hf_gpt2")
+    hf_transformers = baseline_or_skip("hf_transformers")
     config, tensors = seed_weights
-    state = hf_gpt2.gpt2_hf_tensors(config, tensors)
-    model = hf_gpt2.GPT2LMHeadModel(hf_gpt2.gpt2_config(config, "float32"))
+    state = hf_transformers.hf_tensors(config, tensors)
+    model = hf_transformers.transformers.GPT2LMHeadModel(hf_transformers.hf_config(config, "float32"))
     assert set(state) == {name for name, _ in model.named_parameters()}
     assert tuple(state["transformer.h.0.attn.c_attn.weight"].shape) == (config.d_model, 3 * config.d_model)  # (in, out)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_transformers_row_runs_each_family_in_its_own_class_with_our_tokens(family):
+    hf_transformers = baseline_or_skip("hf_transformers")
+    torch_port = port_or_skip("torch")
+    config = TINY_FAMILIES[family]
+    tensors = {name: array * 10 if array.ndim == 2 else array for name, array in gpt2_init_weights(config).items()}
+    prompts = np.array([[1, 2, 3, 4, 5, 6, 7]])  # past the mistral window of 4
+    model = hf_transformers.load_model(config, tensors, "float64")
+    assert type(model).__name__ == hf_transformers.CLASSES[family]
+    expected, _ = torch_port.generate(torch_port.load_model(config, tensors, "float64"), prompts, 20, "cached")
+    assert hf_transformers.generate(model, prompts, 20)[0].tolist() == expected.tolist()
+
+
+def test_seed_concat_runs_gpt2_as_published(seed_weights):
+    seed_concat = baseline_or_skip("seed_concat")
+    torch_port = port_or_skip("torch")
+    config = TINY_FAMILIES["gpt2"]
+    tensors = {name: array * 10 if array.ndim == 2 else array for name, array in gpt2_init_weights(config).items()}
+    prompts = np.array([[1, 2, 3, 4, 5]])
+    expected, _ = torch_port.generate(torch_port.load_model(config, tensors, "float64"), prompts, 20, "cached")
+    tokens, _ = seed_concat.generate(seed_concat.load_model(config, tensors, "float64"), prompts, 20)
+    assert tokens.tolist() == expected.tolist()
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(("torch", "numpy"), id="quick"), pytest.param(("jax",), id="jax", marks=pytest.mark.slow)],
+)
+def speculative_run(request, tmp_path_factory):
+    """Cached and speculative rows with prompt lookup on a repeating prompt."""
+    argv = ["--modes", "cached,speculative", "--draft", "ngram", "--draft-tokens", "3", "--prompt-len", "12"]
+    return run_bench(tmp_path_factory.mktemp("bench") / "img", request.param, *argv)[0]
+
+
+def test_speculative_rows_sit_beside_cached_with_their_counts(speculative_run):
+    live = [row for row in speculative_run["rows"] if row["available"]]
+    assert [row["mode"] for row in live] == ["cached", "speculative"] * (len(live) // 2)
+    for row in (row for row in live if row["mode"] == "speculative"):
+        counts = row["speculative"]
+        assert (counts["draft"], counts["draft_tokens"]) == ("ngram", 3)
+        assert 0 <= counts["acceptance_rate"] <= 1 and counts["proposed"] > 0
+        assert 0 < counts["target_forwards_per_token"] <= 1  # one forward per round, at least one token a round
+        assert row["speedup_vs_cached"] > 0 and row["total_ms_per_token"] > 0 and row["tokens_agree"]
+        # A compiled loop hands its tokens over when it returns: no per-step figures for it.
+        assert (row["decode_ms_per_token"] is None) == (row["framework"] in ports.COMPILES)
+
+
 def test_decode_bytes_count_weights_once_and_the_cache_so_far():
     config = ModelConfig(vocab_size=10, d_model=4, n_heads=2, n_layers=1, max_seq_len=8)
-    tensors = random_weights(config)
+    tensors = gpt2_init_weights(config)
     table_bytes = (10 + 8) * 4 * 4  # emb and pos: only one looked-up row each is read
     weights = sum(array.nbytes for array in tensors.values()) - table_bytes + 2 * 4 * 4
     kv_per_position = 2 * 1 * 2 * 2 * 4  # k and v, 1 layer, 2 heads, head_dim 2, float32
@@ -258,7 +368,7 @@ def test_fit_slope_recovers_a_power_law():
     assert fit_slope([8], [1.0]) is None
 
 
-def test_gpt2_small_preset_has_gpt2_small_sizes():
+def test_gpt2_small_preset_is_gpt2_small_as_published():
     config = PRESETS["gpt2-small"]
     assert (config.d_model, config.n_layers, config.n_heads, config.vocab_size, config.max_seq_len) == (
         768,
@@ -267,4 +377,6 @@ def test_gpt2_small_preset_has_gpt2_small_sizes():
         50257,
         1024,
     )
+    assert (config.activation, config.tie_embeddings, config.family) == ("gelu_tanh", True, "gpt2")
+    assert sum(array.size for array in gpt2_init_weights(config).values()) == 124_439_808  # GPT-2 small's count
     assert load_weights()[0] == ModelConfig()  # and the seed preset is the shipped seed model

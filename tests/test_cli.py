@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from kvports.shared import ports
 from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
-from tests.helpers import GOLDEN, assert_one_error_line, port_or_skip, run_cli
+from tests.helpers import GOLDEN, assert_one_error_line, hide_port, port_or_skip, run_cli
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -202,9 +204,49 @@ def test_init_weights_refuses_to_overwrite_without_force(tmp_path, capsys):
     assert code == 0 and load_weights(out_file)[0].d_model == 128
 
 
+@pytest.fixture
+def no_torch(monkeypatch):
+    hide_port(monkeypatch, "torch", "No module named 'torch'")
+
+
+def test_init_weights_with_numpy_init_needs_no_torch(tmp_path, capsys, no_torch):
+    out_file = tmp_path / "numpy.safetensors"
+    code, out, _ = run_cli(capsys, "init-weights", "--out", out_file, "--init", "numpy", "--seed", "1")
+    config, tensors = load_weights(out_file)
+    assert code == 0 and "numpy initialisation" in out and config == load_weights()[0]
+    assert 0.015 < float(tensors["blocks.0.qkv.weight"].std()) < 0.025  # GPT-2's N(0, 0.02)
+
+
+def test_init_weights_without_torch_says_how_to_do_without_it(tmp_path, capsys, no_torch):
+    err = assert_one_error_line(*run_cli(capsys, "init-weights", "--out", tmp_path / "x.safetensors"))
+    assert "needs torch" in err and "--init numpy" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_init_weights_refuses_an_impossible_config(tmp_path, capsys):
     err = assert_one_error_line(
         *run_cli(capsys, "init-weights", "--out", tmp_path / "x.safetensors", "--d-model", "130", "--n-heads", "4")
     )
     assert "d_model=130 is not divisible by n_heads=4" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_version_prints_the_package_version(capsys):
+    import kvports
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(capsys, "--version")
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"kvports {kvports.__version__}\n"
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    # `kvports generate --stream ... | head -1`: the reader leaves after one line; the writer
+    # must stop without a traceback.
+    command = [sys.executable, "-m", "kvports.shared.cli", "generate", "--framework", "numpy", "--mode", "cached"]
+    process = subprocess.Popen(
+        [*command, "--stream", "--new-tokens", "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout.readline().startswith(b"  step")
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141 and stderr == ""

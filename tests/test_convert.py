@@ -297,6 +297,14 @@ def test_to_hf_round_trip_is_exact(gpt2_dir, tmp_path, capsys):
         np.testing.assert_array_equal(tensors[name], array)
 
 
+def test_to_hf_writes_back_the_checkpoints_bos_and_eos_ids(gpt2_dir, tmp_path, capsys):
+    edit_config(gpt2_dir, bos_token_id=7, eos_token_id=8)
+    assert convert(capsys, "--from-hf", gpt2_dir, "--out", tmp_path / "ours.safetensors")[0] == 0
+    assert convert(capsys, "--to-hf", tmp_path / "ours.safetensors", "--out", tmp_path / "back")[0] == 0
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (written["bos_token_id"], written["eos_token_id"]) == (7, 8)
+
+
 def test_to_hf_writes_conv1d_layout(gpt2_dir):
     _, seed = load_weights(DEFAULT_WEIGHTS)
     hf = load_file(str(gpt2_dir / "model.safetensors"))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kvports.shared.config import ModelConfig
+from kvports.shared.errors import UserError
 from tests.helpers import GOLDEN, SEED_PROMPT, assert_logits_close, assert_tokens_agree, random_prompts, random_weights
 
 LOGIT_ATOL = {"float32": 1e-5, "float64": 1e-10}
@@ -60,6 +61,23 @@ def test_chunked_prefill_equals_one_token_at_a_time(port, seed_weights, chunk_si
     one_at_a_time = port.forward_chunks(model, tokens, [1] * 12)  # [B, T, V]
     chunked = port.forward_chunks(model, tokens, chunk_sizes)  # [B, T, V]
     np.testing.assert_allclose(chunked, one_at_a_time, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "chunk_sizes, message",
+    [
+        ([5, 3], "chunk sizes [5, 3] add up to 8, not the 12 tokens given"),
+        ([5, 3, 5], "chunk sizes [5, 3, 5] add up to 13, not the 12 tokens given"),
+        ([12, 0], "chunk size 0 is below 1"),
+        ([6.0, 6], "chunk size 6.0 is not an integer"),
+    ],
+)
+def test_forward_chunks_refuses_chunk_sizes_that_do_not_add_up_to_the_tokens(port, seed_weights, chunk_sizes, message):
+    config, tensors = seed_weights
+    model = port.load_model(config, tensors)
+    with pytest.raises(UserError) as refusal:
+        port.forward_chunks(model, random_prompts(config.vocab_size, 2, 12), chunk_sizes)
+    assert str(refusal.value) == message
 
 
 WINDOWED = ModelConfig(

@@ -24,7 +24,7 @@ FOLDERS = {
 }
 PORTS = ("kvports.torch_impl", "kvports.jax_impl", "kvports.numpy_impl")
 # shared's core: what a port may import. The tools (cli, commands, bench, hf) sit on top of it.
-CORE = {"kvports", "kvports.shared"} | {
+CORE = {"kvports", "kvports.version", "kvports.shared"} | {
     f"kvports.shared.{name}"
     for name in (
         "checks",
@@ -83,7 +83,9 @@ def visit(node: ast.AST, module: Module, package: str, known: set[str], lazy: bo
             for target in imported(child, package, known):
                 record(module, target, lazy)
         elif isinstance(child, ast.Constant) and isinstance(child.value, str) and child.value in known:
-            module.loads.add(child.value)
+            # A bare "kvports" is the program's name in text (argparse's prog), never a module loaded by name.
+            if "." in child.value:
+                module.loads.add(child.value)
         visit(
             child,
             module,
@@ -163,9 +165,19 @@ def test_kvports_modules_import_each_other_without_a_cycle():
     assert find_cycle(graph) is None
 
 
+# The package root offers the Python API (kvports.load), imported on first use, not by `import kvports`.
+ROOT_API = {"kvports": {"kvports.api"}}
+
+
 @pytest.mark.parametrize("name", sorted(CORE))
 def test_shared_core_imports_only_shared_core(name):
-    assert sorted(edges(MODULES[name]) - CORE) == []
+    assert sorted(edges(MODULES[name]) - CORE - ROOT_API.get(name, set())) == []
+
+
+def test_the_package_root_loads_its_api_only_on_first_use():
+    code = "import sys, kvports.shared.config\nprint('kvports.api' in sys.modules, kvports.load.__module__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert (result.returncode, result.stdout.split()) == (0, ["False", "kvports.api"]), result.stderr
 
 
 @pytest.mark.parametrize("port", PORTS)

@@ -1,5 +1,6 @@
 """The NumPy-only install, checked: run with the Python of a venv holding kvports without extras
-(`make check-numpy-only` builds one). torch and JAX must be absent; generate must work with NumPy;
+(`make check-numpy-only` builds one). torch and JAX must be absent; generate and init-weights --init numpy
+must work with NumPy;
 compare and bench must run and report the missing frameworks as unavailable."""
 
 from __future__ import annotations
@@ -43,6 +44,25 @@ def main() -> None:
     check(unavailable == ["jax", "torch"], "kvports compare reports torch and jax as not installed")
     table = run("compare", "--new-tokens", "5")
     check(table.count("not installed") == 4, "kvports compare's table says so, row by row")
+    run("init-weights", "--init", "numpy", "--out", "numpy-init.safetensors")
+    drawn = json.loads(
+        run(
+            "generate",
+            "--framework",
+            "numpy",
+            "--mode",
+            "cached",
+            "--weights",
+            "numpy-init.safetensors",
+            "--new-tokens",
+            "3",
+            "--json",
+        )
+    )
+    check(len(drawn["tokens"][0]) == 8, "kvports init-weights --init numpy writes a model without torch")
+    code = "import kvports; print(kvports.load('numpy').generate([160, 248, 104, 209, 394], new_tokens=3).generated)"
+    api = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    check(api.stdout.strip() == "[[315, 391, 221]]", "the Python API generates with numpy alone")
     benched = json.loads(run("bench", "--json", "--new-tokens", "3", "--repeats", "1"))
     live = [row["framework"] for row in benched["rows"] if row["available"]]
     check(

@@ -20,7 +20,8 @@ FOLDERS = ("shared", "torch_impl", "jax_impl", "numpy_impl", "baselines")
 def lay_out() -> None:
     package = TREE / "kvports"
     package.mkdir(parents=True, exist_ok=True)
-    for name, target in [("__init__.py", ROOT / "kvports" / "__init__.py")] + [(f, ROOT / f) for f in FOLDERS]:
+    root_files = [(name, ROOT / "kvports" / name) for name in ("__init__.py", "api.py", "version.py")]
+    for name, target in root_files + [(f, ROOT / f) for f in FOLDERS]:
         link = package / name
         if not link.is_symlink():
             os.symlink(os.path.relpath(target, package), link)
@@ -33,6 +34,7 @@ def main() -> int:
     prefix = str(Path("build", "typecheck", "kvports")) + os.sep
     for folder in FOLDERS:  # build/typecheck/kvports/shared/x.py -> shared/x.py
         stdout = stdout.replace(prefix + folder + os.sep, folder + os.sep)
+    stdout = stdout.replace(prefix, "kvports" + os.sep)  # the package root's own files
     sys.stdout.write(stdout)
     sys.stderr.write(stderr)
     return status

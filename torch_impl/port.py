@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, as_generation
 from kvports.torch_impl import speculative
@@ -26,10 +27,12 @@ def versions() -> dict[str, str]:
 
 def resolve_device(device: str) -> torch.device:
     if device == "gpu":
-        # float32 must mean float32 on a GPU: no TF32 matmuls.
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise RuntimeError(f"torch {torch.__version__} ({build}) finds no GPU")
+        # float32 must mean float32 on a GPU: IEEE float32 matmuls, never TF32 (torch 2.9's switches).
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
         return torch.device("cuda")
     return torch.device("cpu")
 
@@ -103,6 +106,7 @@ def generate_speculative(
 
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
     """Feed tokens [B, T] into one cache in chunks of the given sizes; the logits [B, T, V]."""
+    chunk_sizes = check_chunk_sizes(chunk_sizes, np.shape(tokens)[1])
     device = model.emb.weight.device
     tokens = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(device)  # [B, T]
     pieces, start = [], 0

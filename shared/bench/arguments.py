@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvports.shared.bench.presets import PRESETS
-from kvports.shared.bench.runners import FRAMEWORKS, MODES
+from kvports.shared.bench.runners import DEFAULT_MODES, FRAMEWORKS, MODES
 from kvports.shared.checks import SEED_PROMPT
-from kvports.shared.commands.arguments import integer, parse_integer
+from kvports.shared.commands.arguments import add_speculative_arguments, integer, parse_integer
 from kvports.shared.config import DTYPES, MAX_SIZE, ModelConfig
-from kvports.shared.errors import UserError, echo
+from kvports.shared.devices import add_device_argument
+from kvports.shared.errors import UserError, echo, echo_path
+from kvports.shared.files import check_writable_folder, os_errors_as_user_errors
 from kvports.shared.limits import check_run
 
 
@@ -20,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset",
         choices=tuple(PRESETS),
         default="seed",
-        help="seed: the seed's model; gpt2-small: GPT-2 small's sizes, random weights (default seed)",
+        help="seed: the seed's model; gpt2-small: GPT-2 small as published (124M parameters, tied head, tanh "
+        "GELU), random weights (default seed)",
     )
     parser.add_argument("--weights", type=Path, default=None, help="time this safetensors file instead of a preset")
     parser.add_argument("--batch", type=integer, default=1, help="prompts per batch (default 1)")
@@ -38,7 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {','.join(FRAMEWORKS)} (default all)",
     )
     parser.add_argument(
-        "--modes", default=",".join(MODES), help="comma-separated subset of naive,cached (default both)"
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated subset of {','.join(MODES)} (default {','.join(DEFAULT_MODES)}; speculative needs "
+        "--draft)",
     )
     parser.add_argument("--compile", action="store_true", help="add a torch.compile row (torch cached, compiled)")
     parser.add_argument(
@@ -46,12 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--warmup", type=integer, default=1, help="untimed runs before timing (default 1)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
-    parser.add_argument(
-        "--device",
-        choices=("cpu", "gpu"),
-        default="cpu",
-        help="gpu: torch and JAX rows on a GPU, reported unavailable where there is none (default cpu)",
-    )
+    add_device_argument(parser)
     parser.add_argument(
         "--sweep",
         default=None,
@@ -64,12 +66,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="measure bandwidth and a roofline for any preset (always on for gpt2-small)",
     )
-    output = parser.add_mutually_exclusive_group()
-    output.add_argument(
-        "--json", action="store_true", help="print one JSON object on stdout (no table, no progress bar)"
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object on stdout instead of the table (no progress bar)"
     )
-    output.add_argument("--csv", action="store_true", help="print one CSV line per row on stdout (no table)")
-    parser.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write PNG plots into DIR")
+    parser.add_argument(
+        "--csv",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write one CSV line per row to FILE ('-': to stdout, instead of the table)",
+    )
+    parser.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write PNG plots into DIR as they exist")
+    parser.add_argument(
+        "--targets", action="store_true", help="also print the development speed targets, met or missed"
+    )
+    add_speculative_arguments(parser)
 
 
 def check_counts(args: argparse.Namespace) -> None:
@@ -97,6 +108,24 @@ def check_bench_run(config: ModelConfig, args: argparse.Namespace, modes: Sequen
             f"max_seq_len {config.max_seq_len}"
         )
     check_run(config, args.dtype, args.batch, args.prompt_len, longest, modes)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """--plot and --csv, checked before anything runs: a long run must not fail at its end."""
+    if args.plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UserError("--plot needs matplotlib: pip install 'kvports[plot]'")
+        with os_errors_as_user_errors(args.plot):
+            if args.plot.exists() and not args.plot.is_dir():
+                raise UserError(f"--plot {echo_path(args.plot)} is a file, not a folder")
+            check_writable_folder(args.plot.parent, args.plot.name)
+    if args.csv is not None and str(args.csv) == "-" and args.json:
+        raise UserError("--csv - and --json both print to stdout: give --csv a FILE")
+    if args.csv is not None and str(args.csv) != "-":
+        with os_errors_as_user_errors(args.csv):
+            if args.csv.is_dir():
+                raise UserError(f"--csv {echo_path(args.csv)} is a folder; give the file to write")
+            check_writable_folder(args.csv.parent, args.csv.name)
 
 
 def check_at_least(name: str, value: int, limit: int, why: str = "") -> None:

@@ -1,5 +1,6 @@
-"""`kvports bench` from start to end: check the flags, load the model, run the rows, then the
-targets, the plots and one of table, JSON or CSV."""
+"""`kvports bench` from start to end: check the flags and the outputs, load the model, run the
+rows (writing the plots as each framework's rows finish), then the targets and one of table,
+JSON or CSV."""
 
 from __future__ import annotations
 
@@ -10,25 +11,47 @@ import platform
 import time
 from typing import Any
 
-from kvports.shared.bench.arguments import check_bench_run, check_counts, parse_choices, parse_sweep
+from kvports.shared import ports
+from kvports.shared.bench.arguments import check_bench_run, check_counts, check_outputs, parse_choices, parse_sweep
 from kvports.shared.bench.measure import load_average, threads_info
 from kvports.shared.bench.output import print_result
 from kvports.shared.bench.plots import write_plots
 from kvports.shared.bench.presets import bench_prompts, load_bench_model
 from kvports.shared.bench.rows import run_rows
-from kvports.shared.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, RUNNERS
+from kvports.shared.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, RUNNERS, Runner
 from kvports.shared.bench.targets import targets
+from kvports.shared.commands.arguments import load_draft
 from kvports.shared.config import ModelConfig
+from kvports.shared.devices import check_gpu_reachable, device_problem
 from kvports.shared.errors import UserError
 from kvports.shared.progress import make_progress
+
+
+def gpu_problems(runners: list[Runner], device: str) -> dict[str, str]:
+    """Each runner (by label) that cannot reach the device it was asked to run on -> why; one
+    `error:` line instead when none of them can (`--device gpu` on a machine without a GPU)."""
+    if device == "cpu":
+        return {}  # every framework runs on the CPU: nothing to import early
+    problems: dict[str, str | None] = {}
+    for runner in runners:
+        port = ports.available_port(runner.library)
+        # A framework that is not installed says so in its own rows, later; here it only counts as unusable.
+        problems[runner.label] = "not installed" if port is None else device_problem(port, device)
+    check_gpu_reachable(device, problems)
+    return {label: problem for label, problem in problems.items() if problem is not None and problem != "not installed"}
 
 
 def run(args: argparse.Namespace) -> int:
     check_counts(args)
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
-    if args.plot is not None and not args.plot.parent.is_dir():
-        raise UserError(f"folder {str(args.plot.parent)!r} does not exist (needed for --plot {str(args.plot)!r})")
+    check_outputs(args)
+    if "speculative" in modes and args.draft is None:
+        raise UserError("--modes speculative needs --draft FILE (a smaller model) or --draft ngram")
+    runners = [runner for runner in RUNNERS if runner.framework in frameworks]
+    if args.compile:
+        runners.append(COMPILED_RUNNER)
+    no_device = gpu_problems([runner for runner in runners if set(runner.modes) & set(modes)], args.device)
     sweep: list[int] = []
 
     def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
@@ -37,10 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
     preset, config, tensors = load_bench_model(args, check)
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens)  # [B, P]
+    draft_weights = load_draft(args, config, prompts) if "speculative" in modes else None  # at --dtype
     roofline = args.roofline or preset == "gpt2-small"
-    runners = [runner for runner in RUNNERS if runner.framework in frameworks]
-    if args.compile:
-        runners.append(COMPILED_RUNNER)
     settings: dict[str, Any] = {
         "preset": preset,
         "config": json.loads(config.to_json()),
@@ -54,10 +75,33 @@ def run(args: argparse.Namespace) -> int:
         "warmup": args.warmup,
         "sweep": sweep,
         "prompt": prompts[0].tolist(),
+        "draft": None if draft_weights is None and args.draft != "ngram" else str(args.draft),
+        "draft_tokens": args.draft_tokens if "speculative" in modes else None,
     }
+    plots: list[str] = []
+
+    def plot_so_far(rows: list[dict[str, Any]]) -> None:
+        # Each framework's figures as soon as its rows exist: a long run shows (and keeps) what it has.
+        if args.plot is not None:
+            args.plot.mkdir(exist_ok=True)
+            plots[:] = [str(path) for path in write_plots({"settings": settings, "rows": rows}, args.plot)]
+
     start, load_before = time.perf_counter(), load_average()
-    with make_progress(args.json or args.csv) as progress:
-        rows, machine_info = run_rows(runners, modes, config, tensors, prompts, args, sweep, roofline, progress)
+    with make_progress(args.json or str(args.csv) == "-") as progress:
+        rows, machine_info = run_rows(
+            runners,
+            modes,
+            config,
+            tensors,
+            prompts,
+            args,
+            sweep,
+            roofline,
+            progress,
+            draft_weights,
+            no_device,
+            plot_so_far,
+        )
     settings["versions"] = machine_info.pop("versions")
     settings["threads"] = threads_info()
     machine = {
@@ -71,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
     }
     result: dict[str, Any] = {"settings": settings, "machine": machine, "rows": rows}
     result["targets"] = targets(rows, settings)
+    plot_so_far(rows)  # once more, now with the rooflines
     if args.plot is not None:
-        args.plot.mkdir(exist_ok=True)
-        result["plots"] = [str(path) for path in write_plots(result, args.plot)]
-    print_result(result, "json" if args.json else "csv" if args.csv else "table")
+        result["plots"] = plots
+    print_result(result, args)
     return 0

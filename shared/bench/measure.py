@@ -8,13 +8,15 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvports.shared.bench.runners import Runner
+from kvports.shared.commands.generate import speculative_summary
 from kvports.shared.config import ModelConfig, kv_cache_bytes
-from kvports.shared.contract import Timed
+from kvports.shared.contract import OnToken, Timed
 
 MATVEC_SHAPE = (8192, 8192)  # float32: 256 MiB, far beyond any cache level
 MATVEC_REPEATS = 7
@@ -24,17 +26,41 @@ def median(values: Sequence[float]) -> float:
     return float(np.median(np.asarray(values, dtype=np.float64)))
 
 
+@dataclass
+class Generation:
+    """How a row generates: `generate(..., mode)`, or with mode "speculative" a port's
+    `generate_speculative` with its draft (a model, or None for prompt lookup)."""
+
+    mode: str
+    draft: Any = None
+    draft_label: str = "ngram"  # the draft's weights file, or ngram
+    draft_tokens: int = 4
+    ngram: int = 2
+    counts: dict[str, int] | None = None  # the last speculative call's rounds, forwards, proposals
+
+    def __call__(
+        self, module: Any, model: Any, prompts: np.ndarray, new_tokens: int, on_token: OnToken | None = None
+    ) -> np.ndarray:
+        if self.mode == "speculative":
+            tokens, self.counts = module.generate_speculative(
+                model, self.draft, prompts, new_tokens, self.draft_tokens, self.ngram, on_token=on_token
+            )
+            return tokens
+        tokens, _ = module.generate(model, prompts, new_tokens, self.mode, on_token=on_token)
+        return tokens
+
+
 def time_generate(
-    module: Timed, model: Any, prompts: np.ndarray, new_tokens: int, mode: str
+    module: Timed, model: Any, prompts: np.ndarray, new_tokens: int, generation: Generation
 ) -> tuple[np.ndarray, float]:
     start = time.perf_counter()
-    tokens, _ = module.generate(model, prompts, new_tokens, mode)
+    tokens = generation(module, model, prompts, new_tokens)
     module.synchronize(model)
     return tokens, time.perf_counter() - start
 
 
 def time_stream(
-    module: Timed, model: Any, prompts: np.ndarray, new_tokens: int, mode: str
+    module: Timed, model: Any, prompts: np.ndarray, new_tokens: int, generation: Generation
 ) -> tuple[np.ndarray, list[float]]:
     """Milliseconds per step: step 0 ends when the first new token is on the host."""
     stamps: list[float] = []
@@ -43,18 +69,32 @@ def time_stream(
         stamps.append(time.perf_counter())
 
     start = time.perf_counter()
-    tokens, _ = module.generate(model, prompts, new_tokens, mode, on_token=on_token)
+    tokens = generation(module, model, prompts, new_tokens, on_token=on_token)
     if len(stamps) != new_tokens:
         raise RuntimeError(f"{module.NAME}: generate called on_token {len(stamps)} times, expected {new_tokens}")
     return tokens, [1e3 * step for step in np.diff([start] + stamps)]
 
 
-def step_figures(step_ms: Sequence[float]) -> dict[str, float]:
+def step_figures(step_ms: Sequence[float]) -> dict[str, float | None]:
     decode = np.asarray(step_ms[1:], dtype=np.float64)  # [N - 1]
     return {
         "ttft_ms": float(step_ms[0]),
         "decode_ms_per_token": float(np.median(decode)),
         "decode_ms_p90": float(np.percentile(decode, 90)),
+    }
+
+
+def speculative_step_figures(step_ms: Sequence[float], streams: bool) -> dict[str, float | None]:
+    """Speculative tokens reach the host in bursts (a round's accepted proposals at once), so
+    a step's time says little: decode is the mean per token after the first, and p90 is not
+    given. A port whose loop is one compiled call (`streams` False) hands every token over
+    when it returns: only its total time per token is measured."""
+    if not streams:
+        return {"ttft_ms": None, "decode_ms_per_token": None, "decode_ms_p90": None}
+    return {
+        "ttft_ms": float(step_ms[0]),
+        "decode_ms_per_token": float(np.sum(step_ms[1:]) / max(len(step_ms) - 1, 1)),
+        "decode_ms_p90": None,
     }
 
 
@@ -72,7 +112,7 @@ def measure_row(
     runner: Runner,
     module: Timed,
     model: Any,
-    mode: str,
+    generation: Generation,
     prompts: np.ndarray,
     args: argparse.Namespace,
     sweep: list[int],
@@ -80,43 +120,59 @@ def measure_row(
 ) -> dict[str, Any]:
     """Warm-up, then --repeats timed whole generations and streamed ones; medians, every repeat, the sweep."""
     new_tokens = args.new_tokens
-    label = f"{runner.label} {mode}"
-    _, first_call_s = time_generate(module, model, prompts, new_tokens, mode)  # warm-up 1; JAX compiles here
+    label = f"{runner.label} {generation.mode}"
+    speculative = generation.mode == "speculative"
+
+    def figures(step_ms: list[float]) -> dict[str, float | None]:
+        return speculative_step_figures(step_ms, not runner.compiles) if speculative else step_figures(step_ms)
+
+    _, first_call_s = time_generate(module, model, prompts, new_tokens, generation)  # warm-up 1; JAX compiles here
     tick(f"{label} warm-up")
     for _ in range(args.warmup - 1):
-        time_generate(module, model, prompts, new_tokens, mode)
+        time_generate(module, model, prompts, new_tokens, generation)
         tick(f"{label} warm-up")
     for _ in range(args.warmup):
-        time_stream(module, model, prompts, new_tokens, mode)
+        time_stream(module, model, prompts, new_tokens, generation)
         tick(f"{label} warm-up")
     repeats: list[dict[str, Any]] = []
     tokens = None
     for index in range(args.repeats):
-        tokens, total_s = time_generate(module, model, prompts, new_tokens, mode)
-        stream_tokens, step_ms = time_stream(module, model, prompts, new_tokens, mode)
+        tokens, total_s = time_generate(module, model, prompts, new_tokens, generation)
+        stream_tokens, step_ms = time_stream(module, model, prompts, new_tokens, generation)
         repeats.append(
             {
                 "total_s": total_s,
-                **step_figures(step_ms),
+                **figures(step_ms),
                 "per_step_ms": step_ms,
                 "stream_tokens_equal": bool(np.array_equal(stream_tokens, tokens)),
             }
         )
         tick(f"{label} {index + 1}/{args.repeats}")
     total_s = median([r["total_s"] for r in repeats])
+
+    def median_of(key: str) -> float | None:
+        values = [r[key] for r in repeats if r[key] is not None]
+        return median(values) if values else None
+
+    per_step = None if speculative and runner.compiles else np.median([r["per_step_ms"] for r in repeats], axis=0)
     row = {
-        "ttft_ms": median([r["ttft_ms"] for r in repeats]),
-        "decode_ms_per_token": median([r["decode_ms_per_token"] for r in repeats]),
-        "decode_ms_p90": median([r["decode_ms_p90"] for r in repeats]),
+        "ttft_ms": median_of("ttft_ms"),
+        "decode_ms_per_token": median_of("decode_ms_per_token"),
+        "decode_ms_p90": median_of("decode_ms_p90"),
         "tokens_per_s": prompts.shape[0] * new_tokens / total_s,
         "total_s": total_s,
         "total_ms_per_token": 1e3 * total_s / new_tokens,  # for JAX: the compiled loop's steady state
         "first_call_s": first_call_s,
         "compile_s": max(0.0, first_call_s - total_s) if runner.compiles else None,
-        "per_step_ms": np.median(np.asarray([r["per_step_ms"] for r in repeats]), axis=0).tolist(),  # [N]
+        "per_step_ms": [] if per_step is None else per_step.tolist(),  # [N]
         "repeats": repeats,
         "tokens": tokens,
     }
+    if speculative:
+        assert generation.counts is not None and tokens is not None  # set by every speculative call
+        row["speculative"] = speculative_summary(
+            generation.counts, generation.draft_label, generation.draft_tokens, tokens, prompts.shape[1]
+        )
     if sweep:
         sweep_s = []
         for n in sweep:
@@ -124,8 +180,10 @@ def measure_row(
                 sweep_s.append(total_s)
             else:
                 for _ in range(args.warmup):
-                    time_generate(module, model, prompts, n, mode)  # a new n is a new compile for JAX
-                sweep_s.append(median([time_generate(module, model, prompts, n, mode)[1] for _ in range(args.repeats)]))
+                    time_generate(module, model, prompts, n, generation)  # a new n is a new compile for JAX
+                sweep_s.append(
+                    median([time_generate(module, model, prompts, n, generation)[1] for _ in range(args.repeats)])
+                )
             tick(f"{label} sweep {n}")
         row["sweep"] = {"new_tokens": list(sweep), "total_s": sweep_s, "slope": fit_slope(sweep, sweep_s)}
     else:

@@ -1,5 +1,5 @@
-"""The model and the prompts the bench times: the seed's model, GPT-2 small's sizes with
-random weights, or a weights file."""
+"""The model and the prompts the bench times: the seed's model, GPT-2 small as published
+(random weights: timing needs the sizes, not the training), or a weights file."""
 
 from __future__ import annotations
 
@@ -10,29 +10,21 @@ import numpy as np
 
 from kvports.shared.checks import SEED_PROMPT, check_prompts
 from kvports.shared.config import ModelConfig
-from kvports.shared.weights import DEFAULT_WEIGHTS, iter_expected, open_weights
+from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, open_weights
 
 PRESETS: dict[str, ModelConfig | None] = {
     "seed": None,  # the seed's model, shipped as the default weights file
-    # GPT-2 small's sizes in the seed's architecture (exact GELU, untied head), random weights.
-    "gpt2-small": ModelConfig(vocab_size=50257, d_model=768, n_heads=12, n_layers=12, max_seq_len=1024),
+    # GPT-2 small as published (124M parameters: tanh GELU, the head tied to the embedding), random weights.
+    "gpt2-small": ModelConfig(
+        vocab_size=50257,
+        d_model=768,
+        n_heads=12,
+        n_layers=12,
+        max_seq_len=1024,
+        activation="gelu_tanh",
+        tie_embeddings=True,
+    ),
 }
-
-
-def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """GPT-2's initialisation in NumPy (N(0, 0.02) matrices, zero biases, unit norms): timing
-    needs a model of the right size, not a trained one, and NumPy draws it in seconds."""
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for name, shape in iter_expected(config):
-        if name.endswith(".bias"):
-            tensors[name] = np.zeros(shape, dtype=np.float32)
-        elif len(shape) == 1:
-            tensors[name] = np.ones(shape, dtype=np.float32)
-        else:
-            tensors[name] = rng.standard_normal(shape, dtype=np.float32)
-            tensors[name] *= 0.02
-    return tensors
 
 
 def load_bench_model(
@@ -47,7 +39,7 @@ def load_bench_model(
             name = args.weights.name if args.weights is not None else args.preset
             return name, weights.config, weights.read(args.dtype)
     check(preset)
-    tensors = {name: array.astype(args.dtype, copy=False) for name, array in random_weights(preset).items()}
+    tensors = {name: array.astype(args.dtype, copy=False) for name, array in gpt2_init_weights(preset).items()}
     return args.preset, preset, tensors
 
 

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import argparse
 import gc
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kvports.shared import ports
-from kvports.shared.bench.measure import MATVEC_REPEATS, MATVEC_SHAPE, decode_bytes, matvec_bandwidth, measure_row
+from kvports.shared.bench.measure import (
+    MATVEC_REPEATS,
+    MATVEC_SHAPE,
+    Generation,
+    decode_bytes,
+    matvec_bandwidth,
+    measure_row,
+)
 from kvports.shared.bench.runners import Runner, import_runner, note
 from kvports.shared.config import ModelConfig, kv_cache_bytes
 
@@ -23,6 +31,7 @@ MEASURES = (
     "compile_s",
     "kv_cache_bytes",
     "roofline_ratio",
+    "speedup_vs_cached",
 )
 
 
@@ -36,6 +45,7 @@ def unavailable_row(runner: Runner, mode: str, reason: str | None) -> dict[str, 
         "reason": reason,
         **dict.fromkeys(MEASURES),
         "per_step_ms": [],
+        "speculative": None,
     }
 
 
@@ -49,8 +59,14 @@ def run_rows(
     sweep: list[int],
     roofline: bool,
     progress: Any,
+    draft_weights: tuple[ModelConfig, dict[str, np.ndarray]] | None = None,
+    no_device: dict[str, str] | None = None,
+    on_runner_done: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(rows, what the machine did: versions, bandwidths, the roofline's bytes per step)."""
+    """(rows, what the machine did: versions, bandwidths, the roofline's bytes per step).
+    draft_weights: the speculative rows' draft (None: prompt lookup); no_device: runners (by
+    label) that cannot reach --device, and why; on_runner_done(rows so far) after each runner."""
+    no_device = no_device or {}
     itemsize = np.dtype(args.dtype).itemsize
     B, P = prompts.shape
     N = args.new_tokens
@@ -79,6 +95,8 @@ def run_rows(
             continue
         device = args.device if runner.gpu else "cpu"
         module, reason = import_runner(runner)
+        if module is not None and runner.label in no_device:
+            module, reason = None, no_device[runner.label]
         model = None
         if module is not None:
             try:
@@ -104,12 +122,18 @@ def run_rows(
                 "device": device,
                 "dtype": args.dtype,
             }
-            row.update(measure_row(runner, module, model, mode, prompts, args, sweep, tick))
-            row["kv_cache_bytes"] = cache_bytes_held(runner, mode, config, B, P, N, itemsize)
+            generation = Generation(mode)
+            if mode == "speculative":
+                draft = None if draft_weights is None else module.load_model(*draft_weights, args.dtype, device)
+                generation = Generation(mode, draft, str(args.draft), args.draft_tokens, args.ngram)
+            row.update(measure_row(runner, module, model, generation, prompts, args, sweep, tick))
+            row["kv_cache_bytes"] = cache_bytes_held(runner, mode, config, B, P, N, itemsize, args.draft_tokens)
             row["note"] = note(runner, mode)
             rows.append(row)
         del model
         gc.collect()  # gpt2-small: free one framework's copy of the weights before the next loads
+        if on_runner_done is not None:
+            on_runner_done(rows)
     # One roofline per device: the best streaming bandwidth any framework reached on it.
     step_bytes = decode_bytes(config, tensors, B, P, N, itemsize) if roofline else None
     best: dict[str, float] = {}
@@ -117,9 +141,10 @@ def run_rows(
         best[bandwidth_device[name]] = max(value, best.get(bandwidth_device[name], 0.0))
     for row in rows:
         if row["available"]:
-            row["roofline_ms"] = (
-                1e3 * step_bytes / best[row["device"]] if step_bytes and row["device"] in best else None
-            )
+            # A decode step's bytes over the bandwidth; a speculative round reads the weights once for several
+            # tokens, so its per-token time has no roofline of this kind.
+            measured = step_bytes is not None and row["device"] in best and row["mode"] != "speculative"
+            row["roofline_ms"] = 1e3 * step_bytes / best[row["device"]] if step_bytes is not None and measured else None
             row["roofline_ratio"] = (
                 None if row["roofline_ms"] is None else row["decode_ms_per_token"] / row["roofline_ms"]
             )
@@ -135,33 +160,57 @@ def run_rows(
 
 
 def cache_bytes_held(
-    runner: Runner, mode: str, config: ModelConfig, batch: int, prompt_len: int, new_tokens: int, itemsize: int
+    runner: Runner,
+    mode: str,
+    config: ModelConfig,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    itemsize: int,
+    draft_tokens: int,
 ) -> int:
+    """The target's cache (a speculative draft model's own cache is not counted)."""
     if mode == "naive":
         return 0  # no cache: every step recomputes k and v for the whole history
     if runner.baseline:
         # Grown, not preallocated: the last token is never fed back, so P + N - 1 positions.
         return kv_cache_bytes(config, batch, prompt_len + new_tokens - 1, itemsize)
+    if mode == "speculative":
+        # Room for a verified chunk of K + 1 past the last token kept (and K spare slots in a ring).
+        K = draft_tokens
+        return kv_cache_bytes(config, batch, prompt_len + new_tokens + K + 1, itemsize, chunk=K + 1)
     return kv_cache_bytes(config, batch, prompt_len + new_tokens, itemsize)
 
 
 def add_comparisons(rows: list[dict[str, Any]]) -> None:
-    """Speed-ups the targets name: decode per token against seed-concat, total against the same port's naive."""
+    """Speed-ups the targets name: decode per token against seed-concat, total against the same port's naive,
+    and a speculative row's total against the same port's cached."""
     live = [row for row in rows if row["available"]]
     if not live:
         return
     seed = next((row for row in live if row["framework"] == "seed-concat"), None)
     reference = next((row for row in live if row["framework"] == "torch" and row["variant"] is None), live[0])
-    for row in live:
-        row["decode_speedup_vs_seed_concat"] = (
-            None if seed is None else seed["decode_ms_per_token"] / row["decode_ms_per_token"]
-        )
-        naive = next(
-            (r for r in live if r["framework"] == row["framework"] and r["variant"] is None and r["mode"] == "naive"),
+
+    def same_port(row: dict[str, Any], mode: str) -> dict[str, Any] | None:
+        return next(
+            (r for r in live if r["framework"] == row["framework"] and r["variant"] is None and r["mode"] == mode),
             None,
         )
+
+    for row in live:
+        row["decode_speedup_vs_seed_concat"] = (
+            None
+            if seed is None or row["decode_ms_per_token"] is None
+            else seed["decode_ms_per_token"] / row["decode_ms_per_token"]
+        )
+        naive, cached = same_port(row, "naive"), same_port(row, "cached")
         row["total_speedup_vs_naive"] = (
             None if naive is None or row["mode"] == "naive" else naive["total_s"] / row["total_s"]
+        )
+        # Speculative against the same port's cached greedy path, both whole generations: the decode speed-up
+        # a draft buys (JAX's speculative loop streams nothing to time step by step).
+        row["speedup_vs_cached"] = (
+            None if cached is None or row["mode"] != "speculative" else cached["total_s"] / row["total_s"]
         )
         row["tokens_agree"] = bool(np.array_equal(row["tokens"], reference["tokens"]))
         row["tokens_reference"] = f"{reference['framework']} {reference['mode']}"

@@ -1,5 +1,6 @@
-"""What the bench times: the three ports, two baselines and the optional torch.compile row,
-each imported only when its rows run, and the note the table prints beside each."""
+"""What the bench times: the three ports (naive, cached, and with --draft speculative), two
+baselines and the optional torch.compile row, each imported only when its rows run, and the
+note the table prints beside each."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import cast
 from kvports.shared import ports
 from kvports.shared.contract import Timed
 
-MODES = ("naive", "cached")
+MODES = ("naive", "cached", "speculative")
+DEFAULT_MODES = ("naive", "cached")  # speculative needs a draft: --modes ...,speculative --draft FILE|ngram
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,11 @@ class Runner:
     modes: tuple[str, ...]
     variant: str | None = None  # "torch.compile" for the optional compiled row
     compiles: bool = False  # the first call compiles: report first call minus steady state as compile_s
-    gpu: bool = True  # runs on a GPU with --device gpu (NumPy stays on the CPU)
+
+    @property
+    def gpu(self) -> bool:
+        """Runs on a GPU with --device gpu (NumPy stays on the CPU)."""
+        return self.framework not in ports.CPU_ONLY
 
     @property
     def label(self) -> str:
@@ -41,16 +47,20 @@ class Runner:
 
 RUNNERS = (
     Runner("torch", "kvports.torch_impl.port", MODES),
-    Runner("jax", "kvports.jax_impl.port", MODES, compiles=True),
-    Runner("numpy", "kvports.numpy_impl.port", MODES, gpu=False),
+    Runner("jax", "kvports.jax_impl.port", MODES, compiles="jax" in ports.COMPILES),
+    Runner("numpy", "kvports.numpy_impl.port", MODES),
     Runner("seed-concat", "kvports.baselines.seed_concat", ("cached",)),
-    Runner("transformers", "kvports.baselines.hf_gpt2", ("cached",)),
+    Runner("transformers", "kvports.baselines.hf_transformers", ("cached",)),
 )
 COMPILED_RUNNER = Runner(
     "torch", "kvports.baselines.torch_compile", ("cached",), variant="torch.compile", compiles=True
 )
 FRAMEWORKS = tuple(runner.framework for runner in RUNNERS)
 
+SPECULATIVE = (
+    "draft-and-verify rounds (generate_speculative, --draft, K = --draft-tokens): its tokens reach the host a "
+    "round at a time, so decode is the mean ms per token after the first; vs cached compares total times"
+)
 PREALLOCATED = (
     "writes a cache preallocated for P + N positions and attends over the slots filled so far "
     "(copied beside each step's k and v)"
@@ -69,8 +79,12 @@ NOTES = {
     ("numpy", "cached"): PREALLOCATED,
     ("seed-concat", "cached"): "the seed's cache: torch.cat copies the whole history and triu rebuilds the mask "
     "every step",
-    ("transformers", "cached"): "GPT2LMHeadModel.generate(do_sample=False) on the same weights; per-step times "
-    "from its streamer",
+    ("transformers", "cached"): "the family's own transformers class (GPT2LMHeadModel, LlamaForCausalLM, "
+    "MistralForCausalLM), generate(do_sample=False) on the same weights; per-step times from its streamer",
+    ("torch", "speculative"): SPECULATIVE,
+    ("numpy", "speculative"): SPECULATIVE,
+    ("jax", "speculative"): "draft-and-verify rounds in one compiled lax.while_loop: its tokens reach the host only "
+    "when it returns, so only total time per token is measured; vs cached compares total times",
 }
 COMPILED_NOTE = "torch.compile of the reference model's forward; compile_s = first call minus steady state"
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from kvports.shared.bench.measure import MATVEC_SHAPE
 from kvports.shared.limits import fmt_bytes
+from kvports.shared.terminal import console_for
 
 
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
-def print_table(result: dict) -> None:
-    from rich.console import Console
+def print_table(result: dict, show_targets: bool = False) -> None:
+    """The rows, then what the columns mean, the notes, the machine; the development targets
+    only when asked for (--targets: they are the project's, not a user's)."""
     from rich.table import Table
 
     s, rows = result["settings"], result["rows"]
@@ -36,15 +38,19 @@ def print_table(result: dict) -> None:
     ]
     roofline = any(row["roofline_ratio"] is not None for row in live)
     swept = any(row["sweep"] for row in live)
-    columns += ["roofline"] * roofline + ["slope"] * swept
+    speculative = any(row["mode"] == "speculative" for row in live)
+    unavailable = any(not row["available"] for row in rows)
+    columns += ["roofline"] * roofline + ["slope"] * swept + ["accepted", "fwd/tok", "vs cached"] * speculative
     table = Table(title=title)
     for column in columns:
         table.add_column(column, justify="left" if column in ("framework", "mode") else "right", no_wrap=True)
+    if unavailable:
+        table.add_column("reason", justify="left", overflow="fold")  # text: never inside a number column
     notes: list[str] = []
     for row in rows:
         name = row["framework"] if row["variant"] is None else f"{row['framework']} ({row['variant']})"
         if not row["available"]:
-            table.add_row(name, row["mode"], f"[dim]unavailable: {row['reason']}"[:70], *["-"] * (len(columns) - 3))
+            table.add_row(name, row["mode"], *["-"] * (len(columns) - 2), f"unavailable: {row['reason']}")
             continue
         if row["note"]:
             if row["note"] not in notes:
@@ -67,15 +73,27 @@ def print_table(result: dict) -> None:
         ]
         cells += [fmt(row["roofline_ratio"], ".2f", "x")] * roofline
         cells += [fmt((row["sweep"] or {}).get("slope"), ".2f")] * swept
-        table.add_row(*cells)
-    console = Console(width=max(160, Console().width))  # the table's width, even when piped
+        if speculative:
+            counts = row.get("speculative") or {}
+            cells += [
+                fmt(counts.get("acceptance_rate"), ".0%"),
+                fmt(counts.get("target_forwards_per_token"), ".2f"),
+                fmt(row["speedup_vs_cached"], ".2f", "x"),
+            ]
+        table.add_row(*cells, *[""] * unavailable)
+    console = console_for(table)  # the table's width, even when piped
     console.print(table)
     console.print(
         "ttft: time to first token (prefill); decode: median ms per decode step, p90 its 90th percentile; "
         "tok/s: batch x new tokens / total s; vs seed: seed-concat's decode ms over this row's; vs naive: "
         "the same port's naive total over this row's"
         + "; roofline: decode ms over the roofline's" * roofline
-        + "; slope: fitted log-log exponent of total time against new tokens" * swept,
+        + "; slope: fitted log-log exponent of total time against new tokens" * swept
+        + (
+            "; accepted: the draft's proposals the target kept; fwd/tok: target forwards per generated token; "
+            "vs cached: the same port's cached total over this row's"
+        )
+        * speculative,
         highlight=False,
         markup=False,
     )
@@ -104,7 +122,7 @@ def print_table(result: dict) -> None:
         highlight=False,
         markup=False,
     )
-    for target in result["targets"]:
+    for target in result["targets"] if show_targets else []:
         verdict = "met" if target["met"] else "MISSED"
         console.print(
             f"target: {target['target']}: {target['value']:.2f} (target {target['threshold']}): {verdict}",

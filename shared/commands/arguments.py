@@ -18,8 +18,8 @@ from kvports.shared.checks import SEED_PROMPT, check_prompts, parse_prompt
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import MAX_SEED, GenerationConfig
-from kvports.shared.limits import check_run
-from kvports.shared.weights import DEFAULT_WEIGHTS, open_weights
+from kvports.shared.limits import check_bytes, check_run
+from kvports.shared.weights import DEFAULT_WEIGHTS, open_weights, parameter_count
 
 
 class OutOfRange(argparse.ArgumentTypeError):
@@ -127,25 +127,43 @@ def load_inputs(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, np.nda
     and the bytes the run will allocate are checked against it before any tensor is read."""
     with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
         config = weights.config.validate_at(args.dtype)
-        tokenizer = load_text_tokenizer(args, config)
-        if getattr(args, "text", None) is not None:
-            from kvports.shared.hf.text import encode
-
-            if args.prompt:
-                raise UserError("give --prompt (token ids) or --text, not both")
-            ids = encode(tokenizer, args.text)
-            prompts = check_prompts(ids, config, args.new_tokens)
-        else:
-            texts = args.prompt if args.prompt else [",".join(map(str, SEED_PROMPT))]
-            prompts = check_prompts([parse_prompt(text) for text in texts], config, args.new_tokens)
-        generation_from(args, config)
-        modes = run_modes(args)
-        if "speculative" in modes:
-            check_draft_flags(args)
-            check_needed(args, prompts, [("the model", config)])
-        B, P = prompts.shape
-        check_run(config, args.dtype, B, P, args.new_tokens, modes, args.draft_tokens if "speculative" in modes else 0)
+        prompts = checked_prompts(args, config)
         return config, weights.read(args.dtype), prompts
+
+
+def load_weights_argument(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """--weights at --dtype, without prompts: the Python API loads a model before it is given any.
+    Its weights' bytes are checked against the limit before any tensor is read."""
+    with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
+        config = weights.config.validate_at(args.dtype)
+        count = parameter_count(config)
+        check_bytes({"weights": 2 * count * np.dtype(args.dtype).itemsize}, f"a model of {count:,} parameters")
+        return config, weights.read(args.dtype)
+
+
+def checked_prompts(args: argparse.Namespace, config: ModelConfig) -> np.ndarray:
+    """--prompt (or --text; the seed's prompt when neither) as one batch [B, P], with everything
+    else a run is checked for against the model: the generation flags, the draft's flags, and
+    the bytes the run will allocate."""
+    tokenizer = load_text_tokenizer(args, config)
+    if getattr(args, "text", None) is not None:
+        from kvports.shared.hf.text import encode
+
+        if args.prompt:
+            raise UserError("give --prompt (token ids) or --text, not both")
+        ids = encode(tokenizer, args.text)
+        prompts = check_prompts(ids, config, args.new_tokens)
+    else:
+        texts = args.prompt if args.prompt else [",".join(map(str, SEED_PROMPT))]
+        prompts = check_prompts([parse_prompt(text) for text in texts], config, args.new_tokens)
+    generation_from(args, config)
+    modes = run_modes(args)
+    if "speculative" in modes:
+        check_draft_flags(args)
+        check_needed(args, prompts, [("the model", config)])
+    B, P = prompts.shape
+    check_run(config, args.dtype, B, P, args.new_tokens, modes, args.draft_tokens if "speculative" in modes else 0)
+    return prompts
 
 
 def run_modes(args: argparse.Namespace) -> list[str]:
@@ -211,7 +229,7 @@ MAX_DRAFT_TOKENS = 16  # a verified chunk is K + 1 wide; past this the draft is 
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("speculative decoding (--mode speculative)")
+    group = parser.add_argument_group("speculative decoding (mode speculative)")
     group.add_argument(
         "--draft",
         default=None,

@@ -1,6 +1,12 @@
-"""`kvports compare`: every framework x mode against a reference, in one table. A framework
-that is not installed gets rows that say so; the reference is torch naive, or the first
-installed port's naive when torch is missing."""
+"""`kvports compare`: every framework x mode against a reference, in one table: do the tokens
+agree (and where they part, was it a float near-tie), how far apart are the logits, and how long
+each took. A framework that is not installed (or, with --device gpu, finds no GPU) gets rows that
+say so; the reference is torch naive, or the first usable port's naive when torch is not usable.
+
+Logits are compared up to each row's first divergence: after it the histories differ. With
+--teacher-forced every port is also fed the reference's tokens (`forward_chunks`: one chunk for
+naive, the prompt then one token at a time for cached), so every step is compared, near-tie or not.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,24 +27,89 @@ from kvports.shared.commands.arguments import (
     generation_from,
     load_draft,
     load_inputs,
+    positive_int,
 )
-from kvports.shared.commands.generate import describe_generation, timed_generate
-from kvports.shared.compare import compare_tokens
+from kvports.shared.commands.generate import describe_generation
+from kvports.shared.compare import NEAR_TIE, comparable_steps, compare_tokens, logit_difference
 from kvports.shared.config import ModelConfig
 from kvports.shared.contract import Port
+from kvports.shared.devices import add_device_argument, check_gpu_reachable, device_problem, placement
 from kvports.shared.errors import UserError
 from kvports.shared.families import describe
-from kvports.shared.generation import GenerationConfig, row_tokens
+from kvports.shared.generation import PAD, GenerationConfig, row_tokens
 from kvports.shared.progress import make_progress
+from kvports.shared.terminal import console_for
 
-HELP = "every framework x mode against the torch reference, in one table"
+HELP = "every framework x mode against the torch reference: tokens, logit differences, time"
 EXIT_DISAGREE = 1  # a row disagrees and no float near-tie explains it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_input_arguments(parser)
+    add_device_argument(parser)
+    parser.add_argument(
+        "--teacher-forced",
+        action="store_true",
+        help="also feed every port the reference's tokens and compare the logits at every step, past any divergence",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        metavar="R",
+        help="timed runs per row after a warm-up; seconds are their median (default 3)",
+    )
     add_generation_arguments(parser)
     add_speculative_arguments(parser)
+
+
+def usable_ports(device: str) -> tuple[dict[str, Port | None], dict[str, str]]:
+    """Each framework's port, or None with the reason it cannot run (not installed, no GPU)."""
+    usable: dict[str, Port | None] = {}
+    reasons: dict[str, str] = {}
+    problems: dict[str, str | None] = {}
+    for name in ports.PORTS:
+        port = ports.available_port(name)
+        problem = "not installed" if port is None else device_problem(port, device)
+        problems[name] = problem
+        usable[name] = None if problem is not None else port
+        if problem is not None:
+            reasons[name] = problem
+    if not any(usable.values()):
+        if device == "cpu":
+            raise UserError("no framework is installed: install kvports[torch], kvports[jax] or use numpy")
+    check_gpu_reachable(device, problems)
+    return usable, reasons
+
+
+def timed(call: Callable[[], Any], port: Port, model: Any) -> tuple[Any, float]:
+    """(what call returns, seconds until the device is done)."""
+    start = time.perf_counter()
+    result = call()
+    port.synchronize(model)
+    return result, time.perf_counter() - start
+
+
+def teacher_forced_logits(
+    port: Port, model: Any, prompts: np.ndarray, reference_tokens: np.ndarray, mode: str
+) -> np.ndarray:
+    """The step logits [B, N, V] of each row fed the reference's own tokens: naive as one chunk,
+    cached as the prompt then one token per chunk, as generate does. Row by row, so a left-padded
+    prompt needs no padding; zeros where the reference row had already stopped."""
+    B, P = prompts.shape
+    generated = np.asarray(reference_tokens)[:, P:]  # [B, N]
+    result: np.ndarray | None = None
+    for row in range(B):
+        prompt = prompts[row][prompts[row] != PAD]  # [P_b]
+        made = generated[row][generated[row] != PAD]  # [n_b]: PAD only after a stop
+        history = np.concatenate([prompt, made[:-1]])[None]  # [1, P_b + n_b - 1]: the last token is never fed
+        chunks = [history.shape[1]] if mode == "naive" else [len(prompt)] + [1] * (len(made) - 1)
+        logits = port.forward_chunks(model, history, chunks)[0, len(prompt) - 1 :]  # [n_b, V]
+        if result is None:
+            result = np.zeros((B, generated.shape[1], logits.shape[-1]), dtype=logits.dtype)
+        result[row, : len(made)] = logits
+    assert result is not None  # check_prompts refuses an empty batch
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,53 +119,57 @@ def run(args: argparse.Namespace) -> int:
     draft_weights = load_draft(args, config, prompts) if speculative else None
     modes = ("naive", "cached") + (("speculative",) if speculative else ())
     P = prompts.shape[1]
-    available: dict[str, Port | None] = {name: ports.available_port(name) for name in ports.PORTS}
-    installed = [name for name in ports.PORTS if available[name] is not None]
-    if not installed:
-        raise UserError("no framework is installed: install kvports[torch], kvports[jax] or use numpy")
-    reference = ports.REFERENCE if ports.REFERENCE in installed else installed[0]
+    usable, reasons = usable_ports(args.device)
+    reference = next(name for name in [ports.REFERENCE, *ports.PORTS] if usable[name] is not None)
     order = [reference] + [name for name in ports.PORTS if name != reference]
     rows: list[dict[str, Any]] = []
     results: dict[tuple[str, str], tuple[np.ndarray, np.ndarray | None]] = {}
+    forced: dict[tuple[str, str], np.ndarray] = {}
     with make_progress(args.json) as progress:
         task = progress.add_task("compare", total=len(modes) * len(order))
         for name in order:
-            port = available[name]
+            port = usable[name]
+            model = None
             for mode in modes:
                 progress.update(task, description=f"{name} {mode}")
+                row: dict[str, Any] = {"framework": name, "mode": mode, "device": placement(name, args.device)}
                 if port is None:
-                    rows.append({"framework": name, "mode": mode, "available": False})
+                    rows.append({**row, "available": False, "reason": reasons[name]})
                     progress.advance(task)
                     continue
-                model = port.load_model(config, tensors, args.dtype)
-                row: dict[str, Any] = {"framework": name, "mode": mode, "available": True}
+                if model is None:
+                    model = port.load_model(config, tensors, args.dtype, placement(name, args.device))
+                row["available"] = True
                 if mode == "speculative":
-                    draft = None if draft_weights is None else port.load_model(*draft_weights, args.dtype)
-                    tokens, counts, first_seconds = timed_speculative(port, model, draft, prompts, generation, args)
-                    _, _, seconds = timed_speculative(port, model, draft, prompts, generation, args)
-                    results[(name, mode)] = (tokens, None)
-                    row["speculative"] = counts
+                    row.update(measure_speculative(port, model, draft_weights, prompts, generation, args, results))
                 else:
-                    # The first run compiles (JAX) and records logits; the one without logits (a program of
-                    # its own in JAX) runs once untimed, then is timed.
-                    tokens, logits, first_seconds = timed_generate(port, model, prompts, generation, mode, True)
-                    timed_generate(port, model, prompts, generation, mode, False)
-                    _, _, seconds = timed_generate(port, model, prompts, generation, mode, False)
-                    results[(name, mode)] = (tokens, logits)
-                rows.append({**row, "seconds": seconds, "first_call_seconds": first_seconds})
+                    row.update(measure_generate(port, model, prompts, generation, mode, args, results))
+                    if args.teacher_forced:
+                        reference_tokens = results[(reference, "naive")][0]
+                        forced[(name, mode)] = teacher_forced_logits(port, model, prompts, reference_tokens, mode)
+                rows.append(row)
                 progress.advance(task)
     ref_tokens, ref_logits = results[(reference, "naive")]
     assert ref_logits is not None  # asked for with return_logits=True
     for row in rows:
         if not row["available"]:
             continue
-        tokens, _ = results[(row["framework"], row["mode"])]
+        tokens, logits = results[(row["framework"], row["mode"])]
         if row["mode"] == "speculative" and not generation.greedy:
             # Speculative sampling draws by its own rule: the reference is the reference's speculative run.
             agreement = compare_tokens(results[(reference, "speculative")][0], tokens, P, None)
         else:
             agreement = compare_tokens(ref_tokens, tokens, P, ref_logits, generation)
         row.update(agreement.as_dict())
+        difference = None
+        if args.teacher_forced and row["mode"] != "speculative":
+            every_step = np.asarray(ref_tokens)[:, P:] != PAD  # [B, N]
+            difference = logit_difference(
+                forced[(reference, "naive")], forced[(row["framework"], row["mode"])], every_step, True
+            )
+        elif logits is not None:
+            difference = logit_difference(ref_logits, logits, comparable_steps(ref_tokens, tokens, P), False)
+        row["logits"] = None if difference is None else difference.as_dict()
         naive = next(r for r in rows if r["framework"] == row["framework"] and r["mode"] == "naive")
         row["cached_speedup"] = naive["seconds"] / row["seconds"] if row["mode"] != "naive" else None
     ok = all(row["explained"] for row in rows if row["available"])
@@ -104,9 +180,13 @@ def run(args: argparse.Namespace) -> int:
                     "reference": f"{reference} naive",
                     "family": config.family,
                     "dtype": args.dtype,
+                    "device": args.device,
                     "generation": dataclasses.asdict(generation),
                     "prompt": row_tokens(prompts),
                     "new_tokens": args.new_tokens,
+                    "teacher_forced": args.teacher_forced,
+                    "repeats": args.repeats,
+                    "near_tie": NEAR_TIE,
                     "tokens": row_tokens(ref_tokens),
                     "rows": rows,
                     "ok": ok,
@@ -118,13 +198,72 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else EXIT_DISAGREE
 
 
-def timed_speculative(
-    port: Port, model: Any, draft: Any, prompts: np.ndarray, generation: GenerationConfig, args: argparse.Namespace
-) -> tuple[np.ndarray, dict[str, int], float]:
-    start = time.perf_counter()
-    tokens, counts = port.generate_speculative(model, draft, prompts, generation, args.draft_tokens, args.ngram)
-    port.synchronize(model)
-    return tokens, counts, time.perf_counter() - start
+def measure_generate(
+    port: Port,
+    model: Any,
+    prompts: np.ndarray,
+    generation: GenerationConfig,
+    mode: str,
+    args: argparse.Namespace,
+    results: dict[tuple[str, str], tuple[np.ndarray, np.ndarray | None]],
+) -> dict[str, Any]:
+    """One row: tokens and logits from a first call, then the warm-up and --repeats timed calls
+    without logits (for JAX another compiled program: the warm-up is its compile)."""
+    results[(port.NAME, mode)] = port.generate(model, prompts, generation, mode, return_logits=True)
+
+    def call() -> Any:
+        return port.generate(model, prompts, generation, mode)
+
+    return timings(call, port, model, args.repeats)[1]
+
+
+def measure_speculative(
+    port: Port,
+    model: Any,
+    draft_weights: tuple[ModelConfig, dict[str, np.ndarray]] | None,
+    prompts: np.ndarray,
+    generation: GenerationConfig,
+    args: argparse.Namespace,
+    results: dict[tuple[str, str], tuple[np.ndarray, np.ndarray | None]],
+) -> dict[str, Any]:
+    draft = None
+    if draft_weights is not None:
+        draft = port.load_model(*draft_weights, args.dtype, placement(port.NAME, args.device))
+
+    def call() -> Any:
+        return port.generate_speculative(model, draft, prompts, generation, args.draft_tokens, args.ngram)
+
+    (tokens, counts), figures = timings(call, port, model, args.repeats)
+    results[(port.NAME, "speculative")] = (tokens, None)
+    return {**figures, "speculative": counts}
+
+
+def timings(call: Callable[[], Any], port: Port, model: Any, repeats: int) -> tuple[Any, dict[str, Any]]:
+    """(the first call's result, its time and the median of `repeats` more)."""
+    first_result, first_call = timed(call, port, model)
+    seconds = [timed(call, port, model)[1] for _ in range(repeats)]
+    median = float(np.median(seconds))
+    return first_result, {
+        "seconds": median,
+        "first_call_seconds": first_call,
+        # Only where the first call compiles: elsewhere first minus median is warm-up noise, not a cost.
+        "compile_seconds": max(0.0, first_call - median) if port.NAME in ports.COMPILES else None,
+        "repeat_seconds": seconds,
+    }
+
+
+def fmt_difference(value: float) -> str:
+    return "0" if value == 0 else f"{value:.1e}"
+
+
+def tokens_cell(row: dict[str, Any], reference: str) -> str:
+    if not row["available"]:
+        return "not installed" if row["reason"] == "not installed" else "no GPU"
+    if row["framework"] == reference and row["mode"] == "naive":
+        return "reference"
+    if row["agree"]:
+        return "agree"
+    return f"{'near-tie' if row['explained'] else 'DIFFER'} @ {row['first_divergent_step']}"
 
 
 def print_table(
@@ -135,30 +274,87 @@ def print_table(
     prompts: np.ndarray,
     generation: GenerationConfig,
 ) -> None:
-    from rich.console import Console
+    from rich import box
     from rich.table import Table
 
+    where = args.device if args.device == "cpu" else "gpu (numpy on the cpu)"
     table = Table(
         title=f"kvports compare: {describe(config)}, {prompts.shape[0]} x {prompts.shape[1]}-token prompt, "
-        f"{args.new_tokens} new tokens, {describe_generation(generation)}, {args.dtype}; reference: {reference} naive"
+        f"{args.new_tokens} new tokens, {describe_generation(generation)}, {args.dtype}, {where}; "
+        f"reference: {reference} naive" + (", teacher-forced" if args.teacher_forced else ""),
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
     )
-    for column in (
-        "framework",
-        "mode",
-        f"vs {reference}",
-        "first divergent step",
-        "margin there",
-        "seconds",
-        "speedup vs naive",
+    for column, justify in (
+        ("framework", "left"),
+        ("mode", "left"),
+        ("tokens", "left"),
+        ("max\n|diff|", "right"),
+        ("at\nstep", "right"),
+        ("mean\n|diff|", "right"),
+        ("seconds", "right"),
+        ("vs\nnaive", "right"),
     ):
-        table.add_column(column, justify="left" if column in ("framework", "mode") else "right")
+        table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for row in rows:
+        cells = [row["framework"], row["mode"], tokens_cell(row, reference)]
         if not row["available"]:
-            table.add_row(row["framework"], row["mode"], "not installed", "-", "-", "-", "-")
+            table.add_row(*cells, *["-"] * 5)
             continue
-        verdict = "agrees" if row["agree"] else ("near-tie" if row["explained"] else "DISAGREES")
-        step = "-" if row["first_divergent_step"] is None else str(row["first_divergent_step"])
-        margin = "-" if row["reference_margin"] is None else f"{row['reference_margin']:.2e}"
-        speedup = "-" if row["cached_speedup"] is None else f"{row['cached_speedup']:.1f}x"
-        table.add_row(row["framework"], row["mode"], verdict, step, margin, f"{row['seconds']:.4f}", speedup)
-    Console(width=max(120, Console().width)).print(table)
+        logits = row["logits"]
+        cells += (
+            ["-"] * 3
+            if logits is None
+            else [
+                fmt_difference(logits["max_abs_diff"]),
+                str(logits["peak_step"]) if logits["max_abs_diff"] else "-",  # no peak where nothing differs
+                fmt_difference(logits["mean_abs_diff"]),
+            ]
+        )
+        cells += [f"{row['seconds']:.4f}", "-" if row["cached_speedup"] is None else f"{row['cached_speedup']:.1f}x"]
+        table.add_row(*cells)
+    console = console_for(table)
+    console.print(table)
+    for line in footnotes(rows, args):
+        console.print(line, highlight=False, markup=False)
+
+
+def footnotes(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """What the table's figures are, and each row's story where it is not plain agreement."""
+    live = [row for row in rows if row["available"]]
+    notes = []
+    for row in live:
+        if not row["agree"] and row["reference_margin"] is not None:
+            notes.append(
+                f"{row['framework']} {row['mode']}: tokens part at step {row['first_divergent_step']} "
+                f"(row {row['divergent_row']}), where the reference's margin was {row['reference_margin']:.1e}: "
+                + ("below" if row["explained"] else "NOT below")
+                + f" {NEAR_TIE:.0e}, "
+                + ("a float near-tie" if row["explained"] else "a real disagreement")
+            )
+        elif not row["agree"]:
+            notes.append(f"{row['framework']} {row['mode']}: tokens part at step {row['first_divergent_step']}")
+    if args.teacher_forced:
+        notes.append(
+            "logits: |logit - reference logit| with every port fed the reference's tokens, at every step "
+            "(max, the step where it peaks, mean over every logit)"
+        )
+    else:
+        notes.append(
+            "logits: |logit - reference logit| up to each row's first divergence (max, the step where it "
+            "peaks, mean over every logit); --teacher-forced compares every step"
+        )
+    compiled = [row for row in live if row.get("compile_seconds") is not None]
+    timing = (
+        f"seconds: median of {args.repeats} runs of the whole generation after a warm-up (per-step latency and "
+        "time to first token: kvports bench)"
+    )
+    if compiled:
+        timing += "; compile time apart, the first call minus that median: " + ", ".join(
+            f"{row['framework']} {row['mode']} {row['compile_seconds']:.2f} s" for row in compiled
+        )
+    notes.append(timing)
+    for row in rows:
+        if not row["available"] and row["reason"] != "not installed" and row["mode"] == "naive":
+            notes.append(f"{row['framework']}: {row['reason']}")
+    return notes

@@ -7,6 +7,8 @@ import argparse
 import dataclasses
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,9 @@ from kvports.shared.commands.arguments import (
     load_inputs,
     load_text_tokenizer,
 )
+from kvports.shared.config import ModelConfig
 from kvports.shared.contract import Port
+from kvports.shared.devices import add_device_argument, check_device
 from kvports.shared.errors import UserError
 from kvports.shared.families import describe
 from kvports.shared.generation import PAD, GenerationConfig, finish_reasons, row_tokens
@@ -35,22 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--framework", choices=ports.PORTS, required=True)
     parser.add_argument("--mode", choices=MODES, required=True)
     add_input_arguments(parser)
+    add_device_argument(parser)
     add_text_arguments(parser)
     add_generation_arguments(parser)
     add_speculative_arguments(parser)
     parser.add_argument(
         "--stream", action="store_true", help="print tokens as they are made (with --json: one JSON line per step)"
     )
-
-
-def timed_generate(
-    port: Port, model: Any, prompts: np.ndarray, generation: int | GenerationConfig, mode: str, return_logits: bool
-) -> tuple[np.ndarray, np.ndarray | None, float]:
-    """(tokens, logits or None, seconds until the device is done)."""
-    start = time.perf_counter()
-    tokens, logits = port.generate(model, prompts, generation, mode, return_logits=return_logits)
-    port.synchronize(model)
-    return tokens, logits, time.perf_counter() - start
 
 
 class Stream:
@@ -84,29 +79,60 @@ class Stream:
             print(flush=True)
 
 
+def load_port_for(args: argparse.Namespace) -> Port:
+    """The framework --framework names, on the device --device names: a missing one is an error."""
+    try:
+        port = ports.load_port(args.framework)
+    except ports.PortUnavailable as exc:
+        raise UserError(str(exc)) from None
+    check_device(port, args.device)
+    return port
+
+
+@dataclass
+class Generated:
+    tokens: np.ndarray  # [B, P + N], PAD after a row stops
+    logits: np.ndarray | None  # [B, steps, V] when asked for (naive and cached only)
+    counts: dict[str, int] | None  # speculative: rounds, target_forwards, proposed, accepted
+    seconds: float  # until the device was done, the draft model's loading excluded
+
+
+def run_generation(
+    port: Port,
+    model: Any,
+    prompts: np.ndarray,
+    generation: GenerationConfig,
+    args: argparse.Namespace,
+    draft_weights: tuple[ModelConfig, dict[str, np.ndarray]] | None,
+    return_logits: bool = False,
+    on_token: Callable[[np.ndarray], None] | None = None,
+) -> Generated:
+    """One generation as `generate` (and the Python API) runs it: --mode, and the draft for speculative."""
+    if args.mode == "speculative":
+        draft = None if draft_weights is None else port.load_model(*draft_weights, args.dtype, args.device)
+        start = time.perf_counter()
+        tokens, counts = port.generate_speculative(
+            model, draft, prompts, generation, args.draft_tokens, args.ngram, on_token=on_token
+        )
+        logits = None
+    else:
+        start = time.perf_counter()
+        tokens, logits = port.generate(model, prompts, generation, args.mode, return_logits, on_token=on_token)
+        counts = None
+    port.synchronize(model)
+    return Generated(tokens, logits, counts, time.perf_counter() - start)
+
+
 def run(args: argparse.Namespace) -> int:
     config, tensors, prompts = load_inputs(args)
     generation = generation_from(args, config)
     draft_weights = load_draft(args, config, prompts) if args.mode == "speculative" else None
     tokenizer = load_text_tokenizer(args, config)  # loaded and checked by load_inputs
-    try:
-        port = ports.load_port(args.framework)
-    except ports.PortUnavailable as exc:
-        raise UserError(str(exc)) from None
-    model = port.load_model(config, tensors, args.dtype)
+    port = load_port_for(args)
+    model = port.load_model(config, tensors, args.dtype, args.device)
     stream = Stream(prompts.shape[0], tokenizer, args.json) if args.stream else None
-    counts = None
-    start = time.perf_counter()
-    if args.mode == "speculative":
-        draft = None if draft_weights is None else port.load_model(*draft_weights, args.dtype)
-        start = time.perf_counter()
-        tokens, counts = port.generate_speculative(
-            model, draft, prompts, generation, args.draft_tokens, args.ngram, on_token=stream
-        )
-    else:
-        tokens, _ = port.generate(model, prompts, generation, args.mode, on_token=stream)
-    port.synchronize(model)
-    seconds = time.perf_counter() - start
+    generated = run_generation(port, model, prompts, generation, args, draft_weights, on_token=stream)
+    tokens, counts, seconds = generated.tokens, generated.counts, generated.seconds
     if stream is not None:
         stream.close()
     P = prompts.shape[1]
@@ -122,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
             "framework": args.framework,
             "mode": args.mode,
             "dtype": args.dtype,
+            "device": args.device,
             "family": config.family,
             "generation": dataclasses.asdict(generation),
             "tokens": rows,
@@ -129,14 +156,14 @@ def run(args: argparse.Namespace) -> int:
             "seconds": seconds,
         }
         if counts is not None:
-            result["speculative"] = speculative_summary(counts, args, tokens, P)
+            result["speculative"] = speculative_summary(counts, str(args.draft), args.draft_tokens, tokens, P)
         if texts is not None:
             result["text"] = texts
         print(json.dumps(result))
         return 0
     print(
-        f"{args.framework} {args.mode} {args.dtype}, {describe(config)}, {describe_generation(generation)}, "
-        f"{args.new_tokens} new tokens at most, in {seconds:.3f} s"
+        f"{args.framework} {args.mode} {args.dtype} on the {args.device}, {describe(config)}, "
+        f"{describe_generation(generation)}, {args.new_tokens} new tokens at most, in {seconds:.3f} s"
     )
     for index, (row, prompt) in enumerate(zip(rows, prompt_rows, strict=True)):
         print(f"  prompt    {' '.join(map(str, prompt))}")
@@ -144,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         if texts is not None:
             print(f"  text      {texts[index]}")
     if counts is not None:
-        summary = speculative_summary(counts, args, tokens, P)
+        summary = speculative_summary(counts, str(args.draft), args.draft_tokens, tokens, P)
         print(
             f"  speculative: draft {summary['draft']}, K = {summary['draft_tokens']}: {summary['accepted']} of "
             f"{summary['proposed']} proposals accepted ({summary['acceptance_rate']:.0%}), "
@@ -166,13 +193,14 @@ def describe_generation(generation: GenerationConfig) -> str:
     return how
 
 
-def speculative_summary(counts: dict[str, int], args: argparse.Namespace, tokens: np.ndarray, P: int) -> dict:
+def speculative_summary(counts: dict[str, int], draft: str, draft_tokens: int, tokens: np.ndarray, P: int) -> dict:
     """The counts a user wants: proposals, acceptances, their rate, and target forwards per
-    generated token (of the longest row: every row moves with the batch)."""
+    generated token (of the longest row: every row moves with the batch). draft: "ngram" or the
+    draft's weights file."""
     generated = int((tokens[:, P:] != PAD).sum(axis=1).max())
     return {
-        "draft": "ngram" if args.draft == "ngram" else args.draft,
-        "draft_tokens": args.draft_tokens,
+        "draft": draft,
+        "draft_tokens": draft_tokens,
         **counts,
         "acceptance_rate": counts["accepted"] / counts["proposed"] if counts["proposed"] else 0.0,
         "target_forwards_per_token": counts["target_forwards"] / max(generated, 1),

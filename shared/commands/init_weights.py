@@ -1,5 +1,6 @@
-"""`kvports init-weights`: a randomly initialised weights file, by the reference port's
-initialisation (torch), so seed 0 with the default sizes is the seed's model bit for bit."""
+"""`kvports init-weights`: a randomly initialised weights file. By default the reference port's
+initialisation (torch), so seed 0 with the default sizes is the seed's model bit for bit;
+`--init numpy` draws GPT-2's initialisation in NumPy and needs no framework at all."""
 
 from __future__ import annotations
 
@@ -13,19 +14,27 @@ from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.files import check_output_file
 from kvports.shared.limits import check_bytes
-from kvports.shared.weights import parameter_count, save_weights
+from kvports.shared.weights import gpt2_init_weights, parameter_count, save_weights
 
 HELP = "write a randomly initialised weights file"
 SIZES = ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len")
+INITS = ("torch", "numpy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="the weights file to write")
-    parser.add_argument("--seed", type=seed, default=0, help="torch's seed for the initialisation (default 0)")
+    parser.add_argument("--seed", type=seed, default=0, help="the initialisation's seed (default 0)")
     defaults = ModelConfig()
     for name in SIZES:
         parser.add_argument("--" + name.replace("_", "-"), type=positive_int, default=getattr(defaults, name))
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument(
+        "--init",
+        choices=INITS,
+        default="torch",
+        help="torch (default): PyTorch's own initialisation, which needs torch; seed 0 with the default sizes is "
+        "the seed's model, bit for bit. numpy: GPT-2's (normal, std 0.02), NumPy only",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite an existing file")
 
 
@@ -38,14 +47,23 @@ def run(args: argparse.Namespace) -> int:
     itemsize = np.dtype(args.dtype).itemsize
     parts = {"initialisation": 2 * count * 4, "tensors": count * itemsize, "file": count * itemsize}
     check_bytes(parts, f"init-weights of {count:,} parameters")
-    try:
-        port = ports.load_port(ports.REFERENCE)
-    except ports.PortUnavailable as exc:
-        raise UserError(f"init-weights uses the reference initialisation: {exc}") from None
-    # init_weights is the reference port's alone, not part of the Port contract.
-    tensors = port.init_weights(config, args.seed)  # type: ignore[attr-defined]
+    if args.init == "numpy":
+        tensors = gpt2_init_weights(config, args.seed)
+    else:
+        try:
+            port = ports.load_port(ports.REFERENCE)
+        except ports.PortUnavailable as exc:
+            raise UserError(
+                f"init-weights --init torch (the default: the reference initialisation) needs torch: {exc}; "
+                "install kvports[torch], or pass --init numpy"
+            ) from None
+        # init_weights is the reference port's alone, not part of the Port contract.
+        tensors = port.init_weights(config, args.seed)  # type: ignore[attr-defined]
     tensors = {name: array.astype(args.dtype, copy=False) for name, array in tensors.items()}
     save_weights(out, tensors, config)
     n_params = sum(array.size for array in tensors.values())
-    print(f"wrote {out}: {config.family} model, {n_params:,} parameters, {args.dtype}, seed {args.seed}")
+    print(
+        f"wrote {out}: {config.family} model, {n_params:,} parameters, {args.dtype}, "
+        f"{args.init} initialisation, seed {args.seed}"
+    )
     return 0

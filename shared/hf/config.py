@@ -27,7 +27,6 @@ IGNORED_COMMON = {
     "dtype",
     "torch_dtype",
     "transformers_version",
-    "bos_token_id",
     "pad_token_id",
     "sep_token_id",
     "decoder_start_token_id",
@@ -283,13 +282,21 @@ def eos_token_ids(fields: Fields) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def bos_token_id(fields: Fields) -> int | None:
+    """bos_token_id: one id or null. Generation never uses it; it is kept for the way back."""
+    value = fields.get("bos_token_id")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise refuse("bos_token_id", value, "must be null or a token id")
+    return value
+
+
 def config_from_hf(data: dict) -> ModelConfig:
     model_type = data.get("model_type")
     if model_type not in MODEL_TYPES:
         raise refuse("model_type", model_type, f"supported: {', '.join(MODEL_TYPES)}")
     fields = Fields(data, model_type)
     config = gpt2_config(fields) if model_type == "gpt2" else llama_config(fields)
-    config = dataclasses.replace(config, eos_token_ids=eos_token_ids(fields))
+    config = dataclasses.replace(config, eos_token_ids=eos_token_ids(fields), bos_token_id=bos_token_id(fields))
     fields.refuse_unread()
     return config.validate()
 
@@ -335,13 +342,53 @@ def gpt2_hf_config(config: ModelConfig, dtype: str) -> dict:
         "use_cache": True,
         "dtype": dtype,
         # GPT2Config's default 50256 would point outside a small vocab: only the ids we know.
-        "bos_token_id": None,
-        "eos_token_id": (
-            list(config.eos_token_ids)
-            if len(config.eos_token_ids) > 1
-            else config.eos_token_ids[0]
-            if config.eos_token_ids
-            else None
-        ),
-        "pad_token_id": None,
+        **token_ids(config),
     }
+
+
+def token_ids(config: ModelConfig) -> dict:
+    """bos/eos as config.json writes them; a pad id never (our files have none)."""
+    eos: int | list[int] | None = list(config.eos_token_ids) if len(config.eos_token_ids) > 1 else None
+    if len(config.eos_token_ids) == 1:
+        eos = config.eos_token_ids[0]
+    return {"bos_token_id": config.bos_token_id, "eos_token_id": eos, "pad_token_id": None}
+
+
+def llama_refusal(config: ModelConfig) -> str | None:
+    """Why transformers' Llama (or, with a window, Mistral) cannot express this model, or None."""
+    if config.positions != "rope" or config.norm != "rmsnorm" or config.activation != "swiglu":
+        return "Llama and Mistral have RoPE, RMSNorm and SwiGLU"
+    if config.sliding_window is not None and (config.attn_bias or config.ffn_bias):
+        return "transformers' Mistral has no biases"
+    return None
+
+
+def llama_hf_config(config: ModelConfig, dtype: str) -> dict:
+    """config.json for LlamaForCausalLM, or MistralForCausalLM when the model has a sliding window."""
+    mistral = config.sliding_window is not None
+    fields = {
+        "architectures": ["MistralForCausalLM" if mistral else "LlamaForCausalLM"],
+        "model_type": "mistral" if mistral else "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_dropout": config.dropout,
+        "use_cache": True,
+        "dtype": dtype,
+        **token_ids(config),
+    }
+    if mistral:
+        fields["sliding_window"] = config.sliding_window
+    else:
+        fields["attention_bias"] = config.attn_bias
+        fields["mlp_bias"] = config.ffn_bias
+    return fields

@@ -194,3 +194,27 @@ def gpt2_hf_tensors(config: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
     if not config.tie_embeddings:
         out["lm_head.weight"] = tensors["head.weight"]
     return {name: np.ascontiguousarray(array) for name, array in out.items()}
+
+
+def llama_hf_tensors(config: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Ours -> LlamaForCausalLM's (and MistralForCausalLM's) names: llama_tensors, inverted."""
+    Dh, H, Hkv, F = config.head_dim, config.n_heads, config.kv_heads, config.ffn_dim
+    q, k = H * Dh, Hkv * Dh  # rows of q and of k in our fused qkv
+    out = {"model.embed_tokens.weight": tensors["emb.weight"], "model.norm.weight": tensors["ln.weight"]}
+    for i in range(config.n_layers):
+        h, b = f"model.layers.{i}.", f"blocks.{i}."
+        out[h + "input_layernorm.weight"] = tensors[b + "ln1.weight"]
+        out[h + "post_attention_layernorm.weight"] = tensors[b + "ln2.weight"]
+        for kind in ("weight", "bias") if config.attn_bias else ("weight",):
+            fused = tensors[f"{b}qkv.{kind}"]
+            out[f"{h}self_attn.q_proj.{kind}"] = fused[:q]
+            out[f"{h}self_attn.k_proj.{kind}"] = fused[q : q + k]
+            out[f"{h}self_attn.v_proj.{kind}"] = fused[q + k :]
+            out[f"{h}self_attn.o_proj.{kind}"] = tensors[f"{b}proj.{kind}"]
+        for kind in ("weight", "bias") if config.ffn_bias else ("weight",):
+            out[f"{h}mlp.gate_proj.{kind}"] = tensors[f"{b}ffn.0.{kind}"][:F]
+            out[f"{h}mlp.up_proj.{kind}"] = tensors[f"{b}ffn.0.{kind}"][F:]
+            out[f"{h}mlp.down_proj.{kind}"] = tensors[f"{b}ffn.2.{kind}"]
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = tensors["head.weight"]
+    return {name: np.ascontiguousarray(array) for name, array in out.items()}

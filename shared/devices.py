@@ -1,0 +1,65 @@
+"""`--device {cpu,gpu}` on generate, compare and bench: where each framework runs, and why one
+cannot run there.
+
+NumPy runs on the CPU whatever is asked. On a GPU, float32 means float32: every port turns
+TF32 off (`resolve_device`). With `--device gpu`, a framework that cannot reach a GPU (a
+CPU-only wheel, no GPU visible) gets rows that say why; when none of the frameworks asked for
+can, the command is one `error:` line before anything runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+from kvports.shared import ports
+from kvports.shared.contract import Port
+from kvports.shared.errors import UserError
+
+DEVICES = ("cpu", "gpu")
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="gpu: torch and JAX on the GPU, float32 at full precision (no TF32); NumPy stays on the CPU (default cpu)",
+    )
+
+
+def placement(name: str, device: str) -> str:
+    """Where framework `name` runs when `device` is asked for."""
+    return "cpu" if name in ports.CPU_ONLY else device
+
+
+def device_problem(port: Port, device: str) -> str | None:
+    """Why this port cannot run where `device` puts it (the port's own one-line reason), or None."""
+    try:
+        port.resolve_device(placement(port.NAME, device))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def check_gpu_reachable(device: str, problems: Mapping[str, str | None]) -> None:
+    """`problems`: each framework asked for -> why it cannot run on its device (None: it can).
+    With --device gpu, at least one framework that runs on GPUs at all must reach one."""
+    if device != "gpu":
+        return
+    candidates = {name: problem for name, problem in problems.items() if name not in ports.CPU_ONLY}
+    if not candidates:
+        raise UserError(
+            f"--device gpu: {', '.join(problems)} {'runs' if len(problems) == 1 else 'run'} on the CPU only"
+        )
+    if all(candidates.values()):
+        raise UserError("--device gpu: no GPU here (" + "; ".join(f"{n}: {p}" for n, p in candidates.items()) + ")")
+
+
+def check_device(port: Port, device: str) -> None:
+    """One framework on one device (`generate`, the Python API): its reason as the error."""
+    if device == "gpu" and port.NAME in ports.CPU_ONLY:
+        raise UserError(f"--device gpu: {port.NAME} runs on the CPU only")
+    problem = device_problem(port, device)
+    if problem is not None:
+        raise UserError(f"--device {device}: {problem}")

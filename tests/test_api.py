@@ -1,0 +1,192 @@
+"""The Python API (`kvports.load`, `Model.generate`): the command line's results, and every bad
+input the command line refuses refused with the command line's message."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import kvports
+from kvports.shared import cli, ports
+from kvports.shared.config import ModelConfig
+from kvports.shared.weights import save_weights
+from tests.helpers import GOLDEN, SEED_PROMPT, port_or_skip, random_weights, run_cli
+
+SEED = SEED_PROMPT[0].tolist()
+
+
+@pytest.fixture(scope="module", params=ports.PORTS)
+def model(request):
+    """Each framework's model of the seed, loaded once."""
+    port_or_skip(request.param)
+    return kvports.load(request.param)
+
+
+def cli_message(capsys, *argv: object) -> str:
+    """What the command line says after `error: ` (argparse's usage errors: its last line)."""
+    try:
+        code = cli.main([str(arg) for arg in argv])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    return err.strip().splitlines()[-1].split("error: ", 1)[1]
+
+
+def api_message(call) -> str:
+    with pytest.raises(kvports.UserError) as refusal:
+        call()
+    return str(refusal.value)
+
+
+# ---------------------------------------------------------------- what it gives
+
+
+def test_generate_gives_the_golden_tokens_in_every_framework(model):
+    out = model.generate(SEED, new_tokens=10)
+    assert out.generated == [GOLDEN[:10]] and out.tokens == [SEED + GOLDEN[:10]] and out.finish_reason == ["length"]
+    assert out.logits is None and out.speculative is None and out.seconds > 0
+
+
+def test_generate_gives_what_the_command_line_gives(model, capsys):
+    argv = ["generate", "--framework", model.framework, "--mode", "naive", "--json", "--new-tokens", "6"]
+    argv += ["--prompt", "1,2,3", "--prompt", "7,8", "--temperature", "0.8", "--top-k", "5", "--seed", "3"]
+    expected = json.loads(run_cli(capsys, *argv)[1])
+    out = model.generate([[1, 2, 3], [7, 8]], 6, "naive", temperature=0.8, top_k=5, seed=3)
+    assert (out.tokens, out.finish_reason) == (expected["tokens"], expected["finish_reason"])
+
+
+def test_prompts_may_be_one_row_a_batch_text_or_an_array(model):
+    expected = model.generate([SEED], new_tokens=3).tokens
+    assert model.generate(SEED, new_tokens=3).tokens == expected
+    assert model.generate("160,248,104,209,394", new_tokens=3).tokens == expected
+    assert model.generate(SEED_PROMPT, new_tokens=3).tokens == expected
+    assert model.generate(None, new_tokens=3).tokens == expected  # the seed's prompt, as the command line
+
+
+def test_logits_and_speculative_counts_when_asked_for(model):
+    assert model.generate(SEED, 4, return_logits=True).logits.shape == (1, 4, 500)
+    out = model.generate(SEED, 4, "speculative", draft="ngram", draft_tokens=2)
+    assert out.generated == [GOLDEN[:4]] and out.speculative["draft_tokens"] == 2
+
+
+def test_on_token_hears_each_token(model):
+    heard = []
+    model.generate(SEED, 3, on_token=lambda token: heard.append(int(token[0])))
+    assert heard == GOLDEN[:3]
+
+
+def test_stop_ids_end_a_row_and_an_empty_list_means_none(model):
+    out = model.generate(SEED, 10, stop_ids=[GOLDEN[2]])
+    assert out.generated == [GOLDEN[:3]] and out.finish_reason == ["stop"]
+    assert model.generate(SEED, 3, stop_ids=[]).finish_reason == ["length"]
+
+
+# ---------------------------------------------------------------- what it refuses
+
+
+# (the command line's flags for `generate`, the same input as the API's generate() keywords)
+GENERATE_CASES = {
+    "id_too_large": (["--prompt", "1,500,3"], dict(prompts=[1, 500, 3])),
+    "negative_id": (["--prompt", "1,-1,3"], dict(prompts=[1, -1, 3])),
+    "non_integer_id": (["--prompt", "1,2.5,3"], dict(prompts=[1, 2.5, 3])),
+    "word": (["--prompt", "hello"], dict(prompts="hello")),
+    "empty_prompt": (["--prompt", ""], dict(prompts=[])),
+    "empty_row": (["--prompt", "1,2", "--prompt", ""], dict(prompts=[[1, 2], []])),
+    "stray_comma": (["--prompt", "1,,2"], dict(prompts="1,,2")),
+    "too_long": (["--prompt", "1,2,3", "--new-tokens", "510"], dict(prompts=[1, 2, 3], new_tokens=510)),
+    "zero_new_tokens": (["--new-tokens", "0"], dict(new_tokens=0)),
+    "negative_new_tokens": (["--new-tokens", "-3"], dict(new_tokens=-3)),
+    "word_new_tokens": (["--new-tokens", "ten"], dict(new_tokens="ten")),
+    "fractional_new_tokens": (["--new-tokens", "2.5"], dict(new_tokens=2.5)),
+    "mode": (["--mode", "fast"], dict(mode="fast")),
+    "negative_temperature": (["--temperature", "-1"], dict(temperature=-1)),
+    "nan_temperature": (["--temperature", "nan"], dict(temperature=float("nan"))),
+    "negative_top_k": (["--top-k", "-1"], dict(top_k=-1)),
+    "zero_top_p": (["--top-p", "0"], dict(top_p=0)),
+    "negative_seed": (["--seed", "-1"], dict(seed=-1)),
+    "stop_id_outside_vocab": (["--stop-id", "600"], dict(stop_ids=[600])),
+    "speculative_without_draft": (["--mode", "speculative"], dict(mode="speculative")),
+    "zero_draft_tokens": (
+        ["--mode", "speculative", "--draft", "ngram", "--draft-tokens", "0"],
+        dict(mode="speculative", draft="ngram", draft_tokens=0),
+    ),
+    "too_many_draft_tokens": (
+        ["--mode", "speculative", "--draft", "ngram", "--draft-tokens", "17"],
+        dict(mode="speculative", draft="ngram", draft_tokens=17),
+    ),
+    "missing_draft_file": (
+        ["--mode", "speculative", "--draft", "/no/such/draft.safetensors"],
+        dict(mode="speculative", draft="/no/such/draft.safetensors"),
+    ),
+}
+
+
+def mode_of(flags: list[str]) -> list[str]:
+    return [] if "--mode" in flags else ["--mode", "cached"]
+
+
+@pytest.mark.parametrize("case", sorted(GENERATE_CASES))
+def test_generate_refuses_what_the_command_line_refuses_with_its_message(model, capsys, case):
+    flags, keywords = GENERATE_CASES[case]
+    expected = cli_message(capsys, "generate", "--framework", model.framework, *mode_of(flags), *flags)
+    assert api_message(lambda: model.generate(**keywords)) == expected
+
+
+def test_a_draft_with_another_vocabulary_is_refused_with_the_command_lines_message(model, capsys, tmp_path):
+    config = ModelConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=1, max_seq_len=128)
+    draft = tmp_path / "draft.safetensors"
+    save_weights(draft, random_weights(config), config)
+    flags = ["--mode", "speculative", "--draft", draft]
+    expected = cli_message(capsys, "generate", "--framework", model.framework, *flags)
+    assert api_message(lambda: model.generate(mode="speculative", draft=draft)) == expected
+    assert "vocab_size 64 differs" in expected
+
+
+# (the command line's flags, the same input as load()'s arguments)
+LOAD_CASES = {
+    "framework": (["--framework", "tensorflow"], dict(framework="tensorflow")),
+    "dtype": (["--dtype", "float16"], dict(dtype="float16")),
+    "device": (["--device", "tpu"], dict(device="tpu")),
+    "missing_weights": (["--weights", "/no/such/model.safetensors"], dict(weights="/no/such/model.safetensors")),
+    "numpy_on_a_gpu": (["--framework", "numpy", "--device", "gpu"], dict(framework="numpy", device="gpu")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOAD_CASES))
+def test_load_refuses_what_the_command_line_refuses_with_its_message(capsys, case):
+    flags, keywords = LOAD_CASES[case]
+    arguments = {"framework": "numpy", **keywords}
+    argv = ["generate", "--mode", "cached"] + ([] if "--framework" in flags else ["--framework", "numpy"]) + flags
+    expected = cli_message(capsys, *argv)
+    assert api_message(lambda: kvports.load(**arguments)) == expected
+
+
+def test_load_refuses_a_broken_weights_file_with_the_command_lines_message(capsys, tmp_path):
+    broken = tmp_path / "broken.safetensors"
+    broken.write_text("not a weights file at all\n")
+    expected = cli_message(capsys, "generate", "--framework", "numpy", "--mode", "cached", "--weights", broken)
+    assert api_message(lambda: kvports.load("numpy", broken)) == expected
+
+
+@pytest.mark.parametrize("framework", [name for name in ports.PORTS if name not in ports.CPU_ONLY])
+def test_load_on_a_gpu_that_is_not_there_is_the_command_lines_error(capsys, monkeypatch, framework):
+    port = port_or_skip(framework)
+    monkeypatch.setattr(port, "resolve_device", lambda device: (_ for _ in ()).throw(RuntimeError("no GPU here")))
+    expected = cli_message(capsys, "generate", "--framework", framework, "--mode", "cached", "--device", "gpu")
+    assert api_message(lambda: kvports.load(framework, device="gpu")) == expected == "--device gpu: no GPU here"
+
+
+def test_the_package_root_offers_the_api_and_nothing_it_does_not_have():
+    assert kvports.load is kvports.api.load and issubclass(kvports.UserError, ValueError)
+    with pytest.raises(AttributeError):
+        kvports.generate  # noqa: B018
+
+
+def test_an_array_prompt_is_refused_like_the_same_list():
+    numpy_model = kvports.load("numpy")
+    assert api_message(lambda: numpy_model.generate(np.array([[1, 500]]))) == api_message(
+        lambda: numpy_model.generate([[1, 500]])
+    )
