@@ -9,17 +9,16 @@ import json
 import numpy as np
 import pytest
 
-from kvports.shared import cli
+from kvports.shared import contract
 from kvports.shared.batching.blocks import BlockManager, chain_hash
-from kvports.shared.batching.engine import BatchSettings, Engine
+from kvports.shared.batching.engine import BatchSettings, Engine, PagedPort
 from kvports.shared.batching.requests import Request, parse_requests
 from kvports.shared.batching.scheduler import MIN_FILL, Scheduler, Sequence
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, row_tokens
 from kvports.shared.ports import PORTS
-from tests.conftest import port_or_skip, random_weights
-from tests.helpers import assert_tokens_agree
+from tests.helpers import assert_one_error_line, assert_tokens_agree, port_or_skip, random_weights, run_cli
 
 # GQA, learned positions: small enough for float64 in every test. Blocks of 4 tokens, so short
 # prompts span several blocks; one engine shape everywhere, so JAX compiles each program once.
@@ -162,6 +161,10 @@ def test_a_sliding_window_model_gets_its_tokens_alone(port):
     requests = ragged_requests()[:4]
     _, finished = run_engine(port, model, requests, arrivals=[0, 1, 2, 3], config=WINDOWED)
     assert_tokens_alone(port, model, requests, finished, "float64")
+
+
+def test_every_port_has_the_calls_the_engine_makes(port):
+    assert contract.mismatches(port, PagedPort) == []
 
 
 # ---------------------------------------------------------------- block accounting
@@ -397,12 +400,6 @@ def test_bad_request_lines_are_reported_by_number_and_the_rest_parse():
     assert "needs --tokenizer" in str(bad[6]) and str(bad[0]).startswith("line 2: not valid JSON")
 
 
-def run_cli(argv, capsys):
-    code = cli.main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 @pytest.fixture
 def weights_file(tmp_path, weights):
     from kvports.shared.weights import save_weights
@@ -419,10 +416,8 @@ def test_batch_cli_reports_bad_lines_by_number_and_runs_the_rest(tmp_path, capsy
         '{"id": "a", "prompt": [1, 2, 3], "max_new_tokens": 4}\n{"prompt": [1, 2, 999]}\n'
         '{"prompt": [5], "stop_ids": [7], "max_new_tokens": 6}\n{"prompt": "1,2"}\n'
     )
-    code, out, err = run_cli(
-        ["batch", "--requests", str(path), "--framework", "numpy", "--weights", str(weights_file), "--block-size", "4"],
-        capsys,
-    )
+    argv = ["--requests", path, "--framework", "numpy", "--weights", weights_file, "--block-size", 4]
+    code, out, err = run_cli(capsys, "batch", *argv)
     assert code == 2
     assert err.splitlines() == [
         "error: line 2: prompt token 999 is outside [0, 64) (vocab_size 64)",
@@ -431,11 +426,8 @@ def test_batch_cli_reports_bad_lines_by_number_and_runs_the_rest(tmp_path, capsy
     lines = [json.loads(line) for line in out.splitlines()]
     assert sorted(line["id"] for line in lines[:-1]) == ["3", "a"]
     summary = lines[-1]["summary"]
-    assert (summary["requests"], summary["bad_lines"], summary["blocks"]["free_after"]) == (
-        2,
-        2,
-        summary["blocks"]["num_blocks"],
-    )
+    assert (summary["requests"], summary["bad_lines"]) == (2, 2)
+    assert summary["blocks"]["free_after"] == summary["blocks"]["num_blocks"]
 
 
 def test_batch_cli_gives_each_request_its_tokens_alone(tmp_path, capsys, weights, weights_file, port):
@@ -447,24 +439,8 @@ def test_batch_cli_gives_each_request_its_tokens_alone(tmp_path, capsys, weights
             for req in ragged_requests()
         )
     )
-    code, out, _ = run_cli(
-        [
-            "batch",
-            "--requests",
-            str(path),
-            "--framework",
-            port.NAME,
-            "--weights",
-            str(weights_file),
-            "--dtype",
-            "float64",
-            "--block-size",
-            "4",
-            "--max-batch",
-            "4",
-        ],
-        capsys,
-    )
+    argv = ["--requests", path, "--framework", port.NAME, "--weights", weights_file, "--dtype", "float64"]
+    code, out, _ = run_cli(capsys, "batch", *argv, "--block-size", 4, "--max-batch", 4)
     assert code == 0
     lines = {line["id"]: line for line in map(json.loads, out.splitlines()[:-1])}
     model = port.load_model(CONFIG, weights, "float64")
@@ -487,7 +463,7 @@ def test_batch_cli_encodes_text_prompts_and_decodes_the_tokens(tmp_path, capsys,
     path.write_text('{"id": "text", "text": "w3 w1 w4"}\n{"id": "ids", "prompt": [3, 1, 4]}\n')
     argv = ["batch", "--requests", str(path), "--framework", "numpy", "--weights", str(weights_file), "--tokenizer",
             str(tmp_path), "--new-tokens", "5"]  # fmt: skip
-    code, out, _ = run_cli(argv, capsys)
+    code, out, _ = run_cli(capsys, *argv)
     lines = {line["id"]: line for line in map(json.loads, out.splitlines()[:-1])}
     assert code == 0 and lines["text"]["tokens"] == lines["ids"]["tokens"]
     assert lines["text"]["text"] == " ".join(f"w{token}" for token in lines["text"]["tokens"])
@@ -499,9 +475,10 @@ def test_batch_cli_encodes_text_prompts_and_decodes_the_tokens(tmp_path, capsys,
         (["--requests", "missing.jsonl"], "requests file 'missing.jsonl' does not exist"),
         (["--requests", "{empty}"], "has no requests"),
         (["--requests", "{bad}"], "no request to run in"),
-        (["--requests", "{good}", "--max-batch", "0"], "max batch 0 must be an integer >= 1"),
-        (["--requests", "{good}", "--block-size", "-1"], "block size -1 must be an integer >= 1"),
-        (["--requests", "{good}", "--num-blocks", "0"], "num blocks 0 must be an integer >= 1"),
+        (["--requests", "{good}", "--max-batch", "0"], "--max-batch 0 is below 1"),
+        (["--requests", "{good}", "--block-size", "-1"], "--block-size -1 is below 1"),
+        (["--requests", "{good}", "--num-blocks", "0"], "--num-blocks 0 is below 1"),
+        (["--requests", "{good}", "--max-step-tokens", "2000000000"], "max step tokens 2000000000 is above"),
         ([], "give --requests FILE.jsonl (or --bench)"),
     ],
 )
@@ -517,16 +494,23 @@ def test_batch_cli_user_errors_are_one_line_for_every_framework(
     for name, text in files.items():
         (tmp_path / f"{name}.jsonl").write_text(text)
     argv = [arg.format(**{name: str(tmp_path / f"{name}.jsonl") for name in files}) for arg in argv]
-    code, out, err = run_cli(["batch", "--framework", framework, *argv], capsys)
-    assert (code, out) == (2, "")
-    assert err.splitlines()[-1].startswith("error: ") and message in err.splitlines()[-1]
-    assert len([line for line in err.splitlines() if not line.startswith("error: line")]) == 1
+    code, out, err = run_cli(capsys, "batch", "--framework", framework, *argv)
+    *bad_lines, last = err.splitlines()  # a file of bad lines reports each, then that nothing is left to run
+    assert_one_error_line(code, out, last + "\n")
+    assert message in last and all(line.startswith("error: line ") for line in bad_lines)
+
+
+def test_a_batch_past_the_memory_limit_is_one_error_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVPORTS_MAX_BYTES", "1M")
+    (tmp_path / "requests.jsonl").write_text('{"prompt": [1, 2, 3]}\n')
+    err = assert_one_error_line(*run_cli(capsys, "batch", "--requests", tmp_path / "requests.jsonl"))
+    assert "a batch of 1 requests in float32 would allocate at least" in err and "block pool" in err
 
 
 def test_batch_bench_runs_both_workloads_and_both_ways_agree(capsys):
     port_or_skip("numpy")
-    code, out, _ = run_cli(["batch", "--bench", "--preset", "seed", "--count", "3", "--frameworks", "numpy", "--json",
-                            "--block-size", "4"], capsys)  # fmt: skip
+    argv = ["--preset", "seed", "--count", "3", "--frameworks", "numpy", "--json", "--block-size", "4"]
+    code, out, _ = run_cli(capsys, "batch", "--bench", *argv)
     assert code == 0
     mixed, prefix = json.loads(out)["rows"]
     assert (mixed["workload"], mixed["same_tokens"]) == ("mixed", 3)  # batched = one at a time, token for token

@@ -28,8 +28,10 @@ from kvports.shared.batching.engine import (
 )
 from kvports.shared.batching.requests import BadLine, Request, parse_requests
 from kvports.shared.batching.scheduler import Sequence
+from kvports.shared.bench.presets import PRESETS
 from kvports.shared.commands.arguments import positive_int
 from kvports.shared.config import DTYPES, ModelConfig
+from kvports.shared.devices import add_device_argument, check_device
 from kvports.shared.errors import UserError, echo_path
 from kvports.shared.limits import check_bytes
 from kvports.shared.ports import PORTS, REFERENCE, PortUnavailable, load_port
@@ -59,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="safetensors weights file (default: the seed's model, shipped with kvports)",
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
+    add_device_argument(parser)
     parser.add_argument(
         "--tokenizer",
         type=Path,
@@ -101,9 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--frameworks", default=",".join(PORTS), help="--bench: comma-separated (default all)")
     bench.add_argument(
         "--preset",
-        choices=("seed", "gpt2-small"),
+        choices=tuple(PRESETS),
         default="gpt2-small",
-        help="--bench: the model (default gpt2-small: GPT-2 small's sizes, random weights)",
+        help="--bench: the model (default gpt2-small: GPT-2 small as published, random weights); --weights FILE "
+        "times that file instead",
     )
     bench.add_argument("--count", type=positive_int, default=32, help="--bench: requests per workload (default 32)")
     bench.add_argument("--workloads", default="mixed,prefix", help="--bench: mixed, prefix or both (default both)")
@@ -144,9 +148,10 @@ def run(args: argparse.Namespace) -> int:
         port = load_port(args.framework)
     except PortUnavailable as exc:
         raise UserError(str(exc)) from None
-    model = port.load_model(config, tensors, args.dtype)
+    check_device(port, args.device)
+    model = port.load_model(config, tensors, args.dtype, args.device)
     summary = run_requests(port, model, config, settings, requests, tokenizer)
-    summary.update(framework=args.framework, dtype=args.dtype, bad_lines=len(bad))
+    summary.update(framework=args.framework, dtype=args.dtype, device=args.device, bad_lines=len(bad))
     print(json.dumps({"summary": summary}), flush=True)
     return EXIT_BAD_LINES if bad else 0
 

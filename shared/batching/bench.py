@@ -26,11 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from kvports.shared.batching.engine import BatchSettings, Engine
+from kvports.shared.batching.engine import BatchSettings, Engine, run_bytes
 from kvports.shared.batching.requests import Request
 from kvports.shared.config import ModelConfig
+from kvports.shared.devices import device_problem, placement
 from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig, row_tokens
+from kvports.shared.limits import check_bytes
 from kvports.shared.ports import PORTS, PortUnavailable, load_port
 from kvports.shared.progress import make_progress
 
@@ -197,6 +199,7 @@ def run_workloads(
     count: int,
     settings: BatchSettings,
     dtype: str = "float32",
+    device: str = "cpu",
     tick: Tick = lambda text: None,
 ) -> list[dict[str, Any]]:
     """One row per framework x workload; a framework that is not installed gets a row saying so."""
@@ -212,7 +215,14 @@ def run_workloads(
                 for workload in workloads
             )
             continue
-        model = port.load_model(config, tensors, dtype)
+        problem = device_problem(port, device)
+        if problem is not None:
+            rows.extend(
+                {"framework": name, "workload": workload, "available": False, "reason": problem}
+                for workload in workloads
+            )
+            continue
+        model = port.load_model(config, tensors, dtype, placement(name, device))
         for workload in workloads:
             rows.append({"available": True, **ROWS[workload](port, model, config, count, settings, tick)})
         del model
@@ -224,8 +234,7 @@ def run_workloads(
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kvports.shared.bench.presets import PRESETS, random_weights
-    from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
+    from kvports.shared.bench.presets import load_bench_model
 
     frameworks = choices(args.frameworks, PORTS, "frameworks")
     workloads = choices(args.workloads, WORKLOADS, "workloads")
@@ -235,14 +244,18 @@ def run_bench(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         max_step_tokens=args.max_step_tokens,
     )
-    preset = PRESETS[args.preset]
-    config, tensors = load_weights(DEFAULT_WEIGHTS) if preset is None else (preset, random_weights(preset))
-    settings.validate(config)
-    needed = max(longest(mixed_requests(config, args.count)), PREFIX_LEN + PREFIX_SUFFIX[1] + PREFIX_NEW[1])
-    if needed > config.max_seq_len:
-        raise UserError(
-            f"the bench's requests reach {needed} tokens; the {args.preset} model's max_seq_len is {config.max_seq_len}"
-        )
+
+    def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
+        config.validate_at(args.dtype)
+        needed = max(longest(mixed_requests(config, args.count)), PREFIX_LEN + PREFIX_SUFFIX[1] + PREFIX_NEW[1])
+        if needed > config.max_seq_len:
+            raise UserError(
+                f"the bench's requests reach {needed} tokens; the model's max_seq_len is {config.max_seq_len}"
+            )
+        chosen = BatchSettings(**{**vars(settings), "max_length": needed}).validate(config)
+        check_bytes(run_bytes(config, args.dtype, chosen), f"the batching bench in {args.dtype}")
+
+    name, config, tensors = load_bench_model(args, check)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
     with make_progress(quiet=args.json) as progress:
@@ -251,10 +264,13 @@ def run_bench(args: argparse.Namespace) -> int:
         def tick(description: str) -> None:  # called as each run starts: the bar counts the ones begun
             progress.update(task, advance=1, description=description)
 
-        rows = run_workloads(frameworks, workloads, config, tensors, args.count, settings, args.dtype, tick)
+        rows = run_workloads(
+            frameworks, workloads, config, tensors, args.count, settings, args.dtype, args.device, tick
+        )
     result = {
-        "preset": args.preset,
+        "model": name,
         "dtype": args.dtype,
+        "device": args.device,
         "count": args.count,
         "settings": vars(settings),
         "machine": machine(load_before),
@@ -289,7 +305,7 @@ def print_tables(result: dict[str, Any]) -> None:
     live = [row for row in result["rows"] if row["available"]]
     mixed = new_table(
         f"continuous batching vs one at a time: {result['count']} requests, prompts {MIXED_PROMPT[0]}-"
-        f"{MIXED_PROMPT[1]}, new tokens {MIXED_NEW[0]}-{MIXED_NEW[1]}, greedy, {result['preset']} {result['dtype']} "
+        f"{MIXED_PROMPT[1]}, new tokens {MIXED_NEW[0]}-{MIXED_NEW[1]}, greedy, {result['model']} {result['dtype']} "
         f"(target: >= {TARGET_SPEEDUP:g}x)",
         ("sequential s", "batched s", "requests/s", "tokens/s", "speed-up", "same tokens", "prefill / decode s",
          "peak blocks", "compile s (seq / batched)"),

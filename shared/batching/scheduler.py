@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -208,7 +207,7 @@ class Scheduler:
         start = np.asarray([sequence.computed for sequence in sequences], dtype=np.int64)  # [B]
         return Step(kind, sequences, tokens, start, block_tables, list(groups.items()), uniform)
 
-    def finish_step(self, step: Step, next_tokens: Seq[int], now: float) -> list[Sequence]:
+    def finish_step(self, step: Step, next_tokens: np.ndarray, now: float) -> list[Sequence]:
         """Take each row's new token; the sequences this step finished (their blocks freed)."""
         finished = []
         for sequence, token in zip(step.sequences, next_tokens, strict=True):
