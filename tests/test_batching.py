@@ -480,6 +480,7 @@ def test_batch_cli_encodes_text_prompts_and_decodes_the_tokens(tmp_path, capsys,
         (["--requests", "{good}", "--num-blocks", "0"], "--num-blocks 0 is below 1"),
         (["--requests", "{good}", "--max-step-tokens", "2000000000"], "max step tokens 2000000000 is above"),
         ([], "give --requests FILE.jsonl (or --bench)"),
+        (["--requests", "{good}", "--bench"], "give --requests FILE or --bench"),
     ],
 )
 @pytest.mark.parametrize("framework", ["torch", "jax", "numpy"])

@@ -129,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
     if args.bench:
         from kvports.shared.batching.bench import run_bench
 
+        if args.requests is not None:
+            raise UserError("give --requests FILE or --bench (it makes its own requests), not both")
+
         return run_bench(args)
     if args.requests is None:
         raise UserError("give --requests FILE.jsonl (or --bench)")
