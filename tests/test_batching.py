@@ -18,25 +18,18 @@ from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, row_tokens
 from kvports.shared.ports import PORTS
-from tests.helpers import assert_one_error_line, assert_tokens_agree, port_or_skip, random_weights, run_cli
+from tests.helpers import (
+    TINY_FAMILIES,
+    assert_one_error_line,
+    assert_tokens_agree,
+    port_or_skip,
+    random_weights,
+    run_cli,
+)
 
 # GQA, learned positions: small enough for float64 in every test. Blocks of 4 tokens, so short
 # prompts span several blocks; one engine shape everywhere, so JAX compiles each program once.
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64)
-WINDOWED = ModelConfig(
-    vocab_size=64,
-    d_model=32,
-    n_heads=4,
-    n_kv_heads=2,
-    n_layers=2,
-    max_seq_len=64,
-    positions="rope",
-    norm="rmsnorm",
-    activation="swiglu",
-    attn_bias=False,
-    ffn_bias=False,
-    sliding_window=6,
-)
 SETTINGS = BatchSettings(max_batch=4, block_size=4, max_step_tokens=64, max_length=48)
 PREFIX = [7, 3, 50, 12, 9, 41, 22, 5, 60, 18, 33, 2]  # three full blocks
 
@@ -156,10 +149,13 @@ def test_preempted_requests_are_recomputed_and_get_their_tokens_alone(port, weig
     assert_tokens_alone(port, model, requests, finished, "float64")
 
 
-def test_a_sliding_window_model_gets_its_tokens_alone(port):
-    model = port.load_model(WINDOWED, random_weights(WINDOWED, seed=2), "float64")
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_each_family_gets_its_tokens_alone(port, family):
+    # A tied GPT-2, GQA Llama with RoPE, and Mistral's sliding window, masked over the gathered blocks.
+    config = TINY_FAMILIES[family]
+    model = port.load_model(config, random_weights(config, seed=2), "float64")
     requests = ragged_requests()[:4]
-    _, finished = run_engine(port, model, requests, arrivals=[0, 1, 2, 3], config=WINDOWED)
+    _, finished = run_engine(port, model, requests, arrivals=[0, 1, 2, 3], config=config)
     assert_tokens_alone(port, model, requests, finished, "float64")
 
 
