@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax
 import jax
@@ -184,3 +185,49 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> l
         product(matrix, vector).block_until_ready()  # [rows]
         seconds.append(time.perf_counter() - start)
     return seconds[1:]
+
+
+# ---------------------------------------------------------------- continuous batching (issue 13)
+# What shared/batching's engine calls: a pool of KV blocks shared by the running sequences,
+# and one step of the running batch over it (jax_impl/paged.py; docs/BATCHING.md).
+
+
+def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> Any:
+    """The pool of keys and of values, [L, num_blocks, block_size, Hkv, Dh] each. max_batch and
+    max_blocks (per sequence) fix the compiled step's shapes."""
+    from kvports.jax_impl import paged
+
+    with jax.default_device(_model_device(model)):
+        dtype = model.emb.embedding.dtype
+        return paged.init_block_pool(model.config, num_blocks, block_size, dtype, max_batch, max_blocks)
+
+
+def paged_step(
+    model: TinyModel,
+    pool: Any,
+    tokens: np.ndarray,
+    start: np.ndarray,
+    block_tables: np.ndarray,
+    samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
+    uniform: np.ndarray,
+) -> tuple[np.ndarray, Any]:
+    """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
+    `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), samplers: each
+    sampling setting with its rows [B] bool, uniform [B]: each row's draw. The next token of every
+    row [B], and the pool to pass to the next step (the one passed in is donated)."""
+    from kvports.jax_impl import paged
+
+    B = tokens.shape[0]
+    tokens, start, block_tables, samplers, uniform = paged.static_shapes(
+        pool.max_batch, pool.max_blocks, tokens, start, block_tables, samplers, uniform
+    )
+    device = _model_device(model)
+
+    def on_device(array: np.ndarray) -> jax.Array:
+        return jax.device_put(np.asarray(array, dtype=np.int32 if array.dtype.kind == "i" else None), device)
+
+    rows = [(generation, on_device(in_group)) for generation, in_group in samplers]
+    next_tokens, pool = paged.paged_step(
+        model, pool, on_device(tokens), on_device(start), on_device(block_tables), rows, on_device(uniform)
+    )
+    return np.asarray(next_tokens, dtype=np.int64)[:B], pool  # [B]: sliced on the host, or each size compiles a slice

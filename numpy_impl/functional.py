@@ -37,7 +37,9 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    y = x @ weight.T  # [..., out]: weight is (out, in), torch's layout
+    # One matrix product over every row, as torch's: x [B, T, in] @ weight.T would run B products of
+    # [T, in], each reading the whole weight, and a decode step's T is 1.
+    y = (x.reshape(-1, x.shape[-1]) @ weight.T).reshape(*x.shape[:-1], weight.shape[0])  # [..., out]: (out, in) weight
     if bias is not None:
         y += bias
     return y

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -115,3 +116,38 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> l
 
 def clear_compiled() -> None:
     """Nothing is compiled here; JAX's twin forgets its compiled programs."""
+
+
+# ---------------------------------------------------------------- continuous batching (issue 13)
+# What shared/batching's engine calls: a pool of KV blocks shared by the running sequences,
+# and one step of the running batch over it (numpy_impl/paged.py; docs/BATCHING.md).
+
+
+def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> Any:
+    """The pool of keys and of values, [L, num_blocks, block_size, Hkv, Dh] each. max_batch and
+    max_blocks (per sequence) fix JAX's step shapes; eager steps take the shapes each step has."""
+    from kvports.numpy_impl import paged
+
+    return paged.init_block_pool(model.config, num_blocks, block_size, model.emb.weight.dtype)
+
+
+def paged_step(
+    model: TinyModel,
+    pool: Any,
+    tokens: np.ndarray,
+    start: np.ndarray,
+    block_tables: np.ndarray,
+    samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
+    uniform: np.ndarray,
+) -> tuple[np.ndarray, Any]:
+    """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
+    `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), samplers: each
+    sampling setting with its rows [B] bool, uniform [B]: each row's draw. The next token of every
+    row [B], and the pool to pass to the next step."""
+    from kvports.numpy_impl import paged
+
+    rows = [(generation, np.asarray(in_group)) for generation, in_group in samplers]
+    next_tokens, pool = paged.paged_step(
+        model, pool, np.asarray(tokens), np.asarray(start), np.asarray(block_tables), rows, np.asarray(uniform)
+    )
+    return next_tokens, pool  # [B]

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import NoReturn
 
 from kvports.shared import bench
+from kvports.shared.batching import batch
 from kvports.shared.commands import compare, convert, generate, init_weights
 from kvports.shared.commands.arguments import OutOfRange
 from kvports.shared.errors import UserError
@@ -31,6 +32,7 @@ COMMANDS: dict[str, ModuleType] = {
     "init-weights": init_weights,
     "convert": convert,
     "bench": bench,
+    "batch": batch,
 }
 
 

@@ -1,0 +1,196 @@
+"""Continuous batching's model half in JAX: a KV cache paged into fixed-size blocks.
+
+Read it beside torch_impl/paged.py: the same names in the same order. What JAX forces to
+differ: the pool is a pytree passed into and out of one compiled step (donated, so XLA
+writes the blocks in place); every shape is static, so a step runs a fixed number of rows
+and blocks per row (the padding rows and blocks masked), and padding tokens' writes go to
+an out-of-range block, which the scatter drops, instead of being filtered out.
+
+The block table: row b's j-th block of positions (j * bs .. j * bs + bs - 1) lives in pool
+block block_tables[b, j]. Gathering a row's table in order lays its keys out by position,
+so logical slot s holds position s; the slots past the row's length are masked.
+
+Shapes: as model.py, plus NB blocks in the pool, bs slots per block, M blocks per row in
+this step, S' = M * bs slots a query attends over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvports.jax_impl.model import TinyModel, _merge, _split, attention_mask, greedy, sample, token_positions
+from kvports.shared.config import ModelConfig
+from kvports.shared.generation import PAD, GenerationConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class BlockPool:
+    # Every running sequence's keys and values, in blocks; a new pool comes back from each step.
+    keys: jax.Array  # [L, NB, bs, Hkv, Dh]
+    values: jax.Array  # [L, NB, bs, Hkv, Dh]
+    # The step's fixed shapes: every step runs max_batch rows (decode) or a power of two of them
+    # (prefill), each over max_blocks blocks, so a handful of compiled programs serve every step.
+    max_batch: int = dataclasses.field(metadata=dict(static=True))
+    max_blocks: int = dataclasses.field(metadata=dict(static=True))
+
+
+def init_block_pool(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype, max_batch: int, max_blocks: int
+) -> BlockPool:
+    shape = (config.n_layers, num_blocks, block_size, config.kv_heads, config.head_dim)
+    return BlockPool(
+        keys=jnp.zeros(shape, dtype=dtype),
+        values=jnp.zeros(shape, dtype=dtype),
+        max_batch=max_batch,
+        max_blocks=max_blocks,
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PagedKVCache:
+    """One step's view of the pool: which blocks each row reads, where this chunk's tokens go."""
+
+    keys: jax.Array  # [L, NB, bs, Hkv, Dh]: the pool (donated: written in place)
+    values: jax.Array  # [L, NB, bs, Hkv, Dh]
+    block_tables: jax.Array  # [B, M] int32: row b's blocks in position order (padding: any block, masked)
+    length: jax.Array  # [B, 1] int32: each row's tokens already in the pool, where its positions start
+    # Static shapes: every token has a slot, padding's in block NB (out of range, so its write is dropped).
+    slots: tuple[jax.Array, jax.Array]  # (pool block, offset in it) of each token, [B, T] each
+    window: int | None = dataclasses.field(metadata=dict(static=True))  # the sliding window, or None
+
+    def key_positions(self, positions: jax.Array) -> jax.Array:
+        """[B, S']: slot s holds position s, up to each row's last position in this chunk; -1 after."""
+        slots = jnp.arange(self.block_tables.shape[1] * self.keys.shape[2], dtype=jnp.int32)[None, :]  # [1, S']
+        return jnp.where(slots <= positions[:, -1:], slots, -1)  # [B, S']: every row's last column is a real token
+
+    def mask(self, positions: jax.Array, padded: bool) -> jax.Array:
+        """Which keys each of this chunk's queries sees: [B, 1, T, S']. Never None: rows differ in length."""
+        return attention_mask(positions, self.key_positions(positions), self.window)  # [B, 1, T, S']
+
+    def update(self, layer: int, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, PagedKVCache]:
+        """Write this chunk's k and v into their blocks; each row's blocks gathered, [B, Hkv, S', Dh],
+        and the new cache (JAX cannot write in place: the donated pool lets XLA do it)."""
+        blocks, offsets = self.slots
+        # Every row writes before any row reads: a row that found its prefix in a block another row
+        # computes in this same step reads it after this layer's write.
+        keys = self.keys.at[layer, blocks, offsets].set(k.transpose(0, 2, 1, 3), mode="drop")  # [B, T, Hkv, Dh] written
+        values = self.values.at[layer, blocks, offsets].set(v.transpose(0, 2, 1, 3), mode="drop")
+        cache = dataclasses.replace(self, keys=keys, values=values)
+        return cache.gather(keys[layer]), cache.gather(values[layer]), cache
+
+    def gather(self, pool: jax.Array) -> jax.Array:
+        # XLA owns the buffers: no reused output here. Blocks hold slots before heads, so the
+        # heads-first layout attention takes is a transpose of the gathered rows.
+        B, M = self.block_tables.shape
+        _, bs, Hkv, Dh = pool.shape
+        blocks = jnp.take(pool, self.block_tables.reshape(-1), axis=0)  # [B * M, bs, Hkv, Dh]
+        return blocks.reshape(B, M * bs, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, S', Dh]: slot s = position s
+
+    def advance(self, positions: jax.Array) -> PagedKVCache:
+        return dataclasses.replace(self, length=positions[:, -1:] + 1)  # [B, 1]
+
+
+def paged_cache(
+    pool: BlockPool, block_tables: jax.Array, start: jax.Array, pad: jax.Array | None, T: int, window: int | None
+) -> PagedKVCache:
+    """The cache a step of T tokens a row runs against: rows start at `start` [B] (tokens already in
+    the pool); pad [B] counts each row's left padding (None: none)."""
+    length = start[:, None]  # [B, 1]
+    positions = token_positions(length, T, pad)  # [B, T]: what the model computes from the same length and padding
+    real = positions >= length  # [B, T]: padding sits before the row's first new position (or at -1)
+    num_blocks, block_size = pool.keys.shape[1], pool.keys.shape[2]
+    blocks = jnp.take_along_axis(block_tables, jnp.maximum(positions, 0) // block_size, axis=1)  # [B, T]
+    blocks = jnp.where(real, blocks, num_blocks)  # [B, T]: padding to block NB, dropped
+    return PagedKVCache(
+        pool.keys, pool.values, jnp.maximum(block_tables, 0), length, (blocks, positions % block_size), window
+    )
+
+
+def sample_rows(
+    logits: jax.Array, samplers: Sequence[tuple[GenerationConfig, jax.Array]], uniform: jax.Array
+) -> jax.Array:
+    """Each row's next token [B] from logits [B, V]: greedy, unless its sampler says otherwise.
+    Every sampler runs over the whole batch (each row's draw depends on that row only) and
+    keeps its own rows: one call per setting, not per row."""
+    tokens = greedy(logits)  # [B]
+    for generation, rows in samplers:
+        tokens = _sample_group(logits, tokens, rows, uniform, generation)  # [B]
+    return tokens
+
+
+def paged_step(
+    model: TinyModel,
+    pool: BlockPool,
+    tokens: jax.Array,
+    start: jax.Array,
+    block_tables: jax.Array,
+    samplers: Sequence[tuple[GenerationConfig, jax.Array]],
+    uniform: jax.Array,
+):
+    """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
+    row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each
+    row's next token [B], and the pool with this step's keys and values written in (the one
+    passed in is donated: use the returned one)."""
+    model.eval()
+    # Always an array, zeros included: one structure of inputs, so one compiled program per shape.
+    pad = jnp.sum(tokens == PAD, axis=1, dtype=jnp.int32)  # [B]
+    logits, pool = _paged_forward(*_split(model), pool, tokens, start, block_tables, pad)  # [B, V]
+    return sample_rows(logits, samplers, uniform), pool  # [B]
+
+
+# What paged_step compiles: one program per (rows, T) shape; the pool is donated.
+@partial(jax.jit, static_argnums=0, donate_argnames="pool")
+def _paged_forward(
+    static, leaves, pool: BlockPool, tokens: jax.Array, start: jax.Array, block_tables: jax.Array, pad: jax.Array
+):
+    model = _merge(static, leaves)
+    cache = paged_cache(pool, block_tables, start, pad, tokens.shape[1], model.config.sliding_window)
+    logits, cache = model(jnp.maximum(tokens, 0), cache, pad)  # [B, T, V]
+    # Left padding puts every row's last token in column T - 1: only its logits leave the program.
+    return logits[:, -1], dataclasses.replace(pool, keys=cache.keys, values=cache.values)  # [B, V]
+
+
+@partial(jax.jit, static_argnames="generation")
+def _sample_group(
+    logits: jax.Array, tokens: jax.Array, rows: jax.Array, uniform: jax.Array, generation: GenerationConfig
+) -> jax.Array:
+    return jnp.where(rows, sample(logits, generation, uniform), tokens)  # [B]
+
+
+def static_shapes(
+    max_batch: int,
+    max_blocks: int,
+    tokens: np.ndarray,
+    start: np.ndarray,
+    block_tables: np.ndarray,
+    samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
+    uniform: np.ndarray,
+):
+    """A step's NumPy inputs padded to a compiled shape: decode steps (T = 1) to max_batch rows, so
+    one program serves every decode step; prefill steps up to the next size in 1, 2, 3, 4, 6, 8,
+    12, ... (powers of two and their halfway points) in rows and in T, so a few programs serve
+    every mix of prompts and padding adds at most half; block tables to max_blocks. Padding rows
+    are all PAD: nothing of theirs is written, and their tokens are dropped."""
+    B, T = tokens.shape
+    rows = max_batch if T == 1 else min(max_batch, _bucket(B))
+    width = 1 if T == 1 else _bucket(T)
+    tokens = np.pad(tokens, ((0, rows - B), (width - T, 0)), constant_values=PAD)  # [rows, width]: more left padding
+    start = np.pad(start, (0, rows - B))  # [rows]
+    block_tables = np.pad(block_tables, ((0, rows - B), (0, max_blocks - block_tables.shape[1])), constant_values=-1)
+    samplers = [(generation, np.pad(in_group, (0, rows - B))) for generation, in_group in samplers]
+    return tokens, start, block_tables, samplers, np.pad(uniform, (0, rows - B))
+
+
+def _bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, ... at least n."""
+    power = 1 << max(0, n - 1).bit_length()  # the next power of two
+    return power * 3 // 4 if power >= 4 and n <= power * 3 // 4 else power

@@ -1,0 +1,150 @@
+"""Requests: one JSON object a line, checked line by line before any framework code runs.
+
+A line holds a prompt as token ids (`"prompt": [1, 2, 3]`) or as text (`"text": "..."`,
+encoded with --tokenizer), and optionally `id`, `max_new_tokens`, `temperature`, `top_k`,
+`top_p`, `seed` and `stop_ids` (the generation issue's settings; without `stop_ids`, the
+model's eos ids, as `kvports generate` stops). A bad line is one error naming its line
+number; the other lines still run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvports.shared.config import ModelConfig
+from kvports.shared.errors import UserError, echo
+from kvports.shared.generation import GenerationConfig
+
+SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids")
+FIELDS = ("id", "prompt", "text", *SETTINGS)
+
+Encode = Callable[[str], list[int]]
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    prompt: tuple[int, ...]
+    generation: GenerationConfig
+    text: str | None = field(default=None, compare=False)  # the line's text prompt, if it had one
+
+    @property
+    def max_length(self) -> int:
+        """The longest its sequence gets: the prompt and every new token."""
+        return len(self.prompt) + self.generation.max_new_tokens
+
+
+@dataclass(frozen=True)
+class BadLine:
+    line: int  # 1-based, as an editor counts
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message}"
+
+
+def check_request(request: Request, config: ModelConfig, max_tokens: int | None = None) -> Request:
+    """A request every port can run, or a UserError saying why not. max_tokens: what the block
+    pool can hold for one sequence (prompt plus new tokens), when that is smaller than max_seq_len."""
+    if not request.prompt:
+        raise UserError("the prompt is empty: give at least one token id")
+    for token in request.prompt:
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise UserError(f"prompt token {echo(token)} is not an integer")
+        if not 0 <= token < config.vocab_size:
+            raise UserError(
+                f"prompt token {echo(token)} is outside [0, {config.vocab_size}) (vocab_size {config.vocab_size})"
+            )
+    request.generation.validate(config.vocab_size)
+    total = request.max_length
+    if total > config.max_seq_len:
+        raise UserError(
+            f"prompt length {len(request.prompt)} + max_new_tokens {request.generation.max_new_tokens} = {total} "
+            f"exceeds max_seq_len {config.max_seq_len}"
+        )
+    if max_tokens is not None and total > max_tokens:
+        raise UserError(
+            f"prompt length {len(request.prompt)} + max_new_tokens {request.generation.max_new_tokens} = "
+            f"{total} tokens do not fit the block pool ({max_tokens} tokens)"
+        )
+    return request
+
+
+def parse_line(
+    text: str, line: int, default_new_tokens: int, default_stops: tuple[int, ...], encode: Encode | None
+) -> Request:
+    """One line as a Request (not yet checked against a model), or a UserError."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise UserError(f"not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"a request is a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise UserError(f"unknown field {echo(unknown[0])} (known: {', '.join(FIELDS)})")
+    if ("prompt" in data) == ("text" in data):
+        raise UserError("give exactly one of 'prompt' (token ids) and 'text'")
+    if "text" in data:
+        if not isinstance(data["text"], str):
+            raise UserError(f"'text' must be a string, got {type(data['text']).__name__}")
+        if encode is None:
+            raise UserError("a 'text' prompt needs --tokenizer DIR")
+        try:
+            data["text"].encode("utf-8")
+        except UnicodeEncodeError:  # JSON allows a lone surrogate escape, which no tokenizer takes
+            raise UserError(f"'text' {echo(data['text'])} is not valid UTF-8") from None
+        prompt = encode(data["text"])
+    else:
+        if not isinstance(data["prompt"], list):
+            raise UserError(f"'prompt' must be a list of token ids, got {type(data['prompt']).__name__}")
+        prompt = data["prompt"]
+    request_id = data.get("id", str(line))
+    if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+        raise UserError(f"'id' must be a string or an integer, got {echo(request_id)}")
+    return Request(
+        id=str(request_id),
+        prompt=tuple(prompt),
+        generation=generation_of(data, default_new_tokens, default_stops),
+        text=data.get("text"),
+    )
+
+
+def generation_of(data: dict[str, Any], default_new_tokens: int, default_stops: tuple[int, ...]) -> GenerationConfig:
+    stop_ids = data.get("stop_ids", list(default_stops))
+    if not isinstance(stop_ids, list):
+        raise UserError(f"'stop_ids' must be a list of token ids, got {type(stop_ids).__name__}")
+    settings = {name: data[name] for name in SETTINGS[:-1] if name in data}
+    settings.setdefault("max_new_tokens", default_new_tokens)
+    return GenerationConfig(**settings, stop_ids=tuple(stop_ids))
+
+
+def parse_requests(
+    lines: Iterable[str],
+    config: ModelConfig,
+    default_new_tokens: int,
+    encode: Encode | None = None,
+    max_tokens: int | None = None,
+) -> tuple[list[Request], list[BadLine]]:
+    """Every good line's request, and every bad line's error (blank lines are skipped). A line
+    without stop ids stops at the model's eos ids, as `kvports generate` does."""
+    requests: list[Request] = []
+    bad: list[BadLine] = []
+    seen: set[str] = set()
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            request = parse_line(text, number, default_new_tokens, config.eos_token_ids, encode)
+            check_request(request, config, max_tokens)
+            if request.id in seen:
+                raise UserError(f"id {echo(request.id)} is already used by an earlier line")
+        except UserError as exc:
+            bad.append(BadLine(number, str(exc)))
+            continue
+        seen.add(request.id)
+        requests.append(request)
+    return requests, bad
