@@ -156,6 +156,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin  # [B, H, T, Dh]
 
 
+# Torch only: a matrix-vector product through a weight too big for the caches (GPT-2 small's
+# every matrix) streams it from memory. F.linear sends it to MKL's sgemm, which runs it on one
+# thread (~13 GB/s on the 2-core machine); oneDNN's linear, the op torch.compile emits for a CPU
+# linear, runs it on every core (~22-30 GB/s, NumPy's figure). Small weights stay with F.linear,
+# whose call costs less (~7 us against ~20-35 us).
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_onednn_linear = torch.ops.mkldnn._linear_pointwise if ONEDNN else None
+STREAMED = 1 << 18  # weight elements (1 MiB in float32) from which oneDNN measured faster, 1 to 1024 rows
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear: x [..., in], weight [out, in] -> [..., out]."""
+    if ONEDNN and weight.numel() >= STREAMED and x.is_cpu and x.dtype == torch.float32 and not torch.is_grad_enabled():
+        return _onednn_linear(x, weight, bias, "none", [], "")  # [..., out]: no fused activation
+    return F.linear(x, weight, bias)  # [..., out]
+
+
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters, names and initialisation), through linear() above."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -180,8 +204,8 @@ class FeedForward(nn.Module):
         super().__init__()
         self.activation = config.activation
         gated = 2 if config.activation == "swiglu" else 1
-        self.add_module("0", nn.Linear(config.d_model, gated * config.ffn_dim, bias=config.ffn_bias))
-        self.add_module("2", nn.Linear(config.ffn_dim, config.d_model, bias=config.ffn_bias))
+        self.add_module("0", Linear(config.d_model, gated * config.ffn_dim, bias=config.ffn_bias))
+        self.add_module("2", Linear(config.ffn_dim, config.d_model, bias=config.ffn_bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = getattr(self, "0")(x)  # [B, T, ffn_dim] (swiglu: [B, T, 2 * ffn_dim])
@@ -201,8 +225,8 @@ class Block(nn.Module):
         self.config = config
         # Construction order is the seed's: it fixes which random numbers each weight gets.
         self.ln1, self.ln2 = make_norm(config), make_norm(config)
-        self.qkv = nn.Linear(config.d_model, config.qkv_dim, bias=config.attn_bias)
-        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.attn_bias)
+        self.qkv = Linear(config.d_model, config.qkv_dim, bias=config.attn_bias)
+        self.proj = Linear(config.d_model, config.d_model, bias=config.attn_bias)
         self.ffn = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout)  # pitfall 3: active only in train mode
 
@@ -236,7 +260,7 @@ class TinyModel(nn.Module):
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layers)])
         self.ln = make_norm(config)
         if not config.tie_embeddings:
-            self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            self.head = Linear(config.d_model, config.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, pad: Optional[torch.Tensor] = None):
         """tokens [B, T] -> logits [B, T, V]; pad [B]: each row's left padding (None: no row is padded)."""
@@ -260,7 +284,7 @@ class TinyModel(nn.Module):
             cache = cache.advance(positions)
         x = self.ln(x)  # [B, T, D]
         head_weight = self.emb.weight if config.tie_embeddings else self.head.weight  # [V, D]
-        return F.linear(x, head_weight), cache  # [B, T, V]
+        return linear(x, head_weight), cache  # [B, T, V]
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, as_generation
+from kvports.torch_impl import model as torch_model
 from kvports.torch_impl import speculative
 from kvports.torch_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
 
@@ -136,7 +137,8 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> l
         if target.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        torch.mv(matrix, vector)  # [rows]
+        with torch.inference_mode():
+            torch_model.linear(vector[None], matrix)  # [1, rows]: the model's own path (oneDNN on the CPU)
         if target.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)

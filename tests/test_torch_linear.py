@@ -1,0 +1,57 @@
+"""The torch port's linear(): weights of GPT-2 small's size go to oneDNN on the CPU (MKL's
+sgemm streams a batch-1 product on one thread). The route must not change what is computed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvports.shared.config import ModelConfig
+from tests.helpers import assert_logits_close, assert_tokens_agree, port_or_skip, random_prompts, random_weights
+
+torch = pytest.importorskip("torch")
+torch_model = pytest.importorskip("kvports.torch_impl.model")
+
+needs_onednn = pytest.mark.skipif(not torch_model.ONEDNN, reason="this torch build has no oneDNN linear")
+
+# The FFN's matrices (256 x 1024 = 2**18 elements) and the head (1100 x 256) take the oneDNN route.
+STREAMED_CONFIG = ModelConfig(vocab_size=1100, d_model=256, n_heads=4, n_layers=1, max_seq_len=64)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 7])
+def test_linear_over_a_large_weight_equals_f_linear(rows):
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1024, 256, generator=generator)  # 2**18 elements: the oneDNN route
+    bias, x = torch.randn(1024, generator=generator), torch.randn(2, rows, 256, generator=generator)
+    with torch.inference_mode():
+        routed = torch_model.linear(x, weight, bias)  # [2, rows, 1024]
+    expected = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(routed, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_linear_takes_onednn_only_for_large_float32_weights_without_autograd(monkeypatch):
+    calls = []
+    onednn = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch_model, "_onednn_linear", lambda *args: calls.append(args[1].shape) or onednn(*args))
+    large, small = torch.ones(1024, 256), torch.ones(384, 128)
+    with torch.inference_mode():
+        torch_model.linear(torch.ones(1, 256), large)
+        torch_model.linear(torch.ones(1, 128), small)  # below the threshold: F.linear
+        torch_model.linear(torch.ones(1, 256, dtype=torch.float64), large.double())  # float64: F.linear
+    torch_model.linear(torch.ones(1, 256), large)  # autograd on: F.linear
+    assert calls == [large.shape]
+
+
+@pytest.mark.parametrize("mode", ["naive", "cached"])
+def test_torch_on_streamed_weights_matches_numpy(mode):
+    """A model whose large matrices take the oneDNN route gives NumPy's tokens and logits."""
+    torch_port, numpy_port = port_or_skip("torch"), port_or_skip("numpy")
+    tensors = random_weights(STREAMED_CONFIG)
+    prompts = random_prompts(STREAMED_CONFIG.vocab_size, 2, 5)
+    tokens, logits = torch_port.generate(torch_port.load_model(STREAMED_CONFIG, tensors), prompts, 12, mode, True)
+    ref_tokens, ref_logits = numpy_port.generate(
+        numpy_port.load_model(STREAMED_CONFIG, tensors), prompts, 12, mode, True
+    )
+    agreement = assert_tokens_agree(ref_tokens, ref_logits, tokens, 5, f"torch {mode}")
+    assert_logits_close(ref_logits, logits, 1e-4, agreement, f"torch {mode}")
