@@ -463,19 +463,20 @@ def generate_cached(
     else:
         for i in range(P):
             logits, cache = _forward(static, leaves, jnp.maximum(prompt[:, i : i + 1], 0), cache, pad)  # [B, 1, V]
-    done = jnp.zeros(B, dtype=bool)  # [B]
-    step_logits = []
-    for step in range(generation.max_new_tokens):
-        if step > 0:
-            # A stopped row feeds PAD as token 0: its outputs are never used.
-            # [B, 1, V]
-            logits, cache = _forward(static, leaves, jnp.maximum(tokens[:, P + step - 1 : P + step], 0), cache, pad)
-        if return_logits:
-            step_logits.append(logits[:, -1])
-        token, tokens, done = _choose(logits[:, -1], tokens, done, draws[:, step], stops, P + step, generation)  # [B]
-        on_token(np.asarray(token))
+    last = logits[:, -1]  # [B, V]
+    token, tokens, done = _choose(last, tokens, jnp.zeros(B, dtype=bool), draws[:, 0], stops, P, generation)  # [B]
+    step_logits = [last]
+    on_token(np.asarray(token))
+    for step in range(1, generation.max_new_tokens):
         if generation.stop_ids and bool(jnp.all(done)):
             break  # every row has stopped
+        # One compiled call per step (forward, choice, write): each eager op between calls
+        # would cost about as much as the XLA work of a small model's step.
+        token, tokens, done, last, cache = _decode(
+            static, leaves, tokens, cache, pad, done, draws, stops, P + step, generation
+        )
+        step_logits.append(last)
+        on_token(np.asarray(token))
     return (tokens, jnp.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
 
 
@@ -517,6 +518,30 @@ def _choose(
     """choose, compiled, and the token [B] written into tokens [B, P + N] at column."""
     token, done = choose(logits, generation, uniform, done, stops)  # [B], [B]
     return token, lax.dynamic_update_index_in_dim(tokens, token, column, axis=1), done
+
+
+@partial(jax.jit, static_argnums=(0, 9), donate_argnames="cache")
+def _decode(
+    static,
+    leaves,
+    tokens: jax.Array,
+    cache: KVCache,
+    pad: Optional[jax.Array],
+    done: jax.Array,
+    draws: jax.Array,
+    stops: jax.Array,
+    column: jax.Array,
+    generation: GenerationConfig,
+):
+    """One step of the stepwise loop: the token before column through the model, and the next
+    token [B] chosen and written at column; its logits [B, V] and the new cache beside."""
+    # A stopped row feeds PAD as token 0: its outputs are never used.
+    token = jnp.maximum(lax.dynamic_slice_in_dim(tokens, column - 1, 1, axis=1), 0)  # [B, 1]
+    logits, cache = _merge(static, leaves)(token, cache, pad)  # [B, 1, V]
+    step = column - (tokens.shape[1] - draws.shape[1])  # this token's index among the new ones
+    uniform = lax.dynamic_index_in_dim(draws, step, axis=1, keepdims=False)  # [B]
+    token, tokens, done = _choose(logits[:, -1], tokens, done, uniform, stops, column, generation)  # [B]
+    return token, tokens, done, logits[:, -1], cache
 
 
 @partial(jax.jit, static_argnums=(0, 6, 7))

@@ -62,8 +62,8 @@ SPECULATIVE = (
     "round at a time, so decode is the mean ms per token after the first; vs cached compares total times"
 )
 PREALLOCATED = (
-    "writes a cache preallocated for P + N positions and attends over the slots filled so far "
-    "(copied beside each step's k and v)"
+    "writes each step's k and v in place into a cache preallocated for P + N positions and attends over the "
+    "slots filled so far (no copy of the history, no mask for a plain decode step)"
 )
 STATIC_SLOTS = (
     "attends over all P + N preallocated slots (static shapes under jit), the empty ones masked: its "
@@ -73,7 +73,9 @@ NOTES = {
     ("jax", "naive"): "per-step times are jitted forwards over the history padded to the next power of two (one "
     "compile per length bucket, in warm-up), so they grow in steps; total_s is generate()'s "
     "compiled loop, which recomputes the whole [B, P + N] buffer at every step",
-    ("jax", "cached"): STATIC_SLOTS + "; per-step times are the jitted prefill and decode_step, one call each; "
+    ("jax", "cached"): STATIC_SLOTS
+    + "; per-step times are the jitted prefill, then one compiled call per step (forward and "
+    "choice of the next token); "
     "total_s is the compiled loop (steady state); compile_s = first call minus steady state",
     ("torch", "cached"): PREALLOCATED,
     ("numpy", "cached"): PREALLOCATED,
