@@ -221,6 +221,34 @@ def test_bad_bench_input_is_one_error_line(capsys, argv, message):
     assert assert_one_error_line(*run_cli(capsys, "bench", "--frameworks", "numpy", *argv)).startswith(message)
 
 
+def test_requests_runs_the_batching_workloads_for_the_ports_among_the_frameworks(capsys):
+    port_or_skip("numpy")
+    code, out, _ = run_cli(capsys, "bench", "--requests", "2", "--frameworks", "numpy,seed-concat", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert (result["model"], result["count"]) == ("seed", 2)
+    assert [(row["framework"], row["workload"]) for row in result["rows"]] == [("numpy", "mixed"), ("numpy", "prefix")]
+    assert [row["same_tokens"] for row in result["rows"]] == [2, 2]  # batched = one at a time
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--requests", "0"], "error: --requests 0 is below 1"),
+        (
+            ["--requests", "2", "--modes", "cached", "--new-tokens", "8"],
+            "error: --requests runs the batching workloads, which take no --new-tokens, --modes",
+        ),
+        (
+            ["--requests", "2", "--frameworks", "seed-concat"],
+            "error: --requests times the ports (torch,jax,numpy); --frameworks 'seed-concat' names none",
+        ),
+    ],
+)
+def test_bad_requests_input_is_one_error_line(capsys, argv, message):
+    assert assert_one_error_line(*run_cli(capsys, "bench", *argv)).startswith(message)
+
+
 def test_plot_without_matplotlib_is_refused_before_anything_runs(capsys, monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))

@@ -81,6 +81,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--targets", action="store_true", help="also print the development speed targets, met or missed"
     )
     add_speculative_arguments(parser)
+    batching = parser.add_argument_group("continuous batching (docs/BATCHING.md)")
+    batching.add_argument(
+        "--requests",
+        type=integer,
+        default=None,
+        metavar="N",
+        help="instead of the rows above: N requests of mixed lengths, and N sharing a 256-token prefix, run with "
+        "continuous batching over a paged cache against one at a time, per port (kvports batch --bench)",
+    )
+
+
+# What --requests keeps from the bench's flags; every other one must stay at its default.
+BATCHING_FLAGS = ("preset", "weights", "frameworks", "dtype", "device", "json", "requests")
+
+
+def batching_argv(args: argparse.Namespace, parser_defaults: dict[str, object], ports: Sequence[str]) -> list[str]:
+    """`kvports bench --requests N ...` as the flags of `kvports batch --bench`."""
+    check_at_least("--requests", args.requests, 1)
+    if args.requests > MAX_SIZE:
+        raise UserError(f"--requests {echo(args.requests)} is above {MAX_SIZE}")
+    changed = [
+        name
+        for name, default in parser_defaults.items()
+        if name not in BATCHING_FLAGS and getattr(args, name) != default
+    ]
+    if changed:
+        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+        raise UserError(f"--requests runs the batching workloads, which take no {flags}")
+    chosen = [name for name in parse_choices(args.frameworks, FRAMEWORKS, "frameworks") if name in ports]
+    if not chosen:
+        raise UserError(
+            f"--requests times the ports ({','.join(ports)}); --frameworks {echo(args.frameworks)} names none"
+        )
+    argv = ["--bench", "--count", str(args.requests), "--frameworks", ",".join(chosen)]
+    argv += ["--dtype", args.dtype, "--device", args.device]
+    argv += ["--weights", str(args.weights)] if args.weights is not None else ["--preset", args.preset]
+    return argv + (["--json"] if args.json else [])
 
 
 def check_counts(args: argparse.Namespace) -> None:

@@ -41,7 +41,22 @@ def gpu_problems(runners: list[Runner], device: str) -> dict[str, str]:
     return {label: problem for label, problem in problems.items() if problem is not None and problem != "not installed"}
 
 
+def run_batching(args: argparse.Namespace) -> int:
+    """`kvports bench --requests N`: `kvports batch --bench`'s two workloads, N requests each."""
+    from kvports.shared.batching import batch
+    from kvports.shared.batching.bench import run_bench
+    from kvports.shared.bench.arguments import add_arguments, batching_argv
+
+    bench_parser, batch_parser = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_arguments(bench_parser)
+    batch.add_arguments(batch_parser)
+    defaults = {action.dest: action.default for action in bench_parser._actions if action.dest != "help"}
+    return run_bench(batch_parser.parse_args(batching_argv(args, defaults, ports.PORTS)))
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.requests is not None:
+        return run_batching(args)
     check_counts(args)
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
