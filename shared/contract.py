@@ -116,6 +116,31 @@ class Port(Timed, Protocol):
         """Forgets compiled programs (JAX), so a patched function is traced again; a no-op elsewhere."""
         ...
 
+    # Continuous batching (shared/batching's engine; docs/BATCHING.md): a pool of KV blocks and one step of
+    # the running batch over it.
+
+    def init_block_pool(self, model: Any, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> Any:
+        """The KV pool: keys and values `[L, num_blocks, block_size, Hkv, Dh]`, blocks shared by every running
+        sequence. `max_batch` rows and `max_blocks` blocks a row fix JAX's step shapes; the eager ports take
+        each step's own."""
+        ...
+
+    def paged_step(
+        self,
+        model: Any,
+        pool: Any,
+        tokens: np.ndarray,
+        start: np.ndarray,
+        block_tables: np.ndarray,
+        samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
+        uniform: np.ndarray,
+    ) -> tuple[np.ndarray, Any]:
+        """One step of a running batch over the pool: `tokens [B, T]` (PAD on the left of shorter rows) after
+        each row's `start [B]` tokens in the pool, `block_tables [B, M]` (-1 past a row's blocks), each sampling
+        setting with its rows `[B]` bool, each row's draw `uniform [B]`. Each row's next token `[B]` (greedy
+        where no sampler has it) and the pool for the next step (JAX donates the one passed in)."""
+        ...
+
 
 class Runner(Timed, Protocol):
     """A baseline the bench times beside the ports (the seed's concat cache, transformers' GPT-2)."""

@@ -132,6 +132,8 @@ def test_members_lists_the_port_contract_in_order():
         "generate_speculative",
         "forward_chunks",
         "clear_compiled",
+        "init_block_pool",
+        "paged_step",
     ]
     assert str(contract.members(contract.Port)["generate"]).startswith(
         "(model: 'Model', prompts: 'np.ndarray', generation: 'int | GenerationConfig', mode: 'str', return_logits: "

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from collections.abc import Sequence as Seq  # Sequence is the scheduler's
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -18,41 +17,14 @@ from kvports.shared.batching.blocks import BlockManager, blocks_for
 from kvports.shared.batching.requests import Request
 from kvports.shared.batching.scheduler import Scheduler, Sequence, Step
 from kvports.shared.config import ModelConfig
+from kvports.shared.contract import Port
 from kvports.shared.errors import UserError, echo
-from kvports.shared.generation import GenerationConfig
 from kvports.shared.limits import check_count
 from kvports.shared.weights import parameter_count
 
 BLOCK_SIZE = 16
 MAX_BATCH = 32
 MAX_STEP_TOKENS = 4096
-
-
-class PagedPort(Protocol):
-    """What the engine calls of a port: the two functions at the end of each port.py, beside
-    shared.contract.Port's (tests/test_batching.py checks every port against both)."""
-
-    def init_block_pool(self, model: Any, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> Any:
-        """The KV pool: keys and values `[L, num_blocks, block_size, Hkv, Dh]`, blocks shared by every running
-        sequence. `max_batch` rows and `max_blocks` blocks a row fix JAX's step shapes; the eager ports take
-        each step's own."""
-        ...
-
-    def paged_step(
-        self,
-        model: Any,
-        pool: Any,
-        tokens: np.ndarray,
-        start: np.ndarray,
-        block_tables: np.ndarray,
-        samplers: Seq[tuple[GenerationConfig, np.ndarray]],
-        uniform: np.ndarray,
-    ) -> tuple[np.ndarray, Any]:
-        """One step of a running batch over the pool: `tokens [B, T]` (PAD on the left of shorter rows) after
-        each row's `start [B]` tokens in the pool, `block_tables [B, M]` (-1 past a row's blocks), each sampling
-        setting with its rows `[B]` bool, each row's draw `uniform [B]`. Each row's next token `[B]` (greedy
-        where no sampler has it) and the pool for the next step (JAX donates the one passed in)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -135,7 +107,7 @@ class EngineStats:
 class Engine:
     def __init__(
         self,
-        port: PagedPort,
+        port: Port,
         model: Any,
         config: ModelConfig,
         settings: BatchSettings = BatchSettings(),
