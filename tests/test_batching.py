@@ -4,6 +4,7 @@ preempted); the block manager's and the scheduler's accounting; `kvports batch`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -71,12 +72,31 @@ def run_engine(port, model, requests, settings=SETTINGS, arrivals=None, config=C
     return engine, finished
 
 
+def generate_alone(port, model, req, requests, return_logits=False):
+    """port.generate for the request alone: one row, its prompt left-padded to the longest of
+    `requests` (rounded up to 8) and run as long as the longest wants, then cut to its own
+    length. Each request gets one shape, so JAX compiles one program per setting instead of one
+    per request; a padded row gets the tokens it gets unpadded (tests/test_sampling.py), and the
+    first n draws of a longer run are the n draws of a shorter one."""
+    width = -(-max(len(other.prompt) for other in requests) // 8) * 8
+    steps = -(-max(other.generation.max_new_tokens for other in requests) // 8) * 8
+    if width + steps > model.config.max_seq_len:  # no room to round up
+        width = max(len(other.prompt) for other in requests)
+        steps = max(other.generation.max_new_tokens for other in requests)
+    prompt = np.full((1, width), PAD)  # [1, width]: PAD on the left
+    prompt[0, width - len(req.prompt) :] = req.prompt
+    generation = dataclasses.replace(req.generation, max_new_tokens=steps)
+    tokens, logits = port.generate(model, prompt, generation, "cached", return_logits=return_logits)
+    P, N = len(req.prompt), req.generation.max_new_tokens
+    alone = tokens[:, width - P : width + N]  # [1, P + N]
+    return alone, None if logits is None else logits[:, :N]  # [1, N, V]
+
+
 def assert_tokens_alone(port, model, requests, finished, dtype):
     """Each request's tokens equal port.generate's for it alone: exactly in float64; in float32
     up to a near-tie of the alone run's logits."""
     for req in requests:
-        prompt = np.asarray([req.prompt])  # [1, P]
-        alone, logits = port.generate(model, prompt, req.generation, "cached", return_logits=dtype == "float32")
+        alone, logits = generate_alone(port, model, req, requests, return_logits=dtype == "float32")
         batched = np.full(alone.shape, PAD)  # [1, P + N], PAD after a stop, as generate returns it
         tokens = finished[req.id].tokens
         batched[0, : len(tokens)] = tokens
