@@ -69,6 +69,12 @@ def main() -> None:
         live == ["numpy", "numpy"] and all(row["reason"] for row in benched["rows"] if not row["available"]),
         "kvports bench times numpy and says why every other row is unavailable",
     )
+    batched = json.loads(run("bench", "--json", "--requests", "2"))
+    check(
+        [(row["framework"], row["available"]) for row in batched["rows"]][:2] == [("torch", False), ("torch", False)]
+        and [row["same_tokens"] for row in batched["rows"] if row["available"]] == [2, 2],
+        "kvports bench --requests batches with numpy and says why torch and jax cannot",
+    )
 
 
 if __name__ == "__main__":
