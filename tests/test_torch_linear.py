@@ -55,3 +55,14 @@ def test_torch_on_streamed_weights_matches_numpy(mode):
     )
     agreement = assert_tokens_agree(ref_tokens, ref_logits, tokens, 5, f"torch {mode}")
     assert_logits_close(ref_logits, logits, 1e-4, agreement, f"torch {mode}")
+
+
+@needs_onednn
+@pytest.mark.slow
+def test_linear_over_a_large_weight_compiles_with_torch_compile():
+    """Inductor cannot lower the unfrozen oneDNN op: under torch.compile linear() is F.linear."""
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(1024, 256, generator=generator), torch.randn(1, 1, 256, generator=generator)
+    compiled = torch.compile(torch_model.linear)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x, weight), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)

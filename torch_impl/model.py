@@ -168,7 +168,9 @@ STREAMED = 1 << 18  # weight elements (1 MiB in float32) from which oneDNN measu
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear: x [..., in], weight [out, in] -> [..., out]."""
-    if ONEDNN and weight.numel() >= STREAMED and x.is_cpu and x.dtype == torch.float32 and not torch.is_grad_enabled():
+    # Not under torch.compile: inductor lowers F.linear itself (and cannot lower this op unfrozen).
+    streamed = ONEDNN and weight.numel() >= STREAMED and x.is_cpu and x.dtype == torch.float32
+    if streamed and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         return _onednn_linear(x, weight, bias, "none", [], "")  # [..., out]: no fused activation
     return F.linear(x, weight, bias)  # [..., out]
 
