@@ -221,6 +221,23 @@ def test_bad_bench_input_is_one_error_line(capsys, argv, message):
     assert assert_one_error_line(*run_cli(capsys, "bench", "--frameworks", "numpy", *argv)).startswith(message)
 
 
+def test_a_compiled_row_that_fails_says_why_and_the_bench_goes_on(capsys, monkeypatch):
+    port_or_skip("torch")
+    torch_compile = importlib.import_module("kvports.baselines.torch_compile")
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("inductor could not\nlower it")
+
+    monkeypatch.setattr(torch_compile, "generate", fails)
+    argv = ["--frameworks", "torch", "--modes", "cached", "--compile", "--new-tokens", "3", "--repeats", "1", "--json"]
+    code, out, _ = run_cli(capsys, "bench", *argv)
+    assert code == 0
+    rows = {row["variant"]: row for row in json.loads(out)["rows"]}
+    assert rows[None]["available"] and rows[None]["total_s"] > 0
+    assert not rows["torch.compile"]["available"]
+    assert rows["torch.compile"]["reason"] == "RuntimeError: inductor could not lower it"
+
+
 def test_requests_runs_the_batching_workloads_for_the_ports_among_the_frameworks(capsys):
     port_or_skip("numpy")
     code, out, _ = run_cli(capsys, "bench", "--requests", "2", "--frameworks", "numpy,seed-concat", "--json")

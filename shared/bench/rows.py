@@ -126,7 +126,15 @@ def run_rows(
             if mode == "speculative":
                 draft = None if draft_weights is None else module.load_model(*draft_weights, args.dtype, device)
                 generation = Generation(mode, draft, str(args.draft), args.draft_tokens, args.ngram)
-            row.update(measure_row(runner, module, model, generation, prompts, args, sweep, tick))
+            try:
+                row.update(measure_row(runner, module, model, generation, prompts, args, sweep, tick))
+            except Exception as exc:
+                if runner.variant is None and not runner.baseline:
+                    raise  # a port that fails is a bug to see whole
+                # A baseline or the compiled row that cannot run this model (torch.compile failing to
+                # lower it, say) is a row that says why, not the end of the bench.
+                rows.append(unavailable_row(runner, mode, f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
+                continue
             row["kv_cache_bytes"] = cache_bytes_held(runner, mode, config, B, P, N, itemsize, args.draft_tokens)
             row["note"] = note(runner, mode)
             rows.append(row)
