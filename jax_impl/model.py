@@ -467,13 +467,14 @@ def generate_cached(
     token, tokens, done = _choose(last, tokens, jnp.zeros(B, dtype=bool), draws[:, 0], stops, P, generation)  # [B]
     step_logits = [last]
     on_token(np.asarray(token))
-    for step in range(1, generation.max_new_tokens):
+    # One compiled call per step (forward, choice, write), its column a device scalar it advances:
+    # an eager op, or a Python int to convert, between calls costs about what a small model's step does.
+    column = jnp.asarray(P + 1, dtype=jnp.int32)
+    for _ in range(1, generation.max_new_tokens):
         if generation.stop_ids and bool(jnp.all(done)):
             break  # every row has stopped
-        # One compiled call per step (forward, choice, write): each eager op between calls
-        # would cost about as much as the XLA work of a small model's step.
-        token, tokens, done, last, cache = _decode(
-            static, leaves, tokens, cache, pad, done, draws, stops, P + step, generation
+        token, tokens, done, last, cache, column = _decode(
+            static, leaves, tokens, cache, pad, done, draws, stops, column, generation
         )
         step_logits.append(last)
         on_token(np.asarray(token))
@@ -534,14 +535,14 @@ def _decode(
     generation: GenerationConfig,
 ):
     """One step of the stepwise loop: the token before column through the model, and the next
-    token [B] chosen and written at column; its logits [B, V] and the new cache beside."""
+    token [B] chosen and written at column; its logits [B, V], the new cache and the next column."""
     # A stopped row feeds PAD as token 0: its outputs are never used.
     token = jnp.maximum(lax.dynamic_slice_in_dim(tokens, column - 1, 1, axis=1), 0)  # [B, 1]
     logits, cache = _merge(static, leaves)(token, cache, pad)  # [B, 1, V]
     step = column - (tokens.shape[1] - draws.shape[1])  # this token's index among the new ones
     uniform = lax.dynamic_index_in_dim(draws, step, axis=1, keepdims=False)  # [B]
     token, tokens, done = _choose(logits[:, -1], tokens, done, uniform, stops, column, generation)  # [B]
-    return token, tokens, done, logits[:, -1], cache
+    return token, tokens, done, logits[:, -1], cache, column + 1
 
 
 @partial(jax.jit, static_argnums=(0, 6, 7))
