@@ -127,19 +127,15 @@ SEED_PROMPT = np.array([[160, 248, 104, 209, 394]], dtype=np.int64)  # [1, 5]
 
 # A tiny model of each family the ports run beyond the seed's: tied GPT-2, GQA Llama, and Mistral
 # with a window of 4 (shorter than any prompt + generation that uses it).
-_LLAMA = ModelConfig(
-    vocab_size=64,
-    d_model=32,
-    n_heads=4,
-    n_kv_heads=2,
-    n_layers=2,
-    max_seq_len=48,
-    positions="rope",
-    norm="rmsnorm",
-    activation="swiglu",
-    attn_bias=False,
-    ffn_bias=False,
-)
+LLAMA_PARTS = {"positions": "rope", "norm": "rmsnorm", "activation": "swiglu", "attn_bias": False, "ffn_bias": False}
+
+
+def llama_like(**sizes) -> ModelConfig:
+    """A config in Llama's architecture (RoPE, RMSNorm, SwiGLU, no biases) at the given sizes."""
+    return ModelConfig(**LLAMA_PARTS, **sizes)
+
+
+_LLAMA = llama_like(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=48)
 TINY_FAMILIES = {
     "gpt2": ModelConfig(
         vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=48, activation="gelu_tanh", tie_embeddings=True

@@ -30,37 +30,12 @@ def test_the_readme_demo_streams_the_same_stopped_text_in_every_port(port, demo,
     directory, weights = demo
     if not weights.exists():
         assert run_cli(capsys, "convert", "--from-hf", directory, "--out", weights)[0] == 0
-    code, out, _ = run_cli(
-        capsys,
-        "generate",
-        "--framework",
-        port.NAME,
-        "--mode",
-        "cached",
-        "--weights",
-        weights,
-        "--tokenizer",
-        directory,
-        *FLAGS,
-        "--stream",
-    )
+    command = ["generate", "--framework", port.NAME, "--mode", "cached", "--weights", weights, "--tokenizer", directory]
+    code, out, _ = run_cli(capsys, *command, *FLAGS, "--stream")
     assert code == 0
     streamed = out.splitlines()[0]
     assert streamed.endswith("<eos>")  # stopped at the converted checkpoint's eos_token_id
     assert f"```\n{streamed}\n```" in README.read_text()  # the README shows this very line
-    code, out, _ = run_cli(
-        capsys,
-        "generate",
-        "--framework",
-        port.NAME,
-        "--mode",
-        "cached",
-        "--weights",
-        weights,
-        "--tokenizer",
-        directory,
-        *FLAGS,
-        "--json",
-    )
+    code, out, _ = run_cli(capsys, *command, *FLAGS, "--json")
     result = json.loads(out)
     assert result["finish_reason"] == ["stop"] and result["text"] == ["the cat sat on the " + streamed]

@@ -5,9 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
-from tests.helpers import GOLDEN, SEED_PROMPT, assert_logits_close, assert_tokens_agree, random_prompts, random_weights
+from tests.helpers import (
+    GOLDEN,
+    SEED_PROMPT,
+    assert_logits_close,
+    assert_tokens_agree,
+    llama_like,
+    random_prompts,
+    random_weights,
+)
 
 LOGIT_ATOL = {"float32": 1e-5, "float64": 1e-10}
 
@@ -80,20 +87,7 @@ def test_forward_chunks_refuses_chunk_sizes_that_do_not_add_up_to_the_tokens(por
     assert str(refusal.value) == message
 
 
-WINDOWED = ModelConfig(
-    vocab_size=97,
-    d_model=32,
-    n_heads=4,
-    n_kv_heads=2,
-    n_layers=2,
-    max_seq_len=64,
-    positions="rope",
-    norm="rmsnorm",
-    activation="swiglu",
-    attn_bias=False,
-    ffn_bias=False,
-    sliding_window=4,
-)
+WINDOWED = llama_like(vocab_size=97, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64, sliding_window=4)
 
 
 @pytest.mark.parametrize("chunk_sizes", [[6, 1, 5, 1, 3], [16], [3, 9, 4], [2] * 8])

@@ -10,21 +10,10 @@ import numpy as np
 import pytest
 
 from kvports.shared.config import ModelConfig, kv_cache_bytes
-from tests.helpers import port_or_skip, random_weights
+from tests.helpers import llama_like, port_or_skip, random_weights
 
 # Same d_model, heads and layers: only the k/v heads and the window differ.
-BASE = ModelConfig(
-    vocab_size=64,
-    d_model=64,
-    n_heads=8,
-    n_layers=2,
-    max_seq_len=256,
-    activation="swiglu",
-    norm="rmsnorm",
-    positions="rope",
-    attn_bias=False,
-    ffn_bias=False,
-)
+BASE = llama_like(vocab_size=64, d_model=64, n_heads=8, n_layers=2, max_seq_len=256)
 VARIANTS = {
     "mha": BASE,
     "gqa": dataclasses.replace(BASE, n_kv_heads=2),

@@ -11,7 +11,7 @@ import pytest
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, finish_reasons, pad_prompts, row_tokens, uniforms
-from tests.helpers import random_weights
+from tests.helpers import llama_like, random_weights
 
 # Untied, learned positions, GQA: small enough for float64 runs in every test.
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64)
@@ -186,19 +186,8 @@ def test_rows_of_a_ragged_batch_equal_the_rows_run_alone(port, weights, mode, dt
 
 @pytest.mark.parametrize("window", [3, None])
 def test_ragged_rows_equal_rows_alone_with_rope_and_a_sliding_window(port, window):
-    config = ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        n_heads=4,
-        n_kv_heads=1,
-        n_layers=2,
-        max_seq_len=64,
-        positions="rope",
-        norm="rmsnorm",
-        activation="swiglu",
-        attn_bias=False,
-        ffn_bias=False,
-        sliding_window=window,
+    config = llama_like(
+        vocab_size=64, d_model=32, n_heads=4, n_kv_heads=1, n_layers=2, max_seq_len=64, sliding_window=window
     )
     model = port.load_model(config, random_weights(config, seed=4), "float64")
     rows = [[5, 9, 2, 40, 7], [11, 3], [60, 1, 33, 8]]

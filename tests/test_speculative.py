@@ -11,24 +11,13 @@ import pytest
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, pad_prompts
-from tests.helpers import random_weights
+from tests.helpers import LLAMA_PARTS, random_weights
 
 BASE = ModelConfig(vocab_size=48, d_model=32, n_heads=4, n_layers=3, max_seq_len=96)
 ATTENTION = {
     "mha": BASE,
-    "gqa": dataclasses.replace(
-        BASE, n_kv_heads=2, positions="rope", norm="rmsnorm", activation="swiglu", attn_bias=False, ffn_bias=False
-    ),
-    "window": dataclasses.replace(
-        BASE,
-        n_kv_heads=1,
-        positions="rope",
-        norm="rmsnorm",
-        activation="swiglu",
-        attn_bias=False,
-        ffn_bias=False,
-        sliding_window=5,
-    ),  # shorter than the generation
+    "gqa": dataclasses.replace(BASE, n_kv_heads=2, **LLAMA_PARTS),
+    "window": dataclasses.replace(BASE, n_kv_heads=1, sliding_window=5, **LLAMA_PARTS),  # shorter than the generation
 }
 # Repetitive rows, so prompt lookup finds something; of different lengths, so rows accept differently.
 PROMPTS = pad_prompts([[3, 7, 9, 3, 7, 9, 3, 7], [11, 4, 11, 4, 11], [30, 2, 8, 30, 2, 8, 30, 2]])[0]
