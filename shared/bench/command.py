@@ -50,7 +50,7 @@ def run_batching(args: argparse.Namespace) -> int:
     bench_parser, batch_parser = argparse.ArgumentParser(), argparse.ArgumentParser()
     add_arguments(bench_parser)
     batch.add_arguments(batch_parser)
-    defaults = {action.dest: action.default for action in bench_parser._actions if action.dest != "help"}
+    defaults = vars(bench_parser.parse_args([]))  # every bench flag at its default
     return run_bench(batch_parser.parse_args(batching_argv(args, defaults, ports.PORTS)))
 
 
