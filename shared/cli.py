@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import warnings
 from collections.abc import Sequence
@@ -40,6 +41,12 @@ class Parser(argparse.ArgumentParser):
     """argparse's parser, except that every parse error is one `error:` line like every other
     user error, where argparse would print its usage first: a value one of our types refuses
     (`--new-tokens 0`) names the flag and the limit; any other points to --help."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # `--temperature -inf` or `-1e-3` is a value our type then refuses by name; argparse
+        # would take anything but plain negative digits for an unknown flag.
+        self._negative_number_matcher = re.compile(r"^-(\.?[0-9]|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str) -> NoReturn:
         # argparse calls error() while it handles the ArgumentError wrapping the type's exception.

@@ -10,16 +10,21 @@ the first token whose cumulative probability passes the uniform).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvports.shared.errors import UserError
+from kvports.shared.errors import UserError, echo
 
 PAD = -1  # in a token array: left padding of a short prompt, or a slot after a row stopped
 MAX_SEED = 2**64 - 1  # Philox keys are 64-bit words
+# Every port divides the logits, cast to float64, by the temperature. Down to this one no
+# logit of float32's range (every float32 run's) overflows float64 there: below it, a logit
+# of inf and then NaN probabilities, and token 0 forever. The top is far past where sampling
+# is already uniform (torch and JAX fail on a whole-number one past int64, where NumPy runs).
+MIN_TEMPERATURE = float(np.finfo(np.float32).max) / float(np.finfo(np.float64).max)  # about 1.9e-270
+MAX_TEMPERATURE = 1e18
 
 
 @dataclass(frozen=True)
@@ -41,10 +46,12 @@ class GenerationConfig:
         if (
             not isinstance(self.temperature, (int, float))
             or isinstance(self.temperature, bool)
-            or not math.isfinite(self.temperature)
-            or self.temperature < 0
+            or not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE)
         ):
-            raise UserError(f"temperature {self.temperature!r} must be a finite number >= 0 (0 means greedy)")
+            raise UserError(
+                f"temperature {echo(self.temperature)} must be a finite number >= 0 (0 means greedy; else in "
+                f"[{MIN_TEMPERATURE:.3g}, {MAX_TEMPERATURE:g}]: dividing the logits by less overflows float64)"
+            )
         check_int("top-k", self.top_k, 0)
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
             raise UserError(f"top-p {self.top_p!r} must be in (0, 1] (1 means no nucleus filter)")

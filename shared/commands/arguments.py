@@ -17,7 +17,7 @@ import numpy as np
 from kvports.shared.checks import SEED_PROMPT, check_prompts, parse_prompt
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.errors import UserError, echo
-from kvports.shared.generation import MAX_SEED, GenerationConfig
+from kvports.shared.generation import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, GenerationConfig
 from kvports.shared.limits import check_bytes, check_run
 from kvports.shared.weights import DEFAULT_WEIGHTS, open_weights, parameter_count
 
@@ -68,7 +68,7 @@ def seed(text: str) -> int:
 
 def number(text: str) -> float:
     try:
-        if not text.isascii():  # float() also reads fullwidth and other digits
+        if not text.isascii() or "_" in text:  # float() also reads fullwidth digits, and 1_0
             raise ValueError(text)
         return float(text)
     except ValueError:
@@ -190,7 +190,13 @@ def load_text_tokenizer(args: argparse.Namespace, config: ModelConfig) -> Any:
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling and stopping (the same tokens in every framework)")
-    group.add_argument("--temperature", type=number, default=0.0, help="0 (default): greedy; above 0: sample")
+    group.add_argument(
+        "--temperature",
+        type=number,
+        default=0.0,
+        help=f"0 (default): greedy; else sample, in [{MIN_TEMPERATURE:.3g}, {MAX_TEMPERATURE:g}] "
+        "(a logit divided by less overflows float64)",
+    )
     group.add_argument(
         "--top-k", type=non_negative_int, default=0, metavar="K", help="sample from the K likeliest tokens (0: all)"
     )
