@@ -30,6 +30,15 @@ MAX_SIZE = 2**30
 # `ModelConfig.for_compute`'s, at most max_seq_len); this one keeps it an int64, as every
 # framework and Hugging Face's config store it.
 MAX_WINDOW = 2**63 - 1
+# The floats, bounded where a port could part from the others, and wide enough for every
+# published checkpoint. An epsilon below the smallest published (BERT's 1e-12; decoders use
+# 1e-5 or 1e-6) may be a float32 subnormal, which XLA flushes to zero: an all-zero row then
+# normalises to NaN in JAX alone. A RoPE theta below 1 makes frequencies above 1 and angles
+# past the positions, which each framework's sin and cos reduce their own way (JAX's tokens
+# parted from torch's at 1e-30); at most 1 they stay within max_seq_len. The top is far past
+# the largest published theta (Llama 3's 500000, long-context variants' few billion).
+MIN_NORM_EPS = 1e-12
+ROPE_THETA_RANGE = (1.0, 1e12)
 
 
 @dataclass(frozen=True)
@@ -104,8 +113,13 @@ class ModelConfig:
         for name in ("norm_eps", "rope_theta"):
             value = getattr(self, name)
             # JSON's 1e999 is inf: a model with an infinite epsilon outputs token 0 forever.
-            if not is_number(value) or not math.isfinite(value) or not value > 0:
+            if not finite_number(value) or not value > 0:
                 raise UserError(f"config field {name}={echo(value)} must be a finite number > 0")
+        if self.norm_eps < MIN_NORM_EPS:
+            raise UserError(f"config field norm_eps={echo(self.norm_eps)} is below {MIN_NORM_EPS:g}")
+        low, high = ROPE_THETA_RANGE
+        if not low <= self.rope_theta <= high:
+            raise UserError(f"config field rope_theta={echo(self.rope_theta)} must be in [{low:g}, {high:g}]")
         if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise UserError(f"config field dropout={echo(self.dropout)} must be in [0, 1)")
         for name in ("tie_embeddings", "attn_bias", "ffn_bias"):
@@ -171,6 +185,9 @@ class ModelConfig:
             raise UserError(f"config metadata has unknown field {echo(unknown[0])} (known: {', '.join(sorted(known))})")
         if isinstance(data.get("eos_token_ids"), list):  # JSON has lists, the frozen config tuples
             data = {**data, "eos_token_ids": tuple(data["eos_token_ids"])}
+        for name in ("norm_eps", "rope_theta"):  # JSON's 1 is an int, which torch and JAX take only within int64
+            if isinstance(data.get(name), int) and not isinstance(data[name], bool):
+                data = {**data, name: float(data[name]) if finite_number(data[name]) else math.inf}
         # Absent fields take the seed's values, so older files stay valid.
         return cls(**data).validate()
 
@@ -178,6 +195,14 @@ class ModelConfig:
 def is_number(value: Any) -> bool:
     """An int or a float, not a bool (JSON's true is no number)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def finite_number(value: Any) -> bool:
+    """A number a float holds: JSON's 1e999 is inf, and an integer of 400 digits is past any float."""
+    try:
+        return is_number(value) and math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def cache_slots(config: ModelConfig, total_len: int, chunk: int = 1) -> int:

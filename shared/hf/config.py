@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Any
 
-from kvports.shared.config import ModelConfig, is_number
+from kvports.shared.config import ModelConfig, finite_number
 from kvports.shared.errors import MAX_ECHO, UserError, echo
 
 MODEL_TYPES = ("gpt2", "llama", "mistral")
@@ -111,7 +110,7 @@ def refuse(field: str, value: Any, why: str) -> UserError:
 
 
 def finite_positive(value: Any) -> bool:
-    return is_number(value) and math.isfinite(value) and value > 0
+    return finite_number(value) and value > 0
 
 
 class Fields:
