@@ -8,9 +8,10 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from kvports.shared.errors import UserError, echo, echo_path
@@ -123,26 +124,33 @@ def check_writable_folder(folder: Path, name: str) -> None:
         )
 
 
-def check_output_file(path: Path, force: bool) -> None:
+def check_output_file(path: Path, force: bool, inputs: Iterable[Path] = ()) -> None:
     """Before any work is done for it: an output file's path can be written, and an existing
-    one (a dangling symlink too) is replaced only with --force."""
+    one (a dangling symlink too) is replaced only with --force, only if it is a regular file,
+    and never if it is one of the command's `inputs` (a file, or a folder and so each file in
+    it), whatever the path it is reached by (a symlink, a hard link)."""
     with os_errors_as_user_errors(path):
         if path.is_dir():
             raise UserError(f"{echo_path(path)} is a folder; --out names the file to write")
-        if os.path.lexists(path) and not force:
-            raise UserError(f"{echo_path(path)} exists; pass --force to overwrite it")
+        check_not_an_input(path, inputs)
+        if os.path.lexists(path):
+            if not force:
+                raise UserError(f"{echo_path(path)} exists; pass --force to overwrite it")
+            check_regular(path, "kvports replaces only a regular file")
         check_writable_folder(path.parent, path.name)
 
 
 OURS = ("config.json", "model.safetensors")  # what `convert --to-hf` writes
 
 
-def check_output_folder(path: Path, force: bool) -> None:
+def check_output_folder(path: Path, force: bool, inputs: Iterable[Path] = ()) -> None:
     """Before any work: the folder `convert --to-hf` will replace whole. An empty one is taken;
-    one holding a model only with --force; one holding anything else never (it would go)."""
+    one holding a model only with --force; one holding anything else, a symlink, or any of the
+    command's `inputs` never (it would go)."""
     with os_errors_as_user_errors(path):
-        if os.path.lexists(path) and not path.is_dir():
-            raise UserError(f"{echo_path(path)} is a file; --out names the directory to write")
+        if os.path.lexists(path) and (path.is_symlink() or not path.is_dir()):
+            kind = "a symbolic link" if path.is_symlink() else "a file"
+            raise UserError(f"{echo_path(path)} is {kind}; --out names the directory to write")
         if path.is_dir():
             others = sorted(set(os.listdir(path)) - set(OURS))
             if others:
@@ -151,6 +159,40 @@ def check_output_folder(path: Path, force: bool) -> None:
                     f"{echo_path(path)} holds {echo(others[0])}{more}, which kvports did not write: the whole "
                     "directory is replaced, so give a new or empty one"
                 )
+            for name in sorted(os.listdir(path)):
+                check_not_an_input(path / name, inputs)
+                check_regular(path / name, "kvports did not write it, and the whole directory is replaced")
             if os.listdir(path) and not force:
                 raise UserError(f"{echo_path(path)} already holds a model; pass --force to overwrite it")
         check_writable_folder(path.parent, path.name)
+
+
+def check_regular(path: Path, why: str) -> None:
+    """An existing output is replaced only if it is a regular file: a symlink would be replaced
+    by a file in its place, a device or a FIFO by a file of that name."""
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        raise UserError(f"{echo_path(path)} is {kind}; {why}")
+
+
+def check_not_an_input(path: Path, inputs: Iterable[Path]) -> None:
+    """`path` (if it exists) is none of `inputs` and no file of an input folder: compared as
+    files (os.path.samefile), so a symlink or a hard link to an input is caught too."""
+    try:
+        target = os.stat(path)
+    except OSError:  # nothing there (or a dangling symlink): nothing to destroy
+        return
+    for source in inputs:
+        try:
+            candidates = [source, *sorted(source.iterdir())] if source.is_dir() else [source]
+        except OSError:  # an input that cannot be read is refused when it is read
+            continue
+        for candidate in candidates:
+            with contextlib.suppress(OSError):
+                if os.path.samestat(target, os.stat(candidate)):
+                    inside = "" if candidate == source else f" (in the input {echo_path(source)})"
+                    raise UserError(
+                        f"{echo_path(path)} is the input {echo_path(candidate)}{inside}: kvports never writes "
+                        "over what the command reads"
+                    )

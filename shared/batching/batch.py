@@ -26,7 +26,7 @@ from kvports.shared.batching.engine import (
     Engine,
     run_bytes,
 )
-from kvports.shared.batching.requests import BadLine, Request, parse_requests
+from kvports.shared.batching.requests import BadLine, Request, parse_requests, split_lines
 from kvports.shared.batching.scheduler import Sequence
 from kvports.shared.bench.presets import PRESETS
 from kvports.shared.commands.arguments import positive_int
@@ -181,7 +181,7 @@ def read_requests(args: argparse.Namespace, config: ModelConfig, tokenizer: Any)
         raise UserError(f"cannot read {echo_path(path)} ({exc.strerror or exc})") from None
     check_bytes({"requests file": size, "parsed requests": PARSED_BYTES_PER_BYTE * size}, f"reading {echo_path(path)}")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = split_lines(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError:
         raise UserError(f"requests file {echo_path(path)} is not UTF-8 text") from None
     if not any(line.strip() for line in lines):

@@ -16,7 +16,7 @@ import numpy as np
 from kvports.shared.batching.blocks import BlockManager, blocks_for
 from kvports.shared.batching.requests import Request
 from kvports.shared.batching.scheduler import Scheduler, Sequence, Step
-from kvports.shared.config import ModelConfig
+from kvports.shared.config import MAX_SIZE, ModelConfig
 from kvports.shared.contract import Port
 from kvports.shared.errors import UserError, echo
 from kvports.shared.limits import check_count
@@ -44,8 +44,18 @@ class BatchSettings:
             if value is not None:
                 check_count(name.replace("_", " "), value)
         # JAX indexes the pool's slots and each step's [B, T] block in int32.
-        check_count("pool slots (num blocks x block size)", self.pool_blocks(config) * self.block_size)
-        check_count("a step's rows x tokens", self.max_batch * max(self.max_step_tokens, self.longest(config)))
+        # By default the pool holds max_batch whole sequences: a long context is told the flags that size it.
+        slots = self.pool_blocks(config) * self.block_size
+        if slots > MAX_SIZE:
+            default = f" (by default --max-batch {self.max_batch} sequences of {self.longest(config)} tokens)"
+            raise UserError(
+                f"pool slots (num blocks x block size) {slots} is above {MAX_SIZE}: set a smaller pool with "
+                f"--num-blocks{default if self.num_blocks is None else ''}"
+            )
+        check_count(
+            "a step's rows x tokens (--max-batch x its longest)",
+            self.max_batch * max(self.max_step_tokens, self.longest(config)),
+        )
         if self.max_length is not None and self.max_length > config.max_seq_len:
             raise UserError(f"max length {self.max_length} exceeds max_seq_len {config.max_seq_len}")
         return self

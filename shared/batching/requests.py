@@ -79,6 +79,8 @@ def parse_line(
     """One line as a Request (not yet checked against a model), or a UserError."""
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise UserError("not valid JSON (nested too deeply)") from None
     except ValueError as exc:
         raise UserError(f"not valid JSON ({exc})") from None
     if not isinstance(data, dict):
@@ -122,6 +124,12 @@ def generation_of(data: dict[str, Any], default_new_tokens: int, default_stops: 
     return GenerationConfig(**settings, stop_ids=tuple(stop_ids))
 
 
+def split_lines(text: str) -> list[str]:
+    """A request file's lines: split at "\\n" alone, as JSONL is. str.splitlines would also split
+    at U+2028 and the other Unicode line breaks, which a JSON string may hold raw."""
+    return text.split("\n")
+
+
 def parse_requests(
     lines: Iterable[str],
     config: ModelConfig,
@@ -130,21 +138,35 @@ def parse_requests(
     max_tokens: int | None = None,
 ) -> tuple[list[Request], list[BadLine]]:
     """Every good line's request, and every bad line's error (blank lines are skipped). A line
-    without stop ids stops at the model's eos ids, as `kvports generate` does."""
-    requests: list[Request] = []
-    bad: list[BadLine] = []
-    seen: set[str] = set()
+    without stop ids stops at the model's eos ids, as `kvports generate` does. A line without
+    an id is named by its number: a line that gives another line's number as its id is refused,
+    not the line that gave none."""
+    parsed: list[tuple[int, Request | BadLine]] = []
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
         try:
             request = parse_line(text, number, default_new_tokens, config.eos_token_ids, encode)
-            check_request(request, config, max_tokens)
-            if request.id in seen:
-                raise UserError(f"id {echo(request.id)} is already used by an earlier line")
+            parsed.append((number, check_request(request, config, max_tokens)))
         except UserError as exc:
-            bad.append(BadLine(number, str(exc)))
+            parsed.append((number, BadLine(number, str(exc))))
+    # Ids that name their own line (given or not): no other line may take them.
+    own = {result.id: number for number, result in parsed if isinstance(result, Request) and result.id == str(number)}
+    requests: list[Request] = []
+    bad: list[BadLine] = []
+    first: dict[str, int] = {}
+    for number, result in parsed:
+        if isinstance(result, Request):
+            owner = own.get(result.id, number)
+            if owner != number:
+                result = BadLine(
+                    number, f"id {echo(result.id)} is line {owner}'s (a line without an id is named by its number)"
+                )
+            elif result.id in first:
+                result = BadLine(number, f"id {echo(result.id)} is already used by line {first[result.id]}")
+        if isinstance(result, BadLine):
+            bad.append(result)
             continue
-        seen.add(request.id)
-        requests.append(request)
+        first[result.id] = number
+        requests.append(result)
     return requests, bad

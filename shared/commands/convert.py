@@ -54,7 +54,7 @@ def from_hf(args: argparse.Namespace) -> int:
     from kvports.shared.weights import save_weights
 
     out = output_file(args.out)
-    check_output_file(out, args.force)
+    check_output_file(out, args.force, inputs=[args.from_hf])
     config, tensors = import_hf(args.from_hf, args.dtype)
     save_weights(out, tensors, config)
     n_params = sum(array.size for array in tensors.values())
@@ -69,7 +69,7 @@ def to_hf(args: argparse.Namespace) -> int:
     from kvports.shared.weights import open_weights, parameter_count
 
     out = Path(args.out)
-    check_output_folder(out, args.force)
+    check_output_folder(out, args.force, inputs=[args.to_hf])
     with open_weights(args.to_hf) as weights:
         config = weights.config
         why = gpt2_refusal(config)  # before anything is read or written

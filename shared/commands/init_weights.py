@@ -14,7 +14,7 @@ from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.files import check_output_file
 from kvports.shared.limits import check_bytes
-from kvports.shared.weights import gpt2_init_weights, parameter_count, save_weights
+from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, parameter_count, save_weights
 
 HELP = "write a randomly initialised weights file"
 SIZES = ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len")
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     out = output_file(args.out)
     config = ModelConfig(**{name: getattr(args, name) for name in SIZES}).validate()
-    check_output_file(out, args.force)
+    check_output_file(out, args.force, inputs=[DEFAULT_WEIGHTS])  # every command's default --weights
     count = parameter_count(config)
     # torch's float32 initialisation and its NumPy copy, that copy at --dtype, and the file's bytes.
     itemsize = np.dtype(args.dtype).itemsize

@@ -13,16 +13,42 @@ import numpy as np
 
 from kvports.shared.config import DTYPES
 from kvports.shared.errors import UserError, echo, echo_path
+from kvports.shared.limits import check_bytes, fmt_bytes
 from kvports.shared.weights import SAFETENSORS_DTYPES, Closing, SafetensorsFile, cast_checked, check_finite
 
 READABLE = ("F32", "F64", "F16", "BF16")  # the float dtypes a checkpoint may hold
 KEEPABLE = {"F32": "float32", "F64": "float64"}  # the dtypes our weights file stores as they are
 
 
-def read_json(path: Path, what: str) -> Any:
-    """A JSON file's value, or one `error:` line: unreadable, not UTF-8, not JSON, nested too deep."""
+# What a JSON file of a checkpoint may be, checked before it is read: far above any published
+# one (a config.json is a few KiB, the index of a 405B model's shards well under 1 MiB; the
+# largest tokenizer.json files are tens of MiB), and parsed it takes up to this many times its size.
+MAX_JSON_BYTES = 64 * 2**20
+MAX_TOKENIZER_BYTES = 512 * 2**20
+PARSED_BYTES_PER_BYTE = 10
+
+
+def check_file_size(path: Path, what: str, cap: int) -> int:
+    """A file's size, refused (one `error:` line) past `cap` or past what the memory limit
+    allows for reading and parsing it, before a byte of it is read."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        size = path.stat().st_size
+    except OSError as exc:
+        raise UserError(f"cannot read {what} {echo_path(path)} ({exc.strerror or exc})") from None
+    if size > cap:
+        raise UserError(f"{what} {echo_path(path)} is {fmt_bytes(size)}, above the {fmt_bytes(cap)} such a file may be")
+    check_bytes({what: size, f"parsed {what}": PARSED_BYTES_PER_BYTE * size}, f"reading {echo_path(path)}")
+    return size
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file's value, or one `error:` line: too large, unreadable, not UTF-8, not JSON,
+    nested too deep."""
+    size = check_file_size(path, what, MAX_JSON_BYTES)
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(size)  # what was checked, even of a file that has grown since
+        return json.loads(raw.decode("utf-8"))
     except RecursionError:
         raise UserError(f"{what} {echo_path(path)} is not valid JSON (nested too deeply)") from None
     except (UnicodeDecodeError, ValueError) as exc:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvports.shared.errors import UserError, echo, echo_path
+from kvports.shared.hf.checkpoint import MAX_TOKENIZER_BYTES, check_file_size
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -22,6 +23,7 @@ def load_tokenizer(path: Path) -> Any:
             raise UserError(f"no tokenizer.json at {echo_path(path)}")
     except OSError as exc:  # a name too long, say
         raise UserError(f"cannot read {echo_path(path)} ({exc.strerror or exc})") from None
+    check_file_size(file, "tokenizer file", MAX_TOKENIZER_BYTES)  # the Rust side would read any size whole
     try:
         return Tokenizer.from_file(str(file))
     except Exception as exc:  # the Rust side raises plain Exception on a malformed file
