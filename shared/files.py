@@ -160,7 +160,7 @@ def check_output_folder(path: Path, force: bool, inputs: Iterable[Path] = ()) ->
                     "directory is replaced, so give a new or empty one"
                 )
             for name in sorted(os.listdir(path)):
-                check_not_an_input(path / name, inputs)
+                check_not_an_input(path / name, inputs, holder=path)
                 check_regular(path / name, "kvports did not write it, and the whole directory is replaced")
             if os.listdir(path) and not force:
                 raise UserError(f"{echo_path(path)} already holds a model; pass --force to overwrite it")
@@ -176,9 +176,10 @@ def check_regular(path: Path, why: str) -> None:
         raise UserError(f"{echo_path(path)} is {kind}; {why}")
 
 
-def check_not_an_input(path: Path, inputs: Iterable[Path]) -> None:
+def check_not_an_input(path: Path, inputs: Iterable[Path], holder: Path | None = None) -> None:
     """`path` (if it exists) is none of `inputs` and no file of an input folder: compared as
-    files (os.path.samefile), so a symlink or a hard link to an input is caught too."""
+    files (os.path.samefile), so a symlink or a hard link to an input is caught too. holder:
+    the folder being replaced that holds `path`, for the message."""
     try:
         target = os.stat(path)
     except OSError:  # nothing there (or a dangling symlink): nothing to destroy
@@ -191,8 +192,8 @@ def check_not_an_input(path: Path, inputs: Iterable[Path]) -> None:
         for candidate in candidates:
             with contextlib.suppress(OSError):
                 if os.path.samestat(target, os.stat(candidate)):
-                    inside = "" if candidate == source else f" (in the input {echo_path(source)})"
-                    raise UserError(
-                        f"{echo_path(path)} is the input {echo_path(candidate)}{inside}: kvports never writes "
-                        "over what the command reads"
+                    alias = "" if candidate == path else f" the same file as {echo_path(candidate)},"
+                    where = (
+                        f"{echo_path(path)} is" if holder is None else f"{echo_path(holder)} holds {echo_path(path)},"
                     )
+                    raise UserError(f"{where}{alias} an input kvports reads: it never writes over its input")
