@@ -109,7 +109,7 @@ def import_target(target: str | ModuleType) -> ModuleType:
         except SyntaxError as exc:
             del sys.modules[name]
             raise UserError(f"cannot import {echo_path(target)}: line {exc.lineno}: {exc.msg}") from None
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a file that exits on import is as unusable as one that raises
             del sys.modules[name]
             raise UserError(f"cannot import {echo_path(target)}: {type(exc).__name__}: {one_line(exc)}") from None
         return module
@@ -225,7 +225,7 @@ class Post(Implementation):
         found = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
         check_names({name: array.shape for name, array in weights.items()}, found, "TinyModel")
         model = model.to(getattr(torch, dtype))
-        model.load_state_dict({name: torch.from_numpy(np.array(array)) for name, array in weights.items()})
+        call("TinyModel.load_state_dict", model.load_state_dict, {k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
         self.V = config.vocab_size
         self.blocks = len(getattr(model, "blocks", [])) or config.n_layers
         return model

@@ -23,6 +23,7 @@ class Mistake:
     diagnosis: str  # the name `kvports check --json` reports
     what: str  # what the broken code does
     fix: str  # the one sentence the report prints, in the post's terms
+    stale_positions: bool = False  # positions read from the cache's own length (the post's way), not a count
 
 
 MISTAKES = (
@@ -40,23 +41,27 @@ MISTAKES = (
         "build the mask over cache + new tokens with triu(ones(T, S), diagonal=S - T + 1), "
         "S the keys in all (cache plus this call), not diagonal=1",
     ),
-    Mistake(
-        "cache_prefill_only",
-        "cache_update",
-        "the cache is written by the prefill and never again",
-        "write every call's k and v into the cache (cache['k'] = cat([cache['k'], k], dim=2)), not only the prompt's",
-    ),
-    Mistake(
-        "cache_never_written",
-        "cache_update",
-        "the cache is never written: each call attends only over its own tokens",
-        "store k and v in the block's cache dict after each call, and attend over cat([cache['k'], k], dim=2)",
-    ),
-    Mistake(
-        "cache_slot_zero",
-        "cache_update",
-        "each call writes its k and v at slot 0 of a preallocated cache, not at the cache length",
-        "write a call's T keys and values at slots [S, S + T), S the cache length, not at [0, T)",
+    *(
+        Mistake(variant, "cache_update", what + how, fix, stale)
+        for variant, what, fix in (
+            (
+                "cache_prefill_only",
+                "the cache is written by the prefill and never again",
+                "write every call's k and v into the cache (cache['k'] = cat([cache['k'], k], dim=2)), "
+                "not only the prompt's",
+            ),
+            (
+                "cache_never_written",
+                "the cache is never written: each call attends only over its own tokens",
+                "store k and v in the block's cache dict after each call, and attend over cat([cache['k'], k], dim=2)",
+            ),
+            (
+                "cache_slot_zero",
+                "each call writes its k and v at slot 0 of a preallocated cache, not at the cache length",
+                "write a call's T keys and values at slots [S, S + T), S the cache length, not at [0, T)",
+            ),
+        )
+        for stale, how in ((False, ""), (True, ", and the positions read from it stall"))
     ),
 )
 FIXES = {
@@ -118,12 +123,15 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray) -> 
 
 
 def forward(
-    config: ModelConfig, weights: dict, tokens: np.ndarray, caches: list[dict], length: int, mistake: str | None
+    config: ModelConfig, weights: dict, tokens: np.ndarray, caches: list[dict], length: int, mistake: Mistake | None
 ) -> np.ndarray:
-    """One call of T new tokens [B, T] after `length` cached ones; the caches are updated in place."""
+    """One call of T new tokens [B, T] after `length` earlier ones; the caches are updated in place."""
     B, T = tokens.shape
     H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
-    start = 0 if mistake == "position_offset" else length
+    stored = caches[0]["k"].shape[2] if "k" in caches[0] else 0  # what the cache itself holds
+    start = stored if mistake is not None and mistake.stale_positions else length
+    variant = None if mistake is None else mistake.variant
+    start = 0 if variant == "position_offset" else start
     positions = np.arange(start, start + T)  # [T]
     x = weights["emb.weight"][tokens]  # [B, T, D]
     if config.positions == "learned":
@@ -136,20 +144,20 @@ def forward(
         if config.positions == "rope":
             q, k = rotate(q, positions, config.rope_theta), rotate(k, positions, config.rope_theta)
         old_k, old_v = cache.get("k", k[:, :, :0]), cache.get("v", v[:, :, :0])  # [B, Hkv, S_old, Dh]
-        if mistake == "cache_slot_zero":
+        if variant == "cache_slot_zero":
             keys = np.zeros((B, Hkv, length + T, Dh))  # [B, Hkv, S, Dh]: the buffer, filled up to the cache length
             values = np.zeros_like(keys)
             keys[:, :, : old_k.shape[2]], values[:, :, : old_v.shape[2]] = old_k, old_v
             keys[:, :, :T], values[:, :, :T] = k, v  # written at slot 0, whatever the cache holds
             cache["k"], cache["v"] = keys, values
-        elif mistake == "cache_never_written":
+        elif variant == "cache_never_written":
             keys, values = k, v
         else:
             keys, values = np.concatenate([old_k, k], axis=2), np.concatenate([old_v, v], axis=2)  # [B, Hkv, S, Dh]
-            if mistake != "cache_prefill_only" or not length:
+            if variant != "cache_prefill_only" or not length:
                 cache["k"], cache["v"] = keys, values
         S = keys.shape[2]
-        query = np.arange(T)[:, None] + (0 if mistake == "mask_offset" else S - T)  # [T, 1]: index among the keys
+        query = np.arange(T)[:, None] + (0 if variant == "mask_offset" else S - T)  # [T, 1]: index among the keys
         key = np.arange(S)[None, :]  # [1, S]
         visible = key <= query
         if config.sliding_window is not None:
@@ -166,7 +174,7 @@ def as_float64(weights: dict) -> dict:
 
 
 def forward_chunks(
-    config: ModelConfig, weights: dict, tokens: np.ndarray, chunks: list[int], mistake: str | None = None
+    config: ModelConfig, weights: dict, tokens: np.ndarray, chunks: list[int], mistake: Mistake | None = None
 ) -> np.ndarray:
     """tokens [B, T] fed in chunks of the given sizes into one cache; the logits [B, T, V]."""
     weights = as_float64(weights)
@@ -179,7 +187,7 @@ def forward_chunks(
 
 
 def greedy_cached(
-    config: ModelConfig, weights: dict, prompt: np.ndarray, new_tokens: int, mistake: str | None = None
+    config: ModelConfig, weights: dict, prompt: np.ndarray, new_tokens: int, mistake: Mistake | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """The cached greedy loop with the mistake: tokens [B, P + N] and step logits [B, N, V]."""
     weights = as_float64(weights)
