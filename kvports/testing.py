@@ -1,9 +1,9 @@
 """For your own tests: `kvports check` as a pytest helper.
 
-    from kvports.testing import check_implementation
+from kvports.testing import check_implementation
 
-    def test_my_kv_cache():
-        check_implementation("decoder_gen.py")   # or an adapter module, with family="llama"
+def test_my_kv_cache():
+    check_implementation("decoder_gen.py")   # or an adapter module, with family="llama"
 """
 
 from __future__ import annotations

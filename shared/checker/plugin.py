@@ -225,7 +225,11 @@ class Post(Implementation):
         found = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
         check_names({name: array.shape for name, array in weights.items()}, found, "TinyModel")
         model = model.to(getattr(torch, dtype))
-        call("TinyModel.load_state_dict", model.load_state_dict, {k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
+        call(
+            "TinyModel.load_state_dict",
+            model.load_state_dict,
+            {k: torch.from_numpy(np.array(v)) for k, v in weights.items()},
+        )
         self.V = config.vocab_size
         self.blocks = len(getattr(model, "blocks", [])) or config.n_layers
         return model
@@ -237,7 +241,7 @@ class Post(Implementation):
             idx = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
             args = (idx,) if caches is None else (idx, caches)
             logits = call(f"{type(model).__name__}.forward", model, *args)
-        return checked_logits("TinyModel.forward", logits, *tokens.shape, self.V)
+        return checked_logits("TinyModel.forward", logits, tokens.shape[0], tokens.shape[1], self.V)
 
     def full(self, model: Any, tokens: np.ndarray) -> np.ndarray:
         return self.run_forward(model, tokens, None)
@@ -265,7 +269,9 @@ class Post(Implementation):
         if tokens.shape == (B, n):
             tokens = np.concatenate([prompt, tokens], axis=1)
         if tokens.shape != (B, P + n):
-            raise ImplementationError(name, ValueError(f"returned tokens of shape {list(tokens.shape)}, not {[B, P + n]}"))
+            raise ImplementationError(
+                name, ValueError(f"returned tokens of shape {list(tokens.shape)}, not {[B, P + n]}")
+            )
         return tokens
 
     @contextlib.contextmanager
@@ -307,13 +313,13 @@ class Adapter(Implementation):
 
     def full(self, model: Any, tokens: np.ndarray) -> np.ndarray:
         logits = call("full", self.module.full, model, np.array(tokens, dtype=np.int64))
-        return checked_logits("full", logits, *tokens.shape, self.V)
+        return checked_logits("full", logits, tokens.shape[0], tokens.shape[1], self.V)
 
     def one_step(self, model: Any, tokens: np.ndarray, state: Any) -> tuple[np.ndarray, Any]:
         out = call("step", self.module.step, model, np.array(tokens, dtype=np.int64), state)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise UserError(f"step returned a {type(out).__name__}, expected a pair (logits [B, T, V], state)")
-        return checked_logits("step", out[0], *tokens.shape, self.V), out[1]
+        return checked_logits("step", out[0], tokens.shape[0], tokens.shape[1], self.V), out[1]
 
     def cached(self, model: Any, tokens: np.ndarray, chunks: list[int]) -> np.ndarray:
         state, pieces, start = None, [], 0
@@ -394,7 +400,9 @@ def load_implementation(target: str | ModuleType) -> Implementation:
         return Post(module, label)
     if len(adapter) > len(post):
         missing = [name for name in ADAPTER if name not in adapter]
-        raise UserError(f"{echo_path(label)} has no function {', '.join(missing)} (an adapter defines {', '.join(ADAPTER)})")
+        raise UserError(
+            f"{echo_path(label)} has no function {', '.join(missing)} (an adapter defines {', '.join(ADAPTER)})"
+        )
     missing = [name for name in POST if name not in post]
     raise UserError(
         f"{echo_path(label)} has no {', '.join(missing)}: define TinyModel, generate_naive and generate_cached "

@@ -71,8 +71,8 @@ def compare_logits(name: str, reference: np.ndarray, logits: np.ndarray, dtype: 
         rows, cols = np.nonzero(difference > TOLERANCE[dtype])
         t = int(cols.min())
         b = int(rows[cols == t][0])
-        return Check(name, FAIL, f"max |logit diff| {largest:.2g}", "first at " + where(step_of(t), b, t),
-                     largest, step_of(t), b, t)  # fmt: skip
+        detail, at = f"max |logit diff| {largest:.2g}", "first at " + where(step_of(t), b, t)
+        return Check(name, FAIL, detail, at, largest, step_of(t), b, t)
     b, t = (int(i) for i in np.unravel_index(int(difference.argmax()), difference.shape))
     if largest == 0:
         return Check(name, PASS, "identical logits", "", 0.0)
@@ -124,7 +124,9 @@ class Checker:
 
     def raised(self, name: str, error: ImplementationError, diagnosis: str | None = None) -> None:
         line = error.line
-        self.add(Check(name, FAIL, str(error)[:120], f"in {error.function}" + (f" ({line})" if line else "")))
+        self.add(
+            Check(name, FAIL, f"raised {type(error.error).__name__}", error.function + (f" ({line})" if line else ""))
+        )
         self.explain(
             diagnosis,
             f"{error.function} raised {type(error.error).__name__} ({name}"
@@ -157,6 +159,7 @@ class Checker:
     def generators(self, model: Any, prompt: np.ndarray) -> None:
         n = GOLDEN_TOKENS if self.family == "seed" else 16
         reference, ref_logits = self.port.generate(self.reference("float32"), prompt, n, "cached", return_logits=True)
+        assert ref_logits is not None
         what = "golden tokens" if self.family == "seed" else "greedy tokens"
         self.training_after: list[str] = []
         for mode in self.impl.generators():
@@ -180,7 +183,7 @@ class Checker:
             return self.raised("eval mode: two runs agree", error)
         differ = float(np.abs(first - second).max())
         if self.training_after or differ > 0:
-            evidence = (f"model.training is True after {', '.join(self.training_after)}; " if self.training_after else "")
+            evidence = f"model.training is True after {', '.join(self.training_after)}; " if self.training_after else ""
             evidence += f"two runs of the same forward differ by {differ:.2g}"
             self.add(Check("eval mode: two runs agree", FAIL, evidence, "", differ, diagnosis="eval_mode"))
             self.explain("eval_mode", f"eval_mode: dropout is active ({evidence}): {variants.FIXES['eval_mode']}")
@@ -280,8 +283,7 @@ class Checker:
         if "eval_mode" in self.report.diagnoses and self.impl.kind != "post":
             return  # dropout noise matches no variant; the post's model was put in eval mode instead
         for check, tokens, chunks, logits in self.failed_runs:
-            self.match(check, lambda mistake: variants.forward_chunks(self.config, self.weights, tokens, chunks, mistake),
-                       logits)  # fmt: skip
+            self.match(check, tokens, chunks, logits)
         for check, prompt, tokens in self.failed_tokens:
             if check.diagnosis is None and not self.report.diagnoses:
                 self.match_tokens(check, prompt, tokens)
@@ -300,10 +302,10 @@ class Checker:
         else:
             self.explain(None, f"{check.name}: {check.detail} ({check.where}); no known mistake reproduces it" + more)
 
-    def match(self, check: Check, run: Any, logits: np.ndarray) -> None:
+    def match(self, check: Check, tokens: np.ndarray, chunks: list[int], logits: np.ndarray) -> None:
         scale = max(1.0, float(np.abs(logits).max()))
         for mistake in variants.MISTAKES:
-            variant = run(mistake)
+            variant = variants.forward_chunks(self.config, self.weights, tokens, chunks, mistake)
             distance = float(np.abs(variant - logits).max())
             if distance <= MATCH * scale:
                 check.diagnosis = mistake.diagnosis
@@ -346,4 +348,3 @@ def run_check(target: str | ModuleType, family: str = "seed") -> Report:
         return checker.run()
     except ImplementationError as error:  # building the model, or its first forward on the seed's prompt
         raise UserError(f"{error} ({error.line}); hint: {error.hint()}" if error.line else str(error)) from None
-

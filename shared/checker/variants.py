@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.special import erf
+from scipy.special import erf  # type: ignore[import-untyped]
 
 from kvports.shared.config import ModelConfig
 
