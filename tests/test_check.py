@@ -96,6 +96,15 @@ def test_a_defect_is_located_at_its_first_step(capsys, tmp_path):
     assert cached[0]["max_abs_diff"] > 0.1
 
 
+def test_a_cache_concatenated_along_the_wrong_axis_is_a_cache_update(capsys, tmp_path):
+    # It raises at the first cached step after the prefill: the cache, not the prompt, broke it.
+    broken = variant(
+        tmp_path, fixture("post"), 'k = torch.cat([cache["k"], k], dim=2)', 'k = torch.cat([cache["k"], k], dim=1)'
+    )
+    code, report = check_json(capsys, broken)
+    assert (code, report["diagnoses"]) == (1, ["cache_update"])
+
+
 def test_the_posts_cat_without_dim_is_explained_in_one_line(capsys, tmp_path):
     broken = variant(tmp_path, fixture("post"), NAIVE_CAT, "idx = torch.cat([idx, nxt])")
     code, out, err = run_cli(capsys, "check", broken)

@@ -21,6 +21,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 import time
 import traceback
@@ -87,6 +88,18 @@ def to_numpy(array: Any) -> np.ndarray:
     return np.asarray(array)
 
 
+@contextlib.contextmanager
+def on_path(folder: str) -> Iterator[None]:
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
+
+
 def import_target(target: str | ModuleType) -> ModuleType:
     """A module object, a file path (imported under a private name: its __main__ block does not
     run) or an importable module name."""
@@ -105,7 +118,8 @@ def import_target(target: str | ModuleType) -> ModuleType:
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickling look their module up by name
         try:
-            spec.loader.exec_module(module)
+            with on_path(str(path.resolve().parent)):  # its own folder, as `python FILE` has: siblings import
+                spec.loader.exec_module(module)
         except SyntaxError as exc:
             del sys.modules[name]
             raise UserError(f"cannot import {echo_path(target)}: line {exc.lineno}: {exc.msg}") from None
@@ -114,7 +128,8 @@ def import_target(target: str | ModuleType) -> ModuleType:
             raise UserError(f"cannot import {echo_path(target)}: {type(exc).__name__}: {one_line(exc)}") from None
         return module
     try:
-        return importlib.import_module(target)
+        with on_path(os.getcwd()):  # a console script's path lacks the folder it runs in
+            return importlib.import_module(target)
     except SyntaxError as exc:
         raise UserError(f"cannot import {echo(target)}: line {exc.lineno}: {exc.msg}") from None
     except Exception as exc:

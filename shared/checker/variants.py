@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.special import erf  # type: ignore[import-untyped]
 
 from kvports.shared.config import ModelConfig
 
@@ -108,6 +107,8 @@ def mlp(x: np.ndarray, weights: dict, prefix: str, config: ModelConfig) -> np.nd
     elif config.activation == "gelu_tanh":
         h = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))
     else:
+        from scipy.special import erf  # type: ignore[import-untyped]  # here: the command line starts without SciPy
+
         h = 0.5 * h * (1 + erf(h / np.sqrt(2)))
     return dense(h, weights, prefix + ".2")  # [B, T, D]
 
