@@ -1,0 +1,23 @@
+"""For your own tests: `kvports check` as a pytest helper.
+
+from kvports.testing import check_implementation
+
+def test_my_kv_cache():
+    check_implementation("decoder_gen.py")   # or an adapter module, with family="llama"
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from kvports.shared.checker import Report, run_check
+
+
+def check_implementation(path_or_module: str | ModuleType, family: str = "seed") -> Report:
+    """The report of `kvports check` on an implementation (a file, a module name or a module);
+    raises AssertionError naming each diagnosis where a check fails, and kvports.UserError
+    where the implementation cannot be used at all (as the command's exit status 2)."""
+    report = run_check(path_or_module, family)
+    if not report.ok:
+        raise AssertionError(report.summary())
+    return report

@@ -1,0 +1,425 @@
+"""Loading an implementation to check, in either of its two interfaces, behind one driver.
+
+- The post's interface: a Python file defining a PyTorch `TinyModel` (the seed's parameter
+  names), `generate_naive(model, prompt, n)` and `generate_cached(model, prompt, n)`; its
+  `forward(idx)` or `forward(idx, caches)`, caches a list of one dict per block that the model
+  fills, returning logits [B, T, V] (or a tuple whose first item they are).
+- The adapter: a module or file with `load(config: dict, weights: dict[str, ndarray])`,
+  `full(model, tokens [B, T]) -> logits [B, T, V]` and
+  `step(model, tokens [B, T], state) -> (logits [B, T, V], state)` (state None: a new cache).
+
+A file is imported under a private module name, so its `if __name__ == "__main__":` block
+does not run. Everything that makes a plug-in unusable (no such file, a syntax error, a
+missing function, wrong parameter names, a first call that fails or returns the wrong
+shape or NaN) is a UserError, found before any check runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from kvports.shared.config import ModelConfig
+from kvports.shared.errors import UserError, echo, echo_path
+
+POST = ("TinyModel", "generate_naive", "generate_cached")
+ADAPTER = ("load", "full", "step")
+_imported = 0  # a private module name per file imported
+
+
+class ImplementationError(Exception):
+    """The implementation raised while a check ran it: which function, what it said, a hint."""
+
+    def __init__(self, function: str, error: BaseException):
+        self.function, self.error = function, error
+        self.after_first_chunk = False
+        super().__init__(f"{function} raised {type(error).__name__}: {one_line(error)}")
+
+    @property
+    def line(self) -> str:
+        """The implementation's own line where it raised (file:line), if the traceback has one."""
+        frames = [frame for frame in traceback.extract_tb(self.error.__traceback__) if "kvports" not in frame.filename]
+        return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+
+    def hint(self) -> str:
+        message = str(self.error)
+        if "Sizes of tensors must match except in dimension 0" in message or "must have same number of dim" in message:
+            return "torch.cat joins along dim 0 unless told; a new token [B, 1] joins the history [B, T] with dim=1"
+        if "'NoneType' object has no attribute" in message:
+            return "the naive path passes no cache: check for None before using one"
+        if isinstance(self.error, (RuntimeError, ValueError)) and ("size" in message or "shape" in message):
+            return "a shape that fits the first call but not the next: check how the cache grows"
+        return "run the function by hand on this input to see the traceback"
+
+
+@contextlib.contextmanager
+def marked(start: int) -> Iterator[None]:
+    """An error raised by a cached call after the first (the prefill) says so: the cache broke it."""
+    try:
+        yield
+    except ImplementationError as error:
+        error.after_first_chunk = start > 0
+        raise
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:300] or type(error).__name__
+
+
+def to_numpy(array: Any) -> np.ndarray:
+    if hasattr(array, "detach"):  # a torch tensor
+        array = array.detach().cpu()
+        if str(array.dtype) == "torch.bfloat16":
+            array = array.float()
+        return array.numpy()
+    return np.asarray(array)
+
+
+@contextlib.contextmanager
+def on_path(folder: str) -> Iterator[None]:
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
+
+
+def import_target(target: str | ModuleType) -> ModuleType:
+    """A module object, a file path (imported under a private name: its __main__ block does not
+    run) or an importable module name."""
+    global _imported
+    if isinstance(target, ModuleType):
+        return target
+    path = Path(target)
+    if target.endswith(".py") or path.exists() or "/" in target:
+        if not path.is_file():
+            raise UserError(f"implementation {echo_path(target)} does not exist (or is not a file)")
+        _imported += 1
+        name = f"_kvports_check_{_imported}_{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise UserError(f"cannot import implementation {echo_path(target)} (not a Python file)")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and pickling look their module up by name
+        try:
+            with on_path(str(path.resolve().parent)):  # its own folder, as `python FILE` has: siblings import
+                spec.loader.exec_module(module)
+        except SyntaxError as exc:
+            del sys.modules[name]
+            raise UserError(f"cannot import {echo_path(target)}: line {exc.lineno}: {exc.msg}") from None
+        except (Exception, SystemExit) as exc:  # a file that exits on import is as unusable as one that raises
+            del sys.modules[name]
+            raise UserError(f"cannot import {echo_path(target)}: {type(exc).__name__}: {one_line(exc)}") from None
+        return module
+    try:
+        with on_path(os.getcwd()):  # a console script's path lacks the folder it runs in
+            return importlib.import_module(target)
+    except SyntaxError as exc:
+        raise UserError(f"cannot import {echo(target)}: line {exc.lineno}: {exc.msg}") from None
+    except Exception as exc:
+        raise UserError(f"cannot import {echo(target)}: {type(exc).__name__}: {one_line(exc)}") from None
+
+
+def check_names(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], who: str) -> None:
+    """The seed's names and shapes, or an error naming the missing and unexpected ones
+    (as nanoGPT's from_pretrained asserts on them)."""
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise UserError(
+            f"{who}'s parameter names are not the seed's: missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
+    for name, shape in expected.items():
+        if tuple(found[name]) != tuple(shape):
+            raise UserError(f"{who}'s parameter {name!r} has shape {list(found[name])}, the seed's is {list(shape)}")
+
+
+class Implementation:
+    """What the checks call, the same for both interfaces. NumPy in, NumPy out."""
+
+    kind = ""
+    framework = ""  # "torch" where the implementation is a torch module (the reference is then torch's)
+    label = ""
+
+    def build(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: str) -> Any:
+        raise NotImplementedError
+
+    def full(self, model: Any, tokens: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def can_step(self, model: Any) -> bool:
+        return True
+
+    def cached(self, model: Any, tokens: np.ndarray, chunks: list[int]) -> np.ndarray:
+        """tokens [B, T] fed in chunks into one cache (the first chunk the prefill); logits [B, T, V]."""
+        raise NotImplementedError
+
+    def generators(self) -> tuple[str, ...]:
+        return ("naive", "cached")
+
+    def generate(self, model: Any, prompt: np.ndarray, n: int, mode: str) -> np.ndarray:
+        """Greedy tokens [B, P + n]."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def counting_forwards(self, model: Any) -> Iterator[list[tuple[tuple[int, ...], float]] | None]:
+        """The shapes of the model's forward calls (and when each ended) while inside; None when
+        the calls cannot be seen from outside."""
+        yield None
+
+    def prefill_call(self, model: Any, prompt: np.ndarray) -> str:
+        """Run the cached path's prefill on prompt [B, P] (and its first token); which function ran."""
+        raise NotImplementedError
+
+    def training(self, model: Any) -> bool:
+        return bool(getattr(model, "training", False)) and has_dropout(model)
+
+    def to_eval(self, model: Any) -> None:
+        pass
+
+
+def has_dropout(model: Any) -> bool:
+    modules = getattr(model, "modules", None)
+    if modules is None:
+        return True
+    return any(type(m).__name__.startswith("Dropout") and getattr(m, "p", 0) > 0 for m in modules())
+
+
+def call(function: str, fn: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise ImplementationError(function, exc) from exc
+
+
+def checked_logits(function: str, logits: Any, B: int, T: int, V: int) -> np.ndarray:
+    logits = to_numpy(logits[0] if isinstance(logits, (tuple, list)) else logits)
+    if logits.shape != (B, T, V):
+        raise UserError(f"{function} returned logits of shape {list(logits.shape)}, expected [B, T, V] = {[B, T, V]}")
+    if not np.issubdtype(logits.dtype, np.floating):
+        raise UserError(f"{function} returned logits of dtype {logits.dtype}, expected floats")
+    if not np.isfinite(logits).all():
+        b, t, v = np.argwhere(~np.isfinite(logits))[0]
+        raise UserError(f"{function} returned non-finite logits ({logits[b, t, v]} at row {b}, position {t}, id {v})")
+    return logits
+
+
+class Post(Implementation):
+    """The post's file: a torch TinyModel and its two generators."""
+
+    kind = "post"
+    framework = "torch"
+
+    def __init__(self, module: ModuleType, label: str):
+        self.module, self.label = module, label
+
+    def build(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: str) -> Any:
+        import torch
+
+        model = call("TinyModel()", self.module.TinyModel)
+        if not isinstance(model, torch.nn.Module):
+            raise UserError(f"TinyModel() in {self.label} is a {type(model).__name__}, not a torch.nn.Module")
+        found = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+        check_names({name: array.shape for name, array in weights.items()}, found, "TinyModel")
+        model = model.to(getattr(torch, dtype))
+        call(
+            "TinyModel.load_state_dict",
+            model.load_state_dict,
+            {k: torch.from_numpy(np.array(v)) for k, v in weights.items()},
+        )
+        self.V = config.vocab_size
+        self.blocks = len(getattr(model, "blocks", [])) or config.n_layers
+        return model
+
+    def run_forward(self, model: Any, tokens: np.ndarray, caches: list | None) -> np.ndarray:
+        import torch
+
+        with torch.no_grad():
+            idx = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+            args = (idx,) if caches is None else (idx, caches)
+            logits = call(f"{type(model).__name__}.forward", model, *args)
+        return checked_logits("TinyModel.forward", logits, tokens.shape[0], tokens.shape[1], self.V)
+
+    def full(self, model: Any, tokens: np.ndarray) -> np.ndarray:
+        return self.run_forward(model, tokens, None)
+
+    def can_step(self, model: Any) -> bool:
+        return len(inspect.signature(model.forward).parameters) >= 2
+
+    def cached(self, model: Any, tokens: np.ndarray, chunks: list[int]) -> np.ndarray:
+        caches: list[dict] = [{} for _ in range(self.blocks)]
+        pieces, start = [], 0
+        for size in chunks:
+            with marked(start):
+                pieces.append(self.run_forward(model, tokens[:, start : start + size], caches))
+            start += size
+        return np.concatenate(pieces, axis=1)
+
+    def generate(self, model: Any, prompt: np.ndarray, n: int, mode: str) -> np.ndarray:
+        import torch
+
+        name = f"generate_{mode}"
+        with torch.no_grad():
+            out = call(name, getattr(self.module, name), model, torch.from_numpy(np.asarray(prompt, np.int64)), n)
+        tokens = to_numpy(out[0] if isinstance(out, (tuple, list)) else out)
+        B, P = prompt.shape
+        if tokens.shape == (B, n):
+            tokens = np.concatenate([prompt, tokens], axis=1)
+        if tokens.shape != (B, P + n):
+            raise ImplementationError(
+                name, ValueError(f"returned tokens of shape {list(tokens.shape)}, not {[B, P + n]}")
+            )
+        return tokens
+
+    @contextlib.contextmanager
+    def counting_forwards(self, model: Any) -> Iterator[list[tuple[tuple[int, ...], float]] | None]:
+        calls: list[tuple[tuple[int, ...], float]] = []
+        shapes: list[tuple[int, ...]] = []
+        before = model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
+        after = model.register_forward_hook(lambda module, args, out: calls.append((shapes[-1], time.perf_counter())))
+        try:
+            yield calls
+        finally:
+            before.remove()
+            after.remove()
+
+    def prefill_call(self, model: Any, prompt: np.ndarray) -> str:
+        self.generate(model, prompt, 1, "cached")
+        return "generate_cached"
+
+    def to_eval(self, model: Any) -> None:
+        model.eval()
+
+
+class Adapter(Implementation):
+    """load / full / step, any framework."""
+
+    kind = "adapter"
+
+    def __init__(self, module: ModuleType, label: str):
+        self.module, self.label = module, label
+        self.framework = "torch" if "torch" in sys.modules and self._uses_torch(module) else "other"
+
+    @staticmethod
+    def _uses_torch(module: ModuleType) -> bool:
+        return any(getattr(value, "__name__", "") == "torch" for value in vars(module).values())
+
+    def build(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: str) -> Any:
+        self.V = config.vocab_size
+        return call("load", self.module.load, dataclasses.asdict(config), {k: v.copy() for k, v in weights.items()})
+
+    def full(self, model: Any, tokens: np.ndarray) -> np.ndarray:
+        logits = call("full", self.module.full, model, np.array(tokens, dtype=np.int64))
+        return checked_logits("full", logits, tokens.shape[0], tokens.shape[1], self.V)
+
+    def one_step(self, model: Any, tokens: np.ndarray, state: Any) -> tuple[np.ndarray, Any]:
+        out = call("step", self.module.step, model, np.array(tokens, dtype=np.int64), state)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise UserError(f"step returned a {type(out).__name__}, expected a pair (logits [B, T, V], state)")
+        return checked_logits("step", out[0], tokens.shape[0], tokens.shape[1], self.V), out[1]
+
+    def cached(self, model: Any, tokens: np.ndarray, chunks: list[int]) -> np.ndarray:
+        state, pieces, start = None, [], 0
+        for size in chunks:
+            with marked(start):
+                logits, state = self.one_step(model, tokens[:, start : start + size], state)
+            pieces.append(logits)
+            start += size
+        return np.concatenate(pieces, axis=1)
+
+    def generate(self, model: Any, prompt: np.ndarray, n: int, mode: str) -> np.ndarray:
+        tokens = np.array(prompt, dtype=np.int64)
+        if mode == "naive":
+            for _ in range(n):
+                token = self.full(model, tokens)[:, -1].argmax(-1)[:, None]  # [B, 1]
+                tokens = np.concatenate([tokens, token], axis=1)
+            return tokens
+        logits, state = self.one_step(model, tokens, None)
+        for i in range(n):
+            token = logits[:, -1].argmax(-1)[:, None]  # [B, 1]
+            tokens = np.concatenate([tokens, token], axis=1)
+            if i < n - 1:
+                logits, state = self.one_step(model, token, state)
+        return tokens
+
+    @contextlib.contextmanager
+    def counting_forwards(self, model: Any) -> Iterator[list[tuple[tuple[int, ...], float]] | None]:
+        calls: list[tuple[tuple[int, ...], float]] = []
+        register = getattr(model, "register_forward_pre_hook", None)
+        if register is not None:  # a torch module: its hooks see every call
+            shapes: list[tuple[int, ...]] = []
+            before = register(lambda module, args: shapes.append(tuple(args[0].shape)))
+            after = model.register_forward_hook(
+                lambda module, args, out: calls.append((shapes[-1], time.perf_counter()))
+            )
+            try:
+                yield calls
+            finally:
+                before.remove()
+                after.remove()
+            return
+        forward = getattr(model, "forward", None)
+        if not callable(forward) or isinstance(model, type):
+            yield None
+            return
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            calls.append((tuple(np.shape(args[0])), time.perf_counter()))
+            return out
+
+        try:
+            model.forward = counted  # an instance attribute: model(...) and model.forward(...) both find it
+        except (AttributeError, TypeError):
+            yield None
+            return
+        try:
+            yield calls
+        finally:
+            del model.forward
+
+    def prefill_call(self, model: Any, prompt: np.ndarray) -> str:
+        self.one_step(model, prompt, None)
+        return "step"
+
+    def generators(self) -> tuple[str, ...]:
+        return ("naive", "cached")
+
+
+def load_implementation(target: str | ModuleType) -> Implementation:
+    module = import_target(target)
+    label = target if isinstance(target, str) else module.__name__
+    post = [name for name in POST if callable(getattr(module, name, None))]
+    adapter = [name for name in ADAPTER if callable(getattr(module, name, None))]
+    if len(adapter) == len(ADAPTER):
+        return Adapter(module, label)
+    if len(post) == len(POST):
+        return Post(module, label)
+    if len(adapter) > len(post):
+        missing = [name for name in ADAPTER if name not in adapter]
+        raise UserError(
+            f"{echo_path(label)} has no function {', '.join(missing)} (an adapter defines {', '.join(ADAPTER)})"
+        )
+    missing = [name for name in POST if name not in post]
+    raise UserError(
+        f"{echo_path(label)} has no {', '.join(missing)}: define TinyModel, generate_naive and generate_cached "
+        f"(the post's interface) or load, full and step (an adapter)"
+    )
