@@ -95,7 +95,7 @@ class SeedModel(nn.Module):
 def seed_generate_cached(
     model: SeedModel, prompt: torch.Tensor, n: int, on_token: Callable[[torch.Tensor], None] | None = None
 ) -> torch.Tensor:
-    caches = [{} for _ in model.blocks]
+    caches: list[dict[str, torch.Tensor]] = [{} for _ in model.blocks]
     logits = model(prompt, caches)  # [B, P, V]: the prefill
     idx = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
     out = [idx]

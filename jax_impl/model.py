@@ -3,8 +3,11 @@
 Read it beside torch_impl/model.py: the same names in the same order. What JAX forces
 to differ: the cache is an immutable pytree passed into and out of compiled calls
 (donated, so XLA writes it in place), writes return a new cache instead of mutating,
-shapes are static under jit (every slot is attended, the empty ones masked), and each
-generation is one compiled call with the decode loop inside (`lax.fori_loop`).
+shapes are static under jit (every slot is attended, the empty ones masked), and the decode
+loop is one compiled `lax.while_loop` over a named state (`DecodeState`), whose one jitted
+step also serves the streamed loop. float64 needs JAX's x64 mode, which port.py turns on
+around its calls (not for the process): every dtype below is pinned, so no array's dtype
+depends on it.
 
 Shapes: B batch, T tokens in this call, P prompt, N new tokens, S cache slots, S' keys a
 query attends over, D d_model, H query heads, Hkv key/value heads, G = H / Hkv, Dh head
@@ -16,22 +19,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.typing import DTypeLike
 
 import kvports.jax_impl.functional as F
+from kvports.jax_impl.split import Static, merge_model, split_model  # the model as jit takes it
 from kvports.shared.config import ModelConfig, cache_slots
 from kvports.shared.generation import PAD, GenerationConfig, uniforms
-
-# float64 must be real float64 (JAX silently truncates to float32 otherwise), and a GPU
-# must compute float32 matmuls in float32, not TF32. Every dtype below is pinned.
-jax.config.update("jax_enable_x64", True)
-jax.config.update("jax_default_matmul_precision", "highest")
 
 
 @jax.tree_util.register_dataclass
@@ -51,7 +51,7 @@ class KVCache:
         slots = self.keys.shape[3]
         return self.window is None or slots < self.window or T <= slots - self.window + 1
 
-    def slot_index(self, column, count: int) -> jax.Array:
+    def slot_index(self, column: Union[int, jax.Array], count: int) -> jax.Array:
         """The slots of columns [column, column + count), slot = column mod S. Always an index
         array: under jit the column is traced, so whether they wrap is not known."""
         return (column + jnp.arange(count, dtype=jnp.int32)) % self.keys.shape[3]  # [count]
@@ -100,7 +100,7 @@ class KVCache:
         slot_positions = self.slot_positions.at[:, index].set(positions[:, -keep:])  # [B, S]
         return dataclasses.replace(self, slot_positions=slot_positions, length=self.length + T)
 
-    def crop(self, length) -> KVCache:
+    def crop(self, length: Union[int, jax.Array]) -> KVCache:
         """Take back every column from `length` on (rejected speculative tokens): their slots read
         as empty again, as if never written. A ring sized with spare slots lost nothing still needed."""
         slots = self.keys.shape[3]
@@ -110,7 +110,7 @@ class KVCache:
         return dataclasses.replace(self, slot_positions=slot_positions, length=jnp.asarray(length, dtype=jnp.int32))
 
 
-def init_cache(config: ModelConfig, batch: int, total_len: int, dtype, chunk: int = 1) -> KVCache:
+def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: DTypeLike, chunk: int = 1) -> KVCache:
     slots = cache_slots(config, total_len, chunk)
     shape = (config.n_layers, batch, config.kv_heads, slots, config.head_dim)
     return KVCache(
@@ -122,7 +122,7 @@ def init_cache(config: ModelConfig, batch: int, total_len: int, dtype, chunk: in
     )
 
 
-def token_positions(start, length: int, pad: Optional[jax.Array]) -> jax.Array:
+def token_positions(start: Union[int, jax.Array], length: int, pad: Optional[jax.Array]) -> jax.Array:
     # Pitfall 1: in cache mode the new tokens' positions start at the cache length, not 0.
     # start: the cache's length (traced, or per row, [B, 1], in a paged cache), so shift a
     # static-length range by it.
@@ -144,7 +144,11 @@ def attention_mask(query_positions: jax.Array, key_positions: jax.Array, window:
     return visible
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype):
+# cos and sin, [B, 1, T, Dh] each: what every layer rotates q and k by
+Rope = Tuple[jax.Array, jax.Array]
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype: DTypeLike) -> Rope:
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float64) / head_dim))  # [Dh/2]
     angles = positions.astype(jnp.float64)[:, None, :, None] * inv_freq  # [B, 1, T, Dh/2]: one table for every head
     angles = jnp.concatenate([angles, angles], axis=-1)  # [B, 1, T, Dh]
@@ -160,7 +164,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 class RMSNorm(nnx.Module):
     # nnx creates parameters at construction, so every module takes their dtype.
-    def __init__(self, dim: int, eps: float, *, dtype):
+    def __init__(self, dim: int, eps: float, *, dtype: DTypeLike):
         self.eps = eps
         self.weight = nnx.Param(jnp.ones((dim,), dtype=dtype))
 
@@ -168,7 +172,7 @@ class RMSNorm(nnx.Module):
         return x * lax.rsqrt(jnp.mean(x**2, axis=-1, keepdims=True) + self.eps) * self.weight[...]  # [B, T, D]
 
 
-def make_norm(config: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
+def make_norm(config: ModelConfig, dtype: DTypeLike, rngs: nnx.Rngs) -> nnx.Module:
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, config.norm_eps, dtype=dtype)
     # Flax's default "fast variance" is E[x^2] - E[x]^2; torch computes E[(x - mean)^2].
@@ -181,7 +185,7 @@ class FeedForward(nnx.Module):
     """Seed: Sequential(Linear(d, 4d), GELU(), Linear(4d, d)); `0` and `2` keep its names.
     SwiGLU fuses gate and up into `0` (gate first), as qkv fuses q, k and v."""
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.activation = config.activation
         gated = 2 if config.activation == "swiglu" else 1
         setattr(
@@ -217,7 +221,7 @@ class FeedForward(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.config = config
         self.ln1, self.ln2 = make_norm(config, dtype, rngs), make_norm(config, dtype, rngs)
         self.qkv = nnx.Linear(
@@ -229,7 +233,9 @@ class Block(nnx.Module):
         self.ffn = FeedForward(config, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(config.dropout, rngs=rngs)  # pitfall 3: active only in train mode
 
-    def attention(self, x, rope, mask, cache: Optional[KVCache], layer: int):
+    def attention(
+        self, x: jax.Array, rope: Optional[Rope], mask: Optional[jax.Array], cache: Optional[KVCache], layer: int
+    ) -> Tuple[jax.Array, Optional[KVCache]]:
         # Returns (out, cache): the cache cannot be written in place, so the new one comes back.
         config = self.config
         B, T, D = x.shape
@@ -245,7 +251,9 @@ class Block(nnx.Module):
         out = out.transpose(0, 2, 1, 3).reshape(B, T, D)  # [B, T, D]
         return self.proj(out), cache  # [B, T, D]
 
-    def __call__(self, x, rope, mask, cache: Optional[KVCache], layer: int):
+    def __call__(
+        self, x: jax.Array, rope: Optional[Rope], mask: Optional[jax.Array], cache: Optional[KVCache], layer: int
+    ) -> Tuple[jax.Array, Optional[KVCache]]:
         attended, cache = self.attention(self.ln1(x), rope, mask, cache, layer)
         x = x + self.dropout(attended)  # [B, T, D]
         return x + self.dropout(self.ffn(self.ln2(x))), cache  # [B, T, D]
@@ -254,7 +262,7 @@ class Block(nnx.Module):
 class TinyModel(nnx.Module):
     # nnx builds parameters eagerly, so it needs their dtype and a random source here;
     # port.load_model then overwrites every parameter with the file's.
-    def __init__(self, config: ModelConfig = ModelConfig(), *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig = ModelConfig(), *, dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs):
         self.config = config
         self.emb = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
         if config.positions == "learned":
@@ -267,7 +275,9 @@ class TinyModel(nnx.Module):
                 config.d_model, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
             )
 
-    def __call__(self, tokens: jax.Array, cache: Optional[KVCache] = None, pad: Optional[jax.Array] = None):
+    def __call__(
+        self, tokens: jax.Array, cache: Optional[KVCache] = None, pad: Optional[jax.Array] = None
+    ) -> Tuple[jax.Array, Optional[KVCache]]:
         """tokens [B, T] -> logits [B, T, V]; pad [B]: each row's left padding (None: no row is padded)."""
         config = self.config
         B, T = tokens.shape
@@ -279,6 +289,7 @@ class TinyModel(nnx.Module):
             x = x + self.pos(jnp.maximum(positions, 0))  # [B, T, D]; padding borrows position 0, its outputs unused
         else:
             rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [B, 1, T, Dh]
+        mask: Optional[jax.Array]
         if cache is None:
             mask = attention_mask(positions, positions, config.sliding_window)  # [B, 1, T, T]
         else:
@@ -355,52 +366,104 @@ def choose(
 OnToken = Optional[Callable[[np.ndarray], None]]
 
 
-def start_generation(prompt: jax.Array, generation: GenerationConfig):
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DecodeState:
+    """What the decode loop carries from one token to the next, by name: a pytree, so the
+    compiled loop carries it and the streamed loop passes it (donated) from step to step."""
+
+    step: jax.Array  # [] int32: new tokens made so far; an array, so a new step is not a new compile
+    tokens: jax.Array  # [B, P + N] int32: the prompt, then the new tokens (PAD after a row stops)
+    done: jax.Array  # [B] bool: the rows that have stopped
+    # [B, N, V]: what each token was chosen from, when asked for (a buffer, not a list: the compiled loop keeps shapes)
+    step_logits: Optional[jax.Array]
+    cache: Optional[KVCache]  # None: naive, the whole history again at every step
+
+
+def start_generation(
+    prompt: jax.Array, generation: GenerationConfig
+) -> Tuple[Optional[jax.Array], jax.Array, jax.Array, jax.Array]:
     """What both loops need: each row's left padding (None when no row is padded), each
     row's draws [B, N], the stop ids, and the token buffer [B, P + N] with the prompt in it.
     Run before anything is compiled: whether there is padding shapes the program."""
     B, P = prompt.shape
-    pad = jnp.sum(prompt == PAD, axis=1, dtype=jnp.int32)  # [B]
-    pad = pad if bool(jnp.any(pad)) else None  # unpadded batches skip every mask they can
+    padding = jnp.sum(prompt == PAD, axis=1, dtype=jnp.int32)  # [B]
+    pad = padding if bool(jnp.any(padding)) else None  # unpadded batches skip every mask they can
     draws = jnp.asarray(uniforms(generation.seed, B, generation.max_new_tokens))  # [B, N]
     stops = jnp.asarray(generation.stop_ids, dtype=jnp.int32)  # [K]
     tokens = jnp.full((B, P + generation.max_new_tokens), PAD, dtype=jnp.int32).at[:, :P].set(prompt)  # [B, P + N]
     return pad, draws, stops, tokens
 
 
-# jit over the model's split state, not the module: flattening an nnx module on every call
-# costs more than a decode step. The split happens once per generation; the graphdef and the
-# state's tree structure are static (models of one config share them, and with them every
-# compiled program), the state's arrays a flat list that jit takes at C++ speed.
-class _Static:
-    """The graphdef and tree structure as one static argument. jit hashes its static arguments
-    at every call, and an nnx graphdef's hash costs ~0.3 ms, more than a decode step: this one
-    is hashed once, and interned, so every later lookup is an identity check."""
-
-    def __init__(self, graphdef, treedef):
-        self.graphdef, self.treedef, self.hash = graphdef, treedef, hash((graphdef, treedef))
-
-    def __hash__(self) -> int:
-        return self.hash
-
-    def __eq__(self, other) -> bool:
-        return self is other or (
-            isinstance(other, _Static) and (self.graphdef, self.treedef) == (other.graphdef, other.treedef)
-        )
+def next_token(
+    state: DecodeState,
+    logits: jax.Array,
+    cache: Optional[KVCache],
+    draws: jax.Array,
+    stops: jax.Array,
+    generation: GenerationConfig,
+) -> Tuple[DecodeState, jax.Array]:
+    """The token [B] at state.step chosen from its logits [B, V] and written; the state one step on."""
+    column = state.tokens.shape[1] - draws.shape[1] + state.step  # P + step
+    uniform = lax.dynamic_index_in_dim(draws, state.step, axis=1, keepdims=False)  # [B]
+    token, done = choose(logits, generation, uniform, state.done, stops)  # [B], [B]
+    tokens = lax.dynamic_update_index_in_dim(state.tokens, token, column, axis=1)  # [B, P + N]
+    step_logits = state.step_logits
+    if step_logits is not None:
+        step_logits = lax.dynamic_update_index_in_dim(step_logits, logits, state.step, axis=1)  # [B, N, V]
+    return DecodeState(state.step + 1, tokens, done, step_logits, cache), token
 
 
-_STATICS: dict = {}
+def decode_one_token(
+    model: TinyModel,
+    state: DecodeState,
+    pad: Optional[jax.Array],
+    draws: jax.Array,
+    stops: jax.Array,
+    generation: GenerationConfig,
+) -> Tuple[DecodeState, jax.Array]:
+    """One step of either loop: the logits of the token at state.step, then next_token."""
+    column = state.tokens.shape[1] - draws.shape[1] + state.step  # P + step
+    if state.cache is None:
+        # The whole fixed-shape buffer [B, P + N] again (causal masking keeps its unfilled tail from
+        # reaching earlier positions): one compile serves every step.
+        logits, cache = model(jnp.maximum(state.tokens, 0), None, pad)  # [B, P + N, V]
+        last = lax.dynamic_index_in_dim(logits, column - 1, axis=1, keepdims=False)  # [B, V]
+    else:
+        # A stopped row feeds PAD as token 0: its outputs are never used.
+        token = jnp.maximum(lax.dynamic_slice_in_dim(state.tokens, column - 1, 1, axis=1), 0)  # [B, 1]
+        logits, cache = model(token, state.cache, pad)  # [B, 1, V]
+        last = logits[:, -1]  # [B, V]
+    return next_token(state, last, cache, draws, stops, generation)
 
 
-def _split(model: TinyModel):
-    graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(state)
-    static = _Static(graphdef, treedef)
-    return _STATICS.setdefault(static, static), leaves
+# The model as (static, leaves), split once per generation: jit takes it so (split.py).
+def decode_n_tokens(
+    static: Static,
+    leaves: list,
+    state: DecodeState,
+    pad: Optional[jax.Array],
+    draws: jax.Array,
+    stops: jax.Array,
+    generation: GenerationConfig,
+    on_token: OnToken,
+) -> DecodeState:
+    """The one loop: decode_one_token until N new tokens, or until every row has stopped;
+    on_token(token [B]) after each. Without on_token, one compiled while_loop; with it, the
+    same jitted step called from here, so each token reaches the host as it is made."""
+    if on_token is None:
+        return _decode_n_tokens(static, leaves, state, pad, draws, stops, generation)
+    for _ in range(int(state.step), generation.max_new_tokens):
+        if generation.stop_ids and bool(jnp.all(state.done)):
+            break  # every row has stopped
+        state, token = _decode_one_token(static, leaves, state, pad, draws, stops, generation)
+        on_token(np.asarray(token))
+    return state
 
 
-def _merge(static, leaves) -> TinyModel:
-    return nnx.merge(static.graphdef, jax.tree.unflatten(static.treedef, leaves))
+def finish(state: DecodeState) -> Tuple[jax.Array, Optional[jax.Array]]:
+    """tokens [B, P + N] and, when asked for, the step logits [B, steps, V]."""
+    return state.tokens, None if state.step_logits is None else state.step_logits[:, : int(state.step)]
 
 
 def generate_naive(
@@ -409,31 +472,17 @@ def generate_naive(
     generation: GenerationConfig,
     return_logits: bool = False,
     on_token: OnToken = None,
-):
+) -> Tuple[jax.Array, Optional[jax.Array]]:
     """Recompute the whole history every step: O(n^2) work per token.
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    static, leaves = _split(model)
+    static, leaves = split_model(model)
     pad, draws, stops, tokens = start_generation(prompt, generation)
-    if on_token is None:
-        tokens, step_logits, steps = _naive_loop(static, leaves, tokens, pad, draws, stops, generation, return_logits)
-        return (tokens, step_logits[:, : int(steps)]) if return_logits else tokens  # [B, P + N], [B, steps, V]
-    # Streaming needs each token on the host as it is made: one compiled forward per step,
-    # over the history padded to the next power of two (a compile per length bucket, not per length).
-    B, P = prompt.shape
-    N = generation.max_new_tokens
+    B, N = prompt.shape[0], generation.max_new_tokens
     done = jnp.zeros(B, dtype=bool)  # [B]
-    step_logits = []
-    for step in range(N):
-        bucket = min(P + N, 1 << (P + step - 1).bit_length())
-        last = _forward_last(static, leaves, jnp.maximum(tokens[:, :bucket], 0), pad, P + step - 1)  # [B, V]
-        if return_logits:
-            step_logits.append(last)
-        token, tokens, done = _choose(last, tokens, done, draws[:, step], stops, P + step, generation)  # [B]
-        on_token(np.asarray(token))
-        if generation.stop_ids and bool(jnp.all(done)):
-            break  # every row has stopped
-    return (tokens, jnp.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
+    step_logits = jnp.zeros((B, N, model.config.vocab_size), model.emb.embedding.dtype) if return_logits else None
+    state = DecodeState(jnp.zeros((), dtype=jnp.int32), tokens, done, step_logits, None)
+    return finish(decode_n_tokens(static, leaves, state, pad, draws, stops, generation, on_token))
 
 
 def generate_cached(
@@ -443,145 +492,41 @@ def generate_cached(
     return_logits: bool = False,
     prefill: bool = True,
     on_token: OnToken = None,
-):
+) -> Tuple[jax.Array, Optional[jax.Array]]:
     """Prefill the prompt in one forward, then one token per step against the cache.
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    static, leaves = _split(model)
+    static, leaves = split_model(model)
     pad, draws, stops, tokens = start_generation(prompt, generation)
-    if on_token is None:
-        tokens, step_logits, steps = _cached_loop(
-            static, leaves, prompt, tokens, pad, draws, stops, generation, return_logits, prefill
-        )
-        return (tokens, step_logits[:, : int(steps)]) if return_logits else tokens  # [B, P + N], [B, steps, V]
-    # Streaming needs each token on the host as it is made: the compiled loop's stepwise twin,
-    # one compiled call (prefill, then decode steps) per step.
-    B, P = prompt.shape
-    cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.embedding.dtype)
-    if prefill:
-        logits, cache = _forward(static, leaves, jnp.maximum(prompt, 0), cache, pad)  # [B, P, V]
-    else:
-        for i in range(P):
-            logits, cache = _forward(static, leaves, jnp.maximum(prompt[:, i : i + 1], 0), cache, pad)  # [B, 1, V]
-    last = logits[:, -1]  # [B, V]
-    token, tokens, done = _choose(last, tokens, jnp.zeros(B, dtype=bool), draws[:, 0], stops, P, generation)  # [B]
-    step_logits = [last]
-    on_token(np.asarray(token))
-    # One compiled call per step (forward, choice, write), its column a device scalar it advances:
-    # an eager op, or a Python int to convert, between calls costs about what a small model's step does.
-    column = jnp.asarray(P + 1, dtype=jnp.int32)
-    for _ in range(1, generation.max_new_tokens):
-        if generation.stop_ids and bool(jnp.all(done)):
-            break  # every row has stopped
-        token, tokens, done, last, cache, column = _decode(
-            static, leaves, tokens, cache, pad, done, draws, stops, column, generation
-        )
-        step_logits.append(last)
+    state, token = _start_cached(static, leaves, prompt, tokens, pad, draws, stops, generation, return_logits, prefill)
+    if on_token is not None:
         on_token(np.asarray(token))
-    return (tokens, jnp.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
+    return finish(decode_n_tokens(static, leaves, state, pad, draws, stops, generation, on_token))
 
 
-# The two halves of generate_cached as separate compiled calls (the stepwise loop's).
-# The cache is donated: XLA updates it in place, and the caller must use the returned
-# cache (the one passed in is deleted).
-def prefill(model: TinyModel, prompt: jax.Array, cache: KVCache, pad: Optional[jax.Array] = None):
-    return _forward(*_split(model), prompt, cache, pad)  # [B, P, V], cache
-
-
-def decode_step(model: TinyModel, token: jax.Array, cache: KVCache, pad: Optional[jax.Array] = None):
-    return _forward(*_split(model), token, cache, pad)  # token [B, 1] -> [B, 1, V], cache
+# A forward against the cache, as its own compiled call (port.forward_chunks feeds chunks
+# through it). The cache is donated: XLA updates it in place, and the caller must use the
+# returned cache (the one passed in is deleted).
+def prefill(
+    model: TinyModel, prompt: jax.Array, cache: KVCache, pad: Optional[jax.Array] = None
+) -> Tuple[jax.Array, KVCache]:
+    return _forward(*split_model(model), prompt, cache, pad)  # [B, P, V], cache
 
 
 # What the functions above compile. Shapes must be static, so new_tokens and the sampling
 # settings are compile-time: a new (batch, prompt length, new tokens) is a new compile, a
 # new prompt is not.
 @partial(jax.jit, static_argnums=0, donate_argnames="cache")
-def _forward(static, leaves, tokens: jax.Array, cache: Optional[KVCache], pad: Optional[jax.Array]):
-    return _merge(static, leaves)(tokens, cache, pad)  # [B, T, V], cache
-
-
-@partial(jax.jit, static_argnums=0)
-def _forward_last(static, leaves, tokens: jax.Array, pad: Optional[jax.Array], last: jax.Array) -> jax.Array:
-    logits, _ = _merge(static, leaves)(tokens, None, pad)  # [B, T, V]
-    return lax.dynamic_index_in_dim(logits, last, axis=1, keepdims=False)  # [B, V]
-
-
-@partial(jax.jit, static_argnames="generation")
-def _choose(
-    logits: jax.Array,
-    tokens: jax.Array,
-    done: jax.Array,
-    uniform: jax.Array,
-    stops: jax.Array,
-    column: jax.Array,
-    generation: GenerationConfig,
-):
-    """choose, compiled, and the token [B] written into tokens [B, P + N] at column."""
-    token, done = choose(logits, generation, uniform, done, stops)  # [B], [B]
-    return token, lax.dynamic_update_index_in_dim(tokens, token, column, axis=1), done
-
-
-@partial(jax.jit, static_argnums=(0, 9), donate_argnames="cache")
-def _decode(
-    static,
-    leaves,
-    tokens: jax.Array,
-    cache: KVCache,
-    pad: Optional[jax.Array],
-    done: jax.Array,
-    draws: jax.Array,
-    stops: jax.Array,
-    column: jax.Array,
-    generation: GenerationConfig,
-):
-    """One step of the stepwise loop: the token before column through the model, and the next
-    token [B] chosen and written at column; its logits [B, V], the new cache and the next column."""
-    # A stopped row feeds PAD as token 0: its outputs are never used.
-    token = jnp.maximum(lax.dynamic_slice_in_dim(tokens, column - 1, 1, axis=1), 0)  # [B, 1]
-    logits, cache = _merge(static, leaves)(token, cache, pad)  # [B, 1, V]
-    step = column - (tokens.shape[1] - draws.shape[1])  # this token's index among the new ones
-    uniform = lax.dynamic_index_in_dim(draws, step, axis=1, keepdims=False)  # [B]
-    token, tokens, done = _choose(logits[:, -1], tokens, done, uniform, stops, column, generation)  # [B]
-    return token, tokens, done, logits[:, -1], cache, column + 1
-
-
-@partial(jax.jit, static_argnums=(0, 6, 7))
-def _naive_loop(
-    static,
-    leaves,
-    tokens: jax.Array,
-    pad: Optional[jax.Array],
-    draws: jax.Array,
-    stops: jax.Array,
-    generation: GenerationConfig,
-    return_logits: bool,
-):
-    # One fixed-shape buffer [B, P + N] is recomputed whole each step (causal masking keeps
-    # the unfilled tail from reaching earlier positions), so one compile serves every step.
-    model = _merge(static, leaves)
-    N = generation.max_new_tokens
-    B, P = tokens.shape[0], tokens.shape[1] - N
-    # [B, N, V], carried only when asked for
-    step_logits = jnp.zeros((B, N if return_logits else 0, model.config.vocab_size), dtype=model.emb.embedding.dtype)
-
-    def recompute(carry):
-        step, tokens, step_logits, done = carry
-        logits, _ = model(jnp.maximum(tokens, 0), None, pad)  # [B, P + N, V]
-        last = lax.dynamic_index_in_dim(logits, P + step - 1, axis=1, keepdims=False)  # [B, V]
-        if return_logits:
-            step_logits = step_logits.at[:, step].set(last)
-        _, tokens, done = _choose(last, tokens, done, draws[:, step], stops, P + step, generation)
-        return step + 1, tokens, step_logits, done
-
-    carry = (0, tokens, step_logits, jnp.zeros(B, dtype=bool))
-    steps, tokens, step_logits, _ = lax.while_loop(_running(N), recompute, carry)
-    return tokens, step_logits, steps  # [B, P + N], [B, N, V], []
+def _forward(
+    static: Static, leaves: list, tokens: jax.Array, cache: KVCache, pad: Optional[jax.Array]
+) -> Tuple[jax.Array, KVCache]:
+    return merge_model(static, leaves)(tokens, cache, pad)  # [B, T, V], cache
 
 
 @partial(jax.jit, static_argnums=(0, 7, 8, 9))
-def _cached_loop(
-    static,
-    leaves,
+def _start_cached(
+    static: Static,
+    leaves: list,
     prompt: jax.Array,
     tokens: jax.Array,
     pad: Optional[jax.Array],
@@ -590,8 +535,9 @@ def _cached_loop(
     generation: GenerationConfig,
     return_logits: bool,
     prefill: bool,
-):
-    model = _merge(static, leaves)
+) -> Tuple[DecodeState, jax.Array]:
+    """The prefill, and the first token chosen from its logits: the state the loop starts from."""
+    model = merge_model(static, leaves)
     B, P = prompt.shape
     N = generation.max_new_tokens
     cache = init_cache(model.config, B, P + N, model.emb.embedding.dtype)
@@ -600,27 +546,41 @@ def _cached_loop(
     else:
         for i in range(P):
             logits, cache = model(jnp.maximum(prompt[:, i : i + 1], 0), cache, pad)  # [B, 1, V]
-    step_logits = jnp.zeros((B, N if return_logits else 0, logits.shape[-1]), dtype=logits.dtype)  # [B, N, V]
-    if return_logits:
-        step_logits = step_logits.at[:, 0].set(logits[:, -1])
-    _, tokens, done = _choose(logits[:, -1], tokens, jnp.zeros(B, dtype=bool), draws[:, 0], stops, P, generation)
-
-    # Step 0 used the prefill's logits above; the loop body is traced once.
-    def decode(carry):
-        step, tokens, step_logits, done, cache = carry
-        # A stopped row feeds PAD as token 0: its outputs are never used.
-        token = jnp.maximum(lax.dynamic_slice_in_dim(tokens, P + step - 1, 1, axis=1), 0)  # [B, 1]
-        logits, cache = model(token, cache, pad)  # [B, 1, V]
-        if return_logits:
-            step_logits = step_logits.at[:, step].set(logits[:, -1])
-        _, tokens, done = _choose(logits[:, -1], tokens, done, draws[:, step], stops, P + step, generation)
-        return step + 1, tokens, step_logits, done, cache
-
-    steps, tokens, step_logits, _, _ = lax.while_loop(_running(N), decode, (1, tokens, step_logits, done, cache))
-    return tokens, step_logits, steps  # [B, P + N], [B, N, V], []
+    done = jnp.zeros(B, dtype=bool)  # [B]
+    step_logits = jnp.zeros((B, N, logits.shape[-1]), logits.dtype) if return_logits else None  # [B, N, V]
+    state = DecodeState(jnp.zeros((), dtype=jnp.int32), tokens, done, step_logits, cache)
+    return next_token(state, logits[:, -1], cache, draws, stops, generation)  # the prefill's logits choose it
 
 
-def _running(new_tokens: int):
-    # Both loops carry (step, tokens, step_logits, done, ...): they end after N tokens, or
-    # sooner when every row has stopped.
-    return lambda carry: (carry[0] < new_tokens) & ~jnp.all(carry[3])
+@partial(jax.jit, static_argnums=(0, 6), donate_argnames="state")
+def _decode_one_token(
+    static: Static,
+    leaves: list,
+    state: DecodeState,
+    pad: Optional[jax.Array],
+    draws: jax.Array,
+    stops: jax.Array,
+    generation: GenerationConfig,
+) -> Tuple[DecodeState, jax.Array]:
+    """decode_one_token, compiled: the streamed loop's step and the compiled loop's body."""
+    return decode_one_token(merge_model(static, leaves), state, pad, draws, stops, generation)
+
+
+@partial(jax.jit, static_argnums=(0, 6), donate_argnames="state")
+def _decode_n_tokens(
+    static: Static,
+    leaves: list,
+    state: DecodeState,
+    pad: Optional[jax.Array],
+    draws: jax.Array,
+    stops: jax.Array,
+    generation: GenerationConfig,
+) -> DecodeState:
+    def running(state: DecodeState) -> jax.Array:
+        # N tokens, or sooner when every row has stopped
+        return (state.step < generation.max_new_tokens) & ~jnp.all(state.done)
+
+    def step(state: DecodeState) -> DecodeState:
+        return _decode_one_token(static, leaves, state, pad, draws, stops, generation)[0]
+
+    return lax.while_loop(running, step, state)

@@ -24,8 +24,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
-from kvports.jax_impl.model import TinyModel, _merge, _split, attention_mask, greedy, sample, token_positions
+from kvports.jax_impl.model import TinyModel, attention_mask, greedy, sample, token_positions
+from kvports.jax_impl.split import Static, merge_model, split_model
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import PAD, GenerationConfig
 
@@ -43,7 +45,7 @@ class BlockPool:
 
 
 def init_block_pool(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype, max_batch: int, max_blocks: int
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: DTypeLike, max_batch: int, max_blocks: int
 ) -> BlockPool:
     shape = (config.n_layers, num_blocks, block_size, config.kv_heads, config.head_dim)
     return BlockPool(
@@ -135,7 +137,7 @@ def paged_step(
     block_tables: jax.Array,
     samplers: Sequence[tuple[GenerationConfig, jax.Array]],
     uniform: jax.Array,
-):
+) -> tuple[jax.Array, BlockPool]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each
     row's next token [B], and the pool with this step's keys and values written in (the one
@@ -143,16 +145,22 @@ def paged_step(
     model.eval()
     # Always an array, zeros included: one structure of inputs, so one compiled program per shape.
     pad = jnp.sum(tokens == PAD, axis=1, dtype=jnp.int32)  # [B]
-    logits, pool = _paged_forward(*_split(model), pool, tokens, start, block_tables, pad)  # [B, V]
+    logits, pool = _paged_forward(*split_model(model), pool, tokens, start, block_tables, pad)  # [B, V]
     return sample_rows(logits, samplers, uniform), pool  # [B]
 
 
 # What paged_step compiles: one program per (rows, T) shape; the pool is donated.
 @partial(jax.jit, static_argnums=0, donate_argnames="pool")
 def _paged_forward(
-    static, leaves, pool: BlockPool, tokens: jax.Array, start: jax.Array, block_tables: jax.Array, pad: jax.Array
-):
-    model = _merge(static, leaves)
+    static: Static,
+    leaves: list[jax.Array],
+    pool: BlockPool,
+    tokens: jax.Array,
+    start: jax.Array,
+    block_tables: jax.Array,
+    pad: jax.Array,
+) -> tuple[jax.Array, BlockPool]:
+    model = merge_model(static, leaves)
     cache = paged_cache(pool, block_tables, start, pad, tokens.shape[1], model.config.sliding_window)
     logits, cache = model(jnp.maximum(tokens, 0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: only its logits leave the program.
@@ -174,7 +182,7 @@ def static_shapes(
     block_tables: np.ndarray,
     samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
     uniform: np.ndarray,
-):
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[GenerationConfig, np.ndarray]], np.ndarray]:
     """A step's NumPy inputs padded to a compiled shape: decode steps (T = 1) to max_batch rows, so
     one program serves every decode step; prefill steps up to the next size in 1, 2, 3, 4, 6, 8,
     12, ... (powers of two and their halfway points) in rows and in T, so a few programs serve

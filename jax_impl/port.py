@@ -3,9 +3,10 @@ The same names in every port (the contract: docs/PORTS.md); only the framework c
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import flax
 import jax
@@ -24,13 +25,32 @@ from kvports.shared.generation import GenerationConfig, as_generation
 NAME = "jax"
 JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64}
 
+Params = ParamSpec("Params")
+Result = TypeVar("Result")
+
+
+def exact(function: Callable[Params, Result]) -> Callable[Params, Result]:
+    """Run a port call in JAX's x64 mode, with float32 matmuls in float32 (no TF32 on a GPU).
+    float64 must be real float64 (JAX silently truncates to float32 otherwise), and a float32
+    run needs it too: its RoPE tables and sampling probabilities are float64, as the reference
+    computes them. Scoped to the port's calls, not set for the process at import: both settings
+    are part of jit's cache key, so programs traced under them never serve a call without them,
+    and every int array the ports make pins its dtype (int32), so none changes with the mode."""
+
+    @functools.wraps(function)
+    def scoped(*args: Params.args, **kwargs: Params.kwargs) -> Result:
+        with jax.enable_x64(True), jax.default_matmul_precision("highest"):
+            return function(*args, **kwargs)
+
+    return scoped
+
 
 def versions() -> dict[str, str]:
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__}
 
 
 def resolve_device(device: str) -> jax.Device:
-    # model.py already pins float32 matmuls to "highest" precision: no TF32 on a GPU.
+    # exact() pins float32 matmuls to "highest" precision for every call: no TF32 on a GPU.
     if device == "gpu":
         try:
             return jax.devices("gpu")[0]
@@ -76,6 +96,7 @@ def _parameter_slots(model: TinyModel) -> dict[str, tuple[nnx.Variable, bool]]:
     return slots
 
 
+@exact
 def load_model(
     config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
 ) -> TinyModel:
@@ -99,6 +120,7 @@ def _model_device(model: TinyModel) -> jax.Device:
     return next(iter(model.emb.embedding[...].devices()))
 
 
+@exact
 def generate(
     model: TinyModel,
     prompts: np.ndarray,
@@ -115,15 +137,14 @@ def generate(
     to_host = None if on_token is None else (lambda token: on_token(token.astype(np.int64)))
     with jax.default_device(_model_device(model)):
         if mode == "cached":
-            result = generate_cached(model, prompt, as_generation(generation), return_logits, prefill, to_host)
+            tokens, logits = generate_cached(model, prompt, as_generation(generation), return_logits, prefill, to_host)
         else:
-            result = generate_naive(model, prompt, as_generation(generation), return_logits, to_host)
-    if not return_logits:
-        return np.asarray(result, dtype=np.int64), None
-    tokens, logits = result
-    return np.asarray(tokens, dtype=np.int64), np.asarray(logits)  # [B, P + N], [B, N, V]
+            tokens, logits = generate_naive(model, prompt, as_generation(generation), return_logits, to_host)
+    # [B, P + N], [B, steps, V]
+    return np.asarray(tokens, dtype=np.int64), None if logits is None else np.asarray(logits)
 
 
+@exact
 def generate_speculative(
     model: TinyModel,
     draft: TinyModel | None,
@@ -144,6 +165,7 @@ def generate_speculative(
     return np.asarray(tokens, dtype=np.int64), counts  # [B, P + N]
 
 
+@exact
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
     """Feed tokens [B, T] into one cache in chunks of the given sizes; the logits [B, T, V]."""
     chunk_sizes = check_chunk_sizes(chunk_sizes, np.shape(tokens)[1])
@@ -170,6 +192,7 @@ def synchronize(model: TinyModel) -> None:
     jax.block_until_ready(jax.live_arrays(_model_device(model).platform))
 
 
+@exact
 def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> list[float]:
     """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
     call (which also compiles): the matrix's bytes over this time is the streaming bandwidth
@@ -187,11 +210,12 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> l
     return seconds[1:]
 
 
-# ---------------------------------------------------------------- continuous batching (issue 13)
+# ---------------------------------------------------------------- continuous batching
 # What shared/batching's engine calls: a pool of KV blocks shared by the running sequences,
 # and one step of the running batch over it (jax_impl/paged.py; docs/BATCHING.md).
 
 
+@exact
 def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> Any:
     """The pool of keys and of values, [L, num_blocks, block_size, Hkv, Dh] each. max_batch and
     max_blocks (per sequence) fix the compiled step's shapes."""
@@ -202,6 +226,7 @@ def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batc
         return paged.init_block_pool(model.config, num_blocks, block_size, dtype, max_batch, max_blocks)
 
 
+@exact
 def paged_step(
     model: TinyModel,
     pool: Any,

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvports.jax_impl.model import TinyModel, _merge, _split, draw, init_cache, probabilities, sample, start_generation
+from kvports.jax_impl.model import KVCache, TinyModel, draw, init_cache, probabilities, sample, start_generation
+from kvports.jax_impl.split import Static, merge_model, split_model
 from kvports.shared.generation import PAD, GenerationConfig, speculative_uniforms
 
 
@@ -46,20 +47,20 @@ def propose_ngram(tokens: jax.Array, end: jax.Array, n: int, draft_tokens: int) 
 
 def propose_draft(
     draft: TinyModel,
-    draft_cache,
+    draft_cache: KVCache,
     tokens: jax.Array,
     end: jax.Array,
     pad: jax.Array | None,
     generation: GenerationConfig,
     uniform: jax.Array,
     draft_tokens: int,
-):
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
     """K proposals [B, K] from the draft model, and the probabilities they were drawn from
     [B, K, V] (None when greedy). The draft's cache always lacks the last two tokens here: the
     one before the last is fed again (the same key and value in the same slot), so one rule
     serves a round after a rejection and a round after every proposal was kept."""
-    draft_cache = draft_cache.crop(end - 2)
-    logits, draft_cache = draft(jnp.maximum(lax.dynamic_slice_in_dim(tokens, end - 2, 2, axis=1), 0), draft_cache, pad)
+    last_two = jnp.maximum(lax.dynamic_slice_in_dim(tokens, end - 2, 2, axis=1), 0)  # [B, 2]
+    logits, cache = draft(last_two, draft_cache.crop(end - 2), pad)  # [B, 2, V]
     B, V = logits.shape[0], logits.shape[-1]
     proposals = (
         jnp.zeros((B, draft_tokens), dtype=jnp.int32).at[:, 0].set(sample(logits[:, -1], generation, uniform[:, 0]))
@@ -70,7 +71,7 @@ def propose_draft(
         else jnp.zeros((B, draft_tokens, V)).at[:, 0].set(probabilities(logits[:, -1], generation))
     )
 
-    def propose(i, carry):  # K - 1 more draft steps, one compiled body
+    def propose(i: int, carry: tuple) -> tuple:  # K - 1 more draft steps, one compiled body
         proposals, q, draft_cache = carry
         # [B, 1, V]
         logits, draft_cache = draft(lax.dynamic_slice_in_dim(proposals, i - 1, 1, axis=1), draft_cache, pad)
@@ -79,7 +80,7 @@ def propose_draft(
             q = q.at[:, i].set(probabilities(logits[:, -1], generation))  # [B, K, V]
         return proposals, q, draft_cache
 
-    proposals, q, draft_cache = lax.fori_loop(1, draft_tokens, propose, (proposals, q, draft_cache))
+    proposals, q, draft_cache = lax.fori_loop(1, draft_tokens, propose, (proposals, q, cache))
     return proposals, q, draft_cache  # [B, K]
 
 
@@ -122,7 +123,7 @@ def generate_speculative(
     draft_tokens: int,
     ngram: int = 2,
     on_token: Callable[[np.ndarray], None] | None = None,
-):
+) -> tuple[jax.Array, dict[str, int]]:
     """prompt [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N], the target's own
     output, and counts: rounds, target forwards, proposals made and accepted. One compiled
     call: on_token hears each token when it returns, not as it is made."""
@@ -134,8 +135,8 @@ def generate_speculative(
     pad, _, stops, tokens = start_generation(prompt, generation)
     tokens = jnp.concatenate([tokens, jnp.full((B, K + 1), PAD, dtype=tokens.dtype)], axis=1)  # room for a round past N
     first, rounds = speculative_uniforms(generation.seed, B, N, K)  # [B], [B, N, 2K + 1]
-    static, leaves = _split(model)
-    draft_static, draft_leaves = _split(draft) if draft is not None else (None, None)
+    static, leaves = split_model(model)
+    draft_static, draft_leaves = split_model(draft) if draft is not None else (None, None)
     tokens, counts = _speculative_loop(
         static,
         leaves,
@@ -161,10 +162,10 @@ def generate_speculative(
 
 @partial(jax.jit, static_argnums=(0, 2, 10, 11, 12))
 def _speculative_loop(
-    static,
-    leaves,
-    draft_static,
-    draft_leaves,
+    static: Static,
+    leaves: list[jax.Array],
+    draft_static: Static | None,
+    draft_leaves: list[jax.Array] | None,
     prompt: jax.Array,
     tokens: jax.Array,
     pad: jax.Array | None,
@@ -174,9 +175,9 @@ def _speculative_loop(
     generation: GenerationConfig,
     draft_tokens: int,
     ngram: int,
-):
-    model = _merge(static, leaves)
-    draft = _merge(draft_static, draft_leaves) if draft_static is not None else None
+) -> tuple[jax.Array, jax.Array]:
+    model = merge_model(static, leaves)
+    draft = merge_model(draft_static, draft_leaves) if draft_static is not None and draft_leaves is not None else None
     B, P = prompt.shape
     N, K = generation.max_new_tokens, draft_tokens
     # A verified chunk is K + 1 wide and partly taken back: a ring keeps K spare slots for it.
@@ -192,11 +193,11 @@ def _speculative_loop(
     done = jnp.isin(token, stops)  # [B]
     counts = jnp.array([0, 1, 0, 0], dtype=jnp.int32)  # rounds, target forwards, proposed, accepted
 
-    def running(carry):
+    def running(carry: tuple) -> jax.Array:
         end, _, done = carry[:3]
         return (end < P + N) & ~jnp.all(done)
 
-    def speculate(carry):
+    def speculate(carry: tuple) -> tuple:
         end, tokens, done, cache, draft_cache, counts = carry
         uniform = rounds[:, counts[0]]  # [B, 2K + 1]: K for the draft, K to accept, 1 for the last token
         if draft is None:

@@ -13,9 +13,10 @@ dim, V vocabulary, L layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 import kvports.numpy_impl.functional as F
 import kvports.numpy_impl.nn as nn
@@ -38,7 +39,12 @@ class KVCache:
         slots = self.keys.shape[3]
         return self.window is None or slots < self.window or T <= slots - self.window + 1
 
-    def slot_index(self, column: int, count: int):
+    def filled(self, count: int) -> int:
+        """How many slots the keys span once `count` more columns are written: a shape that grows is
+        free in eager mode."""
+        return min(self.length + count, self.keys.shape[3])
+
+    def slot_index(self, column: int, count: int) -> Union[slice, np.ndarray]:
         """The slots of columns [column, column + count), slot = column mod S: a slice while they do
         not wrap around a ring, so writes and reads are views rather than gathers."""
         slots = self.keys.shape[3]
@@ -49,14 +55,13 @@ class KVCache:
     def mask(self, positions: np.ndarray, padded: bool) -> Optional[np.ndarray]:
         """Which keys each of this chunk's queries sees: [B, 1, T, S'], or None when all of them do."""
         B, T = positions.shape
-        slots = self.keys.shape[3]
         if not self.writes_first(T):
-            filled = min(self.length, slots)
+            filled = self.filled(0)
             key_positions = np.concatenate(
                 [self.slot_positions[:, :filled], np.broadcast_to(positions, (self.slot_positions.shape[0], T))], axis=1
             )
             return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
-        filled = min(self.length + T, slots)
+        filled = self.filled(T)
         if T == 1 and not padded and (self.window is None or filled <= self.window):
             return None  # one new token over the slots filled so far: every one is visible
         key_positions = self.slot_positions.copy()  # [B, S]: as this chunk's write leaves them
@@ -70,9 +75,9 @@ class KVCache:
             index = self.slot_index(self.length, T)
             self.keys[layer][:, :, index] = k
             self.values[layer][:, :, index] = v
-            filled = min(self.length + T, slots)  # a shape that grows is free in eager mode
+            filled = self.filled(T)
             return self.keys[layer, :, :, :filled], self.values[layer, :, :, :filled]  # [B, Hkv, S', Dh] views
-        filled, keep = min(self.length, slots), min(T, slots)  # a chunk wider than the ring keeps its newest
+        filled, keep = self.filled(0), min(T, slots)  # a chunk wider than the ring keeps its newest
         keys = np.concatenate([self.keys[layer, :, :, :filled], k], axis=2)  # [B, Hkv, S', Dh]
         values = np.concatenate([self.values[layer, :, :, :filled], v], axis=2)  # [B, Hkv, S', Dh]
         index = self.slot_index(self.length + T - keep, keep)
@@ -98,7 +103,7 @@ class KVCache:
         return self
 
 
-def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: np.dtype, chunk: int = 1) -> KVCache:
+def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: DTypeLike, chunk: int = 1) -> KVCache:
     slots = cache_slots(config, total_len, chunk)
     shape = (config.n_layers, batch, config.kv_heads, slots, config.head_dim)
     return KVCache(
@@ -110,7 +115,7 @@ def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: np.dtype,
     )
 
 
-def token_positions(start: int, length: int, pad: Optional[np.ndarray]) -> np.ndarray:
+def token_positions(start: Union[int, np.ndarray], length: int, pad: Optional[np.ndarray]) -> np.ndarray:
     # Pitfall 1: in cache mode the new tokens' positions start at the cache length, not 0.
     # start: the cache's length (an int; per row, [B, 1], in a paged cache).
     positions = start + np.arange(length, dtype=np.int64)[None, :]  # [1, T]; [B, T] where start is per row, [B, 1]
@@ -131,7 +136,11 @@ def attention_mask(query_positions: np.ndarray, key_positions: np.ndarray, windo
     return visible
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float, dtype: np.dtype):
+# cos and sin, [B, 1, T, Dh] each: what every layer rotates q and k by
+Rope = Tuple[np.ndarray, np.ndarray]
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float, dtype: DTypeLike) -> Rope:
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))  # [Dh/2]
     angles = positions.astype(np.float64)[:, None, :, None] * inv_freq  # [B, 1, T, Dh/2]: one table for every head
     angles = np.concatenate([angles, angles], axis=-1)  # [B, 1, T, Dh]
@@ -193,7 +202,9 @@ class Block(nn.Module):
         self.ffn = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout, rng)  # pitfall 3: active only in train mode
 
-    def attention(self, x, rope, mask, cache: Optional[KVCache], layer: int) -> np.ndarray:
+    def attention(
+        self, x: np.ndarray, rope: Optional[Rope], mask: Optional[np.ndarray], cache: Optional[KVCache], layer: int
+    ) -> np.ndarray:
         config = self.config
         B, T, D = x.shape
         H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
@@ -208,7 +219,9 @@ class Block(nn.Module):
         out = out.transpose(0, 2, 1, 3).reshape(B, T, D)  # [B, T, D]
         return self.proj(out)  # [B, T, D]
 
-    def forward(self, x, rope, mask, cache: Optional[KVCache], layer: int) -> np.ndarray:
+    def forward(
+        self, x: np.ndarray, rope: Optional[Rope], mask: Optional[np.ndarray], cache: Optional[KVCache], layer: int
+    ) -> np.ndarray:
         x = x + self.dropout(self.attention(self.ln1(x), rope, mask, cache, layer))  # [B, T, D]
         return x + self.dropout(self.ffn(self.ln2(x)))  # [B, T, D]
 
@@ -225,7 +238,9 @@ class TinyModel(nn.Module):
         if not config.tie_embeddings:
             self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
-    def forward(self, tokens: np.ndarray, cache: Optional[KVCache] = None, pad: Optional[np.ndarray] = None):
+    def forward(
+        self, tokens: np.ndarray, cache: Optional[KVCache] = None, pad: Optional[np.ndarray] = None
+    ) -> Tuple[np.ndarray, Optional[KVCache]]:
         """tokens [B, T] -> logits [B, T, V]; pad [B]: each row's left padding (None: no row is padded)."""
         config = self.config
         B, T = tokens.shape
@@ -237,6 +252,7 @@ class TinyModel(nn.Module):
             x = x + self.pos(np.maximum(positions, 0))  # [B, T, D]; padding borrows position 0, its outputs unused
         else:
             rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [B, 1, T, Dh]
+        mask: Optional[np.ndarray]
         if cache is None:
             mask = attention_mask(positions, positions, config.sliding_window)  # [B, 1, T, T]
         else:
@@ -313,17 +329,90 @@ def choose(
 OnToken = Optional[Callable[[np.ndarray], None]]
 
 
-def start_generation(prompt: np.ndarray, generation: GenerationConfig):
+@dataclass
+class DecodeState:
+    """What the decode loop carries from one token to the next, by name."""
+
+    step: int  # new tokens made so far
+    tokens: np.ndarray  # [B, P + N]: the prompt, then the new tokens (PAD after a row stops)
+    done: np.ndarray  # [B] bool: the rows that have stopped
+    step_logits: Optional[List[np.ndarray]]  # [B, V] each: what each token was chosen from, when asked for
+    cache: Optional[KVCache]  # None: naive, the whole history again at every step
+
+
+def start_generation(
+    prompt: np.ndarray, generation: GenerationConfig
+) -> Tuple[Optional[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
     """What both loops need: each row's left padding (None when no row is padded), each
     row's draws [B, N], the stop ids, and the token buffer [B, P + N] with the prompt in it."""
     B, P = prompt.shape
-    pad = (prompt == PAD).sum(axis=1)  # [B]
-    pad = pad if pad.any() else None  # unpadded batches skip every mask they can
+    padding = (prompt == PAD).sum(axis=1)  # [B]
+    pad = padding if padding.any() else None  # unpadded batches skip every mask they can
     draws = uniforms(generation.seed, B, generation.max_new_tokens)  # [B, N]
     stops = np.asarray(generation.stop_ids, dtype=prompt.dtype)  # [K]
     tokens = np.full((B, P + generation.max_new_tokens), PAD, dtype=prompt.dtype)  # [B, P + N]
     tokens[:, :P] = prompt
     return pad, draws, stops, tokens
+
+
+def next_token(
+    state: DecodeState,
+    logits: np.ndarray,
+    cache: Optional[KVCache],
+    draws: np.ndarray,
+    stops: np.ndarray,
+    generation: GenerationConfig,
+) -> Tuple[DecodeState, np.ndarray]:
+    """The token [B] at state.step chosen from its logits [B, V] and written; the state one step on."""
+    column = state.tokens.shape[1] - draws.shape[1] + state.step  # P + step
+    token, done = choose(logits, generation, draws[:, state.step], state.done, stops)  # [B], [B]
+    state.tokens[:, column] = token
+    if state.step_logits is not None:
+        state.step_logits.append(logits)
+    return DecodeState(state.step + 1, state.tokens, done, state.step_logits, cache), token
+
+
+def decode_one_token(
+    model: TinyModel,
+    state: DecodeState,
+    pad: Optional[np.ndarray],
+    draws: np.ndarray,
+    stops: np.ndarray,
+    generation: GenerationConfig,
+) -> Tuple[DecodeState, np.ndarray]:
+    """One step of either loop: the logits of the token at state.step, then next_token."""
+    column = state.tokens.shape[1] - draws.shape[1] + state.step  # P + step
+    if state.cache is None:
+        logits, cache = model(np.maximum(state.tokens[:, :column], 0), pad=pad)  # [B, column, V]: the whole history
+    else:
+        # A stopped row feeds PAD as token 0: its outputs are never used.
+        logits, cache = model(np.maximum(state.tokens[:, column - 1 : column], 0), state.cache, pad)  # [B, 1, V]
+    return next_token(state, logits[:, -1], cache, draws, stops, generation)
+
+
+def decode_n_tokens(
+    model: TinyModel,
+    state: DecodeState,
+    pad: Optional[np.ndarray],
+    draws: np.ndarray,
+    stops: np.ndarray,
+    generation: GenerationConfig,
+    on_token: OnToken,
+) -> DecodeState:
+    """The one loop: decode_one_token until N new tokens, or until every row has stopped;
+    on_token(token [B]) after each."""
+    for _ in range(state.step, generation.max_new_tokens):
+        if generation.stop_ids and state.done.all():
+            break  # every row has stopped
+        state, token = decode_one_token(model, state, pad, draws, stops, generation)
+        if on_token is not None:
+            on_token(token)
+    return state
+
+
+def finish(state: DecodeState) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """tokens [B, P + N] and, when asked for, the step logits [B, steps, V]."""
+    return state.tokens, None if state.step_logits is None else np.stack(state.step_logits, axis=1)
 
 
 # No inference_mode decorator: NumPy records no autograd graph to switch off.
@@ -333,25 +422,14 @@ def generate_naive(
     generation: GenerationConfig,
     return_logits: bool = False,
     on_token: OnToken = None,
-):
+) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     """Recompute the whole history every step: O(n^2) work per token.
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    B, P = prompt.shape
     pad, draws, stops, tokens = start_generation(prompt, generation)
-    done = np.zeros(B, dtype=bool)  # [B]
-    step_logits = []
-    for step in range(generation.max_new_tokens):
-        logits, _ = model(np.maximum(tokens[:, : P + step], 0), pad=pad)  # [B, P + step, V]: the whole history again
-        if return_logits:
-            step_logits.append(logits[:, -1])
-        token, done = choose(logits[:, -1], generation, draws[:, step], done, stops)  # [B], [B]
-        tokens[:, P + step] = token
-        if on_token is not None:
-            on_token(token)
-        if generation.stop_ids and done.all():
-            break  # every row has stopped
-    return (tokens, np.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
+    done = np.zeros(prompt.shape[0], dtype=bool)  # [B]
+    state = DecodeState(0, tokens, done, [] if return_logits else None, None)
+    return finish(decode_n_tokens(model, state, pad, draws, stops, generation, on_token))
 
 
 def generate_cached(
@@ -361,7 +439,7 @@ def generate_cached(
     return_logits: bool = False,
     prefill: bool = True,
     on_token: OnToken = None,
-):
+) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     """Prefill the prompt in one forward, then one token per step against the cache.
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
@@ -374,27 +452,16 @@ def generate_cached(
         for i in range(P):
             logits, cache = model(np.maximum(prompt[:, i : i + 1], 0), cache, pad)  # [B, 1, V]
     done = np.zeros(B, dtype=bool)  # [B]
-    step_logits = []
-    for step in range(generation.max_new_tokens):
-        if step > 0:
-            # A stopped row feeds PAD as token 0: its outputs are never used.
-            logits, cache = model(np.maximum(tokens[:, P + step - 1 : P + step], 0), cache, pad)  # [B, 1, V]
-        if return_logits:
-            step_logits.append(logits[:, -1])
-        token, done = choose(logits[:, -1], generation, draws[:, step], done, stops)  # [B], [B]
-        tokens[:, P + step] = token
-        if on_token is not None:
-            on_token(token)
-        if generation.stop_ids and done.all():
-            break  # every row has stopped
-    return (tokens, np.stack(step_logits, axis=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
+    state = DecodeState(0, tokens, done, [] if return_logits else None, cache)
+    state, token = next_token(state, logits[:, -1], cache, draws, stops, generation)  # the prefill's logits choose it
+    if on_token is not None:
+        on_token(token)
+    return finish(decode_n_tokens(model, state, pad, draws, stops, generation, on_token))
 
 
-# The two halves of generate_cached as separate calls (in JAX these are the compiled,
-# cache-donating twins a stepwise loop calls).
-def prefill(model: TinyModel, prompt: np.ndarray, cache: KVCache, pad: Optional[np.ndarray] = None):
+# A forward against the cache, as its own call (port.forward_chunks feeds chunks through it;
+# in JAX it is the compiled, cache-donating forward).
+def prefill(
+    model: TinyModel, prompt: np.ndarray, cache: KVCache, pad: Optional[np.ndarray] = None
+) -> Tuple[np.ndarray, KVCache]:
     return model(prompt, cache, pad)  # [B, P, V], cache
-
-
-def decode_step(model: TinyModel, token: np.ndarray, cache: KVCache, pad: Optional[np.ndarray] = None):
-    return model(token, cache, pad)  # token [B, 1] -> [B, 1, V], cache

@@ -3,9 +3,15 @@ Embedding, Dropout. model.py imports this as `nn`, so its lines read as the torc
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
 import numpy as np
+from numpy.typing import DTypeLike
 
 import kvports.numpy_impl.functional as F
+
+M = TypeVar("M", bound="Module")
 
 
 class Module:
@@ -14,10 +20,13 @@ class Module:
 
     training = True  # as nn.Module: a fresh model is in train mode until eval()
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
-    def named_children(self):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no forward")  # as nn.Module: every module defines it
+
+    def named_children(self) -> Iterator[tuple[str, Module]]:
         for name, value in vars(self).items():
             if isinstance(value, Module):
                 yield name, value
@@ -26,14 +35,14 @@ class Module:
                     if isinstance(item, Module):
                         yield f"{name}.{i}", item
 
-    def named_parameters(self, prefix: str = ""):
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Module, str]]:
         for name, value in vars(self).items():
             if isinstance(value, np.ndarray):
                 yield prefix + name, self, name
         for name, child in self.named_children():
             yield from child.named_parameters(f"{prefix}{name}.")
 
-    def load_state_dict(self, state: dict) -> Module:
+    def load_state_dict(self: M, state: dict) -> M:
         # strict, as torch's load_state_dict(strict=True): no missing, unexpected or misshaped tensor.
         own = {name: (owner, attr) for name, owner, attr in self.named_parameters()}
         if set(own) != set(state):
@@ -46,18 +55,18 @@ class Module:
             setattr(owner, attr, array)
         return self
 
-    def to(self, dtype) -> Module:
+    def to(self: M, dtype: DTypeLike) -> M:
         for _, owner, attr in self.named_parameters():
             setattr(owner, attr, getattr(owner, attr).astype(dtype))  # a copy: the model owns its weights
         return self
 
-    def train(self, mode: bool = True) -> Module:
+    def train(self: M, mode: bool = True) -> M:
         self.training = mode
         for _, child in self.named_children():
             child.train(mode)
         return self
 
-    def eval(self) -> Module:
+    def eval(self: M) -> M:
         return self.train(False)
 
 

@@ -54,13 +54,8 @@ def generate(
     prompt = np.asarray(prompts, dtype=np.int64)  # [B, P]
     to_host = None if on_token is None else (lambda token: on_token(token.copy()))  # a copy: the caller may keep it
     if mode == "cached":
-        result = generate_cached(model, prompt, as_generation(generation), return_logits, prefill, to_host)
-    else:
-        result = generate_naive(model, prompt, as_generation(generation), return_logits, to_host)
-    if not return_logits:
-        return result, None
-    tokens, logits = result
-    return tokens, logits  # [B, P + N], [B, N, V]
+        return generate_cached(model, prompt, as_generation(generation), return_logits, prefill, to_host)
+    return generate_naive(model, prompt, as_generation(generation), return_logits, to_host)  # [B, P + N], [B, steps, V]
 
 
 def generate_speculative(
@@ -118,7 +113,7 @@ def clear_compiled() -> None:
     """Nothing is compiled here; JAX's twin forgets its compiled programs."""
 
 
-# ---------------------------------------------------------------- continuous batching (issue 13)
+# ---------------------------------------------------------------- continuous batching
 # What shared/batching's engine calls: a pool of KV blocks shared by the running sequences,
 # and one step of the running batch over it (numpy_impl/paged.py; docs/BATCHING.md).
 

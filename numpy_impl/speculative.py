@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvports.numpy_impl.model import TinyModel, draw, init_cache, probabilities, sample, start_generation
+from kvports.numpy_impl.model import KVCache, TinyModel, draw, init_cache, probabilities, sample, start_generation
 from kvports.shared.generation import PAD, GenerationConfig, speculative_uniforms
 
 
@@ -41,21 +41,22 @@ def propose_ngram(tokens: np.ndarray, end: int, n: int, draft_tokens: int) -> np
 
 def propose_draft(
     draft: TinyModel,
-    draft_cache,
+    draft_cache: KVCache,
     tokens: np.ndarray,
     end: int,
     pad: np.ndarray | None,
     generation: GenerationConfig,
     uniform: np.ndarray,
     draft_tokens: int,
-):
+) -> tuple[np.ndarray, np.ndarray | None, KVCache]:
     """K proposals [B, K] from the draft model, and the probabilities they were drawn from
     [B, K, V] (None when greedy). The draft's cache always lacks the last two tokens here: the
     one before the last is fed again (the same key and value in the same slot), so one rule
     serves a round after a rejection and a round after every proposal was kept."""
     draft_cache = draft_cache.crop(end - 2)
     logits, draft_cache = draft(np.maximum(tokens[:, end - 2 : end], 0), draft_cache, pad)  # [B, 2, V]
-    proposals, drawn_from = [], []
+    proposals: list[np.ndarray] = []
+    drawn_from: list[np.ndarray] = []
     for i in range(draft_tokens):
         if i > 0:
             logits, draft_cache = draft(proposals[-1][:, None], draft_cache, pad)  # [B, 1, V]
@@ -104,7 +105,7 @@ def generate_speculative(
     draft_tokens: int,
     ngram: int = 2,
     on_token: Callable[[np.ndarray], None] | None = None,
-):
+) -> tuple[np.ndarray, dict[str, int]]:
     """prompt [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N], the target's own
     output, and counts: rounds, target forwards, proposals made and accepted."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree

@@ -4,6 +4,7 @@ one way; conftest.py holds only fixtures and session settings."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import warnings
@@ -290,3 +291,14 @@ def write_hf_dir(directory: Path, config: dict, tensors: dict) -> Path:
     (directory / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+def calling_internals(port: Port) -> contextlib.AbstractContextManager:
+    """The context for a test that calls a port's model.py or speculative.py directly: the JAX
+    port's own calls run in JAX's x64 mode (jax_impl/port.py's `exact`), which is not on
+    for the process, so such a test turns it on as they do."""
+    if port.NAME == "jax":
+        import jax
+
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()

@@ -77,13 +77,31 @@ def test_the_cache_is_a_pytree_of_fixed_shape_buffers(seed_weights):
     assert shapes == [(2, 2, 4, 30, 32), (2, 2, 4, 30, 32), (2, 30), ()]
 
 
-def test_decode_step_donates_the_cache_and_returns_the_updated_one(seed_model):
-    cache = jax_model.init_cache(seed_model.config, 1, 8, jax.numpy.float32)
-    prompt = jax.numpy.asarray([[160, 248, 104, 209, 394]], dtype=jax.numpy.int32)
-    logits, new_cache = jax_model.prefill(seed_model, prompt, cache)
-    assert cache.keys.is_deleted()  # donated: XLA reused its buffer for new_cache
-    token = jax_model.greedy(logits[:, -1])[:, None]  # [B, 1]
-    logits, newer_cache = jax_model.decode_step(seed_model, token, new_cache)
-    assert new_cache.keys.is_deleted()
-    assert int(newer_cache.length) == 6 and int(token[0, 0]) == 315
-    assert int(jax_model.greedy(logits[:, -1])[0]) == 391
+def test_a_forward_donates_the_cache_and_returns_the_updated_one(seed_model):
+    with jax.enable_x64(True):  # as the port runs it (jax_impl/port.py's exact)
+        cache = jax_model.init_cache(seed_model.config, 1, 8, jax.numpy.float32)
+        prompt = jax.numpy.asarray([[160, 248, 104, 209, 394]], dtype=jax.numpy.int32)
+        logits, new_cache = jax_model.prefill(seed_model, prompt, cache)
+        assert cache.keys.is_deleted()  # donated: XLA reused its buffer for new_cache
+        token = jax_model.greedy(logits[:, -1])[:, None]  # [B, 1]
+        logits, newer_cache = jax_model.prefill(seed_model, token, new_cache)  # a decode step: one token
+        assert new_cache.keys.is_deleted()
+        assert int(newer_cache.length) == 6 and int(token[0, 0]) == 315
+        assert int(jax_model.greedy(logits[:, -1])[0]) == 391
+
+
+def test_the_port_turns_on_x64_for_its_own_calls_only(seed_weights):
+    config, tensors = seed_weights
+    assert not jax.config.jax_enable_x64  # importing the port left the process's setting alone
+    model = jax_port.load_model(config, tensors, "float64")
+    assert model.emb.embedding.dtype == jax.numpy.float64  # real float64 inside the call
+    assert not jax.config.jax_enable_x64
+
+
+def test_float32_and_float64_runs_in_one_process_each_keep_their_dtype(seed_weights):
+    config, tensors = seed_weights
+    prompts = np.zeros((1, 4), dtype=np.int64)
+    for dtype in ("float32", "float64", "float32"):  # the same shapes: a stale program would give the other dtype
+        model = jax_port.load_model(config, tensors, dtype)
+        _, logits = jax_port.generate(model, prompts, 3, "cached", return_logits=True)
+        assert logits.dtype == np.dtype(dtype)

@@ -11,7 +11,7 @@ import pytest
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, pad_prompts
-from tests.helpers import LLAMA_PARTS, random_weights
+from tests.helpers import LLAMA_PARTS, calling_internals, random_weights
 
 BASE = ModelConfig(vocab_size=48, d_model=32, n_heads=4, n_layers=3, max_seq_len=96)
 ATTENTION = {
@@ -115,8 +115,9 @@ def test_rollback_leaves_the_cache_as_if_the_rejected_tokens_were_never_written(
 
     # 9 tokens, a verified chunk of K + 1 with only 2 kept (crop back to 11), then 1 more: two
     # rejected slots stay unwritten, so a crop that only moved the length would show.
-    rolled, rolled_cache = run([(0, 9), (9, 14), (11, 12)], crop_to=11)
-    fresh, fresh_cache = run([(0, 9), (9, 11), (11, 12)])
+    with calling_internals(port):
+        rolled, rolled_cache = run([(0, 9), (9, 14), (11, 12)], crop_to=11)
+        fresh, fresh_cache = run([(0, 9), (9, 11), (11, 12)])
     np.testing.assert_allclose(rolled, fresh, atol=1e-12, rtol=0)  # the next token sees exactly the same keys
 
     def still_needed(cache):
@@ -176,9 +177,10 @@ def verify_many(port, target_logits, q, proposals, generation, uniform):
     if port.NAME == "jax":
         import jax.numpy as jnp
 
-        accepted, final = module.verify(
-            jnp.asarray(target_logits), jnp.asarray(q), jnp.asarray(proposals), generation, jnp.asarray(uniform)
-        )
+        with calling_internals(port):
+            accepted, final = module.verify(
+                jnp.asarray(target_logits), jnp.asarray(q), jnp.asarray(proposals), generation, jnp.asarray(uniform)
+            )
         return np.asarray(accepted), np.asarray(final)
     return module.verify(target_logits, q, proposals, generation, uniform)
 

@@ -9,9 +9,9 @@ from kvports.shared.config import ModelConfig
 from tests.helpers import assert_logits_close, assert_tokens_agree, port_or_skip, random_prompts, random_weights
 
 torch = pytest.importorskip("torch")
-torch_model = pytest.importorskip("kvports.torch_impl.model")
+onednn = pytest.importorskip("kvports.torch_impl.onednn")
 
-needs_onednn = pytest.mark.skipif(not torch_model.ONEDNN, reason="this torch build has no oneDNN linear")
+needs_onednn = pytest.mark.skipif(not onednn.ONEDNN, reason="this torch build has no oneDNN linear")
 
 # The FFN's matrices (256 x 1024 = 2**18 elements) and the head (1100 x 256) take the oneDNN route.
 STREAMED_CONFIG = ModelConfig(vocab_size=1100, d_model=256, n_heads=4, n_layers=1, max_seq_len=64)
@@ -24,7 +24,7 @@ def test_linear_over_a_large_weight_equals_f_linear(rows):
     weight = torch.randn(1024, 256, generator=generator)  # 2**18 elements: the oneDNN route
     bias, x = torch.randn(1024, generator=generator), torch.randn(2, rows, 256, generator=generator)
     with torch.inference_mode():
-        routed = torch_model.linear(x, weight, bias)  # [2, rows, 1024]
+        routed = onednn.linear(x, weight, bias)  # [2, rows, 1024]
     expected = torch.nn.functional.linear(x, weight, bias)
     torch.testing.assert_close(routed, expected, rtol=1e-5, atol=1e-5)
 
@@ -32,14 +32,14 @@ def test_linear_over_a_large_weight_equals_f_linear(rows):
 @needs_onednn
 def test_linear_takes_onednn_only_for_large_float32_weights_without_autograd(monkeypatch):
     calls = []
-    onednn = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch_model, "_onednn_linear", lambda *args: calls.append(args[1].shape) or onednn(*args))
+    onednn_linear = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(onednn, "_onednn_linear", lambda *args: calls.append(args[1].shape) or onednn_linear(*args))
     large, small = torch.ones(1024, 256), torch.ones(384, 128)
     with torch.inference_mode():
-        torch_model.linear(torch.ones(1, 256), large)
-        torch_model.linear(torch.ones(1, 128), small)  # below the threshold: F.linear
-        torch_model.linear(torch.ones(1, 256, dtype=torch.float64), large.double())  # float64: F.linear
-    torch_model.linear(torch.ones(1, 256), large)  # autograd on: F.linear
+        onednn.linear(torch.ones(1, 256), large)
+        onednn.linear(torch.ones(1, 128), small)  # below the threshold: F.linear
+        onednn.linear(torch.ones(1, 256, dtype=torch.float64), large.double())  # float64: F.linear
+    onednn.linear(torch.ones(1, 256), large)  # autograd on: F.linear
     assert calls == [large.shape]
 
 
@@ -63,6 +63,6 @@ def test_linear_over_a_large_weight_compiles_with_torch_compile():
     """Inductor cannot lower the unfrozen oneDNN op: under torch.compile linear() is F.linear."""
     generator = torch.Generator().manual_seed(0)
     weight, x = torch.randn(1024, 256, generator=generator), torch.randn(1, 1, 256, generator=generator)
-    compiled = torch.compile(torch_model.linear)
+    compiled = torch.compile(onednn.linear)
     with torch.inference_mode():
         torch.testing.assert_close(compiled(x, weight), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ dim, V vocabulary, L layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kvports.shared.config import ModelConfig, cache_slots
 from kvports.shared.generation import PAD, GenerationConfig, uniforms
+from kvports.torch_impl.onednn import Linear, linear  # F.linear, nn.Linear; large CPU weights to oneDNN
 
 
 @dataclass
@@ -27,9 +28,7 @@ class KVCache:
     keys: torch.Tensor  # [L, B, Hkv, S, Dh], S = slots (prompt + new tokens, or a ring for the window)
     values: torch.Tensor  # [L, B, Hkv, S, Dh]
     slot_positions: torch.Tensor  # [B, S] int64: the position each slot holds in each row, -1 while empty or padding
-    # Columns written so far; a column is one step of every row (rows differ by their left padding).
-    # An int in eager mode; a tensor for torch.compile, so every step is one graph of one shape.
-    length: int | torch.Tensor
+    length: int  # columns written so far; a column is one step of every row (rows differ by their left padding)
     window: Optional[int]  # the sliding window, or None
 
     def writes_first(self, T: int) -> bool:
@@ -39,17 +38,15 @@ class KVCache:
         return self.window is None or slots < self.window or T <= slots - self.window + 1
 
     def filled(self, count: int) -> int:
-        """How many slots the keys span once `count` more columns are written: the prefix filled so
-        far (a shape that grows is free in eager mode), or every slot under torch.compile."""
-        if isinstance(self.length, torch.Tensor):
-            return self.keys.shape[3]
+        """How many slots the keys span once `count` more columns are written: a shape that grows is
+        free in eager mode."""
         return min(self.length + count, self.keys.shape[3])
 
-    def slot_index(self, column: int | torch.Tensor, count: int):
+    def slot_index(self, column: int, count: int) -> Union[slice, torch.Tensor]:
         """The slots of columns [column, column + count), slot = column mod S: a slice while they do
         not wrap around a ring, so writes and reads are views rather than gathers."""
         slots = self.keys.shape[3]
-        if not isinstance(column, torch.Tensor) and column % slots + count <= slots:
+        if column % slots + count <= slots:
             return slice(column % slots, column % slots + count)
         return (column + torch.arange(count)) % slots  # [count]
 
@@ -63,8 +60,7 @@ class KVCache:
             )
             return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
         filled = self.filled(T)
-        growing = not isinstance(self.length, torch.Tensor)  # compiled: every slot is attended, the empty ones masked
-        if growing and T == 1 and not padded and (self.window is None or filled <= self.window):
+        if T == 1 and not padded and (self.window is None or filled <= self.window):
             return None  # one new token over the slots filled so far: every one is visible
         key_positions = self.slot_positions.clone()  # [B, S]: as this chunk's write leaves them
         key_positions[:, self.slot_index(self.length, T)] = positions
@@ -95,7 +91,7 @@ class KVCache:
         self.length = self.length + T
         return self
 
-    def crop(self, length: int | torch.Tensor) -> KVCache:
+    def crop(self, length: int) -> KVCache:
         """Take back every column from `length` on (rejected speculative tokens): their slots read
         as empty again, as if never written. A ring sized with spare slots lost nothing still needed."""
         slots = self.keys.shape[3]
@@ -106,22 +102,19 @@ class KVCache:
         return self
 
 
-def init_cache(
-    config: ModelConfig, batch: int, total_len: int, dtype: torch.dtype, chunk: int = 1, compiled: bool = False
-) -> KVCache:
-    """compiled: the length as a tensor, for a torch.compile'd forward (one shape at every step)."""
+def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: torch.dtype, chunk: int = 1) -> KVCache:
     slots = cache_slots(config, total_len, chunk)
     shape = (config.n_layers, batch, config.kv_heads, slots, config.head_dim)
     return KVCache(
         keys=torch.zeros(shape, dtype=dtype),
         values=torch.zeros(shape, dtype=dtype),
         slot_positions=torch.full((batch, slots), -1, dtype=torch.int64),
-        length=torch.zeros((), dtype=torch.int64) if compiled else 0,
+        length=0,
         window=config.sliding_window,
     )
 
 
-def token_positions(start: int, length: int, pad: Optional[torch.Tensor]) -> torch.Tensor:
+def token_positions(start: Union[int, torch.Tensor], length: int, pad: Optional[torch.Tensor]) -> torch.Tensor:
     # Pitfall 1: in cache mode the new tokens' positions start at the cache length, not 0.
     # start: the cache's length (an int; per row, [B, 1], in a paged cache).
     positions = start + torch.arange(length)[None, :]  # [1, T]; [B, T] where start is per row, [B, 1]
@@ -142,7 +135,11 @@ def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, w
     return visible
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+# cos and sin, [B, 1, T, Dh] each: what every layer rotates q and k by
+Rope = Tuple[torch.Tensor, torch.Tensor]
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> Rope:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [Dh/2]
     angles = positions.to(torch.float64)[:, None, :, None] * inv_freq  # [B, 1, T, Dh/2]: one table for every head
     angles = torch.cat([angles, angles], dim=-1)  # [B, 1, T, Dh]
@@ -154,32 +151,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [B, H, T, Dh]
     return x * cos + rotated * sin  # [B, H, T, Dh]
-
-
-# Torch only: a matrix-vector product through a weight too big for the caches (GPT-2 small's
-# every matrix) streams it from memory. F.linear sends it to MKL's sgemm, which runs it on one
-# thread (~13 GB/s on the 2-core machine); oneDNN's linear, the op torch.compile emits for a CPU
-# linear, runs it on every core (~22-30 GB/s, NumPy's figure). Small weights stay with F.linear,
-# whose call costs less (~7 us against ~20-35 us).
-ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_onednn_linear = torch.ops.mkldnn._linear_pointwise if ONEDNN else None
-STREAMED = 1 << 18  # weight elements (1 MiB in float32) from which oneDNN measured faster, 1 to 1024 rows
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear: x [..., in], weight [out, in] -> [..., out]."""
-    # Not under torch.compile: inductor lowers F.linear itself (and cannot lower this op unfrozen).
-    streamed = ONEDNN and weight.numel() >= STREAMED and x.is_cpu and x.dtype == torch.float32
-    if streamed and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        return _onednn_linear(x, weight, bias, "none", [], "")  # [..., out]: no fused activation
-    return F.linear(x, weight, bias)  # [..., out]
-
-
-class Linear(nn.Linear):
-    """nn.Linear (the same parameters, names and initialisation), through linear() above."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -232,7 +203,9 @@ class Block(nn.Module):
         self.ffn = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout)  # pitfall 3: active only in train mode
 
-    def attention(self, x, rope, mask, cache: Optional[KVCache], layer: int) -> torch.Tensor:
+    def attention(
+        self, x: torch.Tensor, rope: Optional[Rope], mask: Optional[torch.Tensor], cache: Optional[KVCache], layer: int
+    ) -> torch.Tensor:
         config = self.config
         B, T, D = x.shape
         H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
@@ -247,7 +220,9 @@ class Block(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, D)  # [B, T, D]
         return self.proj(out)  # [B, T, D]
 
-    def forward(self, x, rope, mask, cache: Optional[KVCache], layer: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: Optional[Rope], mask: Optional[torch.Tensor], cache: Optional[KVCache], layer: int
+    ) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.ln1(x), rope, mask, cache, layer))  # [B, T, D]
         return x + self.dropout(self.ffn(self.ln2(x)))  # [B, T, D]
 
@@ -264,7 +239,9 @@ class TinyModel(nn.Module):
         if not config.tie_embeddings:
             self.head = Linear(config.d_model, config.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, pad: Optional[torch.Tensor] = None):
+    def forward(
+        self, tokens: torch.Tensor, cache: Optional[KVCache] = None, pad: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, Optional[KVCache]]:
         """tokens [B, T] -> logits [B, T, V]; pad [B]: each row's left padding (None: no row is padded)."""
         config = self.config
         B, T = tokens.shape
@@ -276,6 +253,7 @@ class TinyModel(nn.Module):
             x = x + self.pos(positions.clamp(min=0))  # [B, T, D]; padding borrows position 0, its outputs unused
         else:
             rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [B, 1, T, Dh]
+        mask: Optional[torch.Tensor]
         if cache is None:
             mask = attention_mask(positions, positions, config.sliding_window)  # [B, 1, T, T]
         else:
@@ -350,18 +328,91 @@ def choose(
 OnToken = Optional[Callable[[torch.Tensor], None]]
 
 
-def start_generation(prompt: torch.Tensor, generation: GenerationConfig):
+@dataclass
+class DecodeState:
+    """What the decode loop carries from one token to the next, by name."""
+
+    step: int  # new tokens made so far
+    tokens: torch.Tensor  # [B, P + N]: the prompt, then the new tokens (PAD after a row stops)
+    done: torch.Tensor  # [B] bool: the rows that have stopped
+    step_logits: Optional[List[torch.Tensor]]  # [B, V] each: what each token was chosen from, when asked for
+    cache: Optional[KVCache]  # None: naive, the whole history again at every step
+
+
+def start_generation(
+    prompt: torch.Tensor, generation: GenerationConfig
+) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """What both loops need: each row's left padding (None when no row is padded), each
     row's draws [B, N], the stop ids, and the token buffer [B, P + N] with the prompt in it."""
     B, P = prompt.shape
-    pad = (prompt == PAD).sum(dim=1)  # [B]
+    padding = (prompt == PAD).sum(dim=1)  # [B]
     # The one host look before the loop: unpadded batches skip every mask they can
-    pad = pad if bool(pad.any()) else None
+    pad = padding if bool(padding.any()) else None
     draws = torch.from_numpy(uniforms(generation.seed, B, generation.max_new_tokens)).to(prompt.device)  # [B, N]
     stops = torch.tensor(generation.stop_ids, dtype=prompt.dtype, device=prompt.device)  # [K]
     tokens = torch.full((B, P + generation.max_new_tokens), PAD, dtype=prompt.dtype, device=prompt.device)  # [B, P + N]
     tokens[:, :P] = prompt
     return pad, draws, stops, tokens
+
+
+def next_token(
+    state: DecodeState,
+    logits: torch.Tensor,
+    cache: Optional[KVCache],
+    draws: torch.Tensor,
+    stops: torch.Tensor,
+    generation: GenerationConfig,
+) -> Tuple[DecodeState, torch.Tensor]:
+    """The token [B] at state.step chosen from its logits [B, V] and written; the state one step on."""
+    column = state.tokens.shape[1] - draws.shape[1] + state.step  # P + step
+    token, done = choose(logits, generation, draws[:, state.step], state.done, stops)  # [B], [B]
+    state.tokens[:, column] = token
+    if state.step_logits is not None:
+        state.step_logits.append(logits)
+    return DecodeState(state.step + 1, state.tokens, done, state.step_logits, cache), token
+
+
+def decode_one_token(
+    model: TinyModel,
+    state: DecodeState,
+    pad: Optional[torch.Tensor],
+    draws: torch.Tensor,
+    stops: torch.Tensor,
+    generation: GenerationConfig,
+) -> Tuple[DecodeState, torch.Tensor]:
+    """One step of either loop: the logits of the token at state.step, then next_token."""
+    column = state.tokens.shape[1] - draws.shape[1] + state.step  # P + step
+    if state.cache is None:
+        logits, cache = model(state.tokens[:, :column].clamp(min=0), pad=pad)  # [B, column, V]: the whole history
+    else:
+        # A stopped row feeds PAD as token 0: its outputs are never used.
+        logits, cache = model(state.tokens[:, column - 1 : column].clamp(min=0), state.cache, pad)  # [B, 1, V]
+    return next_token(state, logits[:, -1], cache, draws, stops, generation)
+
+
+def decode_n_tokens(
+    model: TinyModel,
+    state: DecodeState,
+    pad: Optional[torch.Tensor],
+    draws: torch.Tensor,
+    stops: torch.Tensor,
+    generation: GenerationConfig,
+    on_token: OnToken,
+) -> DecodeState:
+    """The one loop: decode_one_token until N new tokens, or until every row has stopped;
+    on_token(token [B]) after each."""
+    for _ in range(state.step, generation.max_new_tokens):
+        if generation.stop_ids and bool(state.done.all()):
+            break  # every row has stopped (a host look per step, only when there are stop ids)
+        state, token = decode_one_token(model, state, pad, draws, stops, generation)
+        if on_token is not None:
+            on_token(token)
+    return state
+
+
+def finish(state: DecodeState) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """tokens [B, P + N] and, when asked for, the step logits [B, steps, V]."""
+    return state.tokens, None if state.step_logits is None else torch.stack(state.step_logits, dim=1)
 
 
 @torch.inference_mode()
@@ -371,25 +422,14 @@ def generate_naive(
     generation: GenerationConfig,
     return_logits: bool = False,
     on_token: OnToken = None,
-):
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Recompute the whole history every step: O(n^2) work per token.
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    B, P = prompt.shape
     pad, draws, stops, tokens = start_generation(prompt, generation)
-    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # [B]
-    step_logits = []
-    for step in range(generation.max_new_tokens):
-        logits, _ = model(tokens[:, : P + step].clamp(min=0), pad=pad)  # [B, P + step, V]: the whole history again
-        if return_logits:
-            step_logits.append(logits[:, -1])
-        token, done = choose(logits[:, -1], generation, draws[:, step], done, stops)  # [B], [B]
-        tokens[:, P + step] = token
-        if on_token is not None:
-            on_token(token)
-        if generation.stop_ids and bool(done.all()):
-            break  # every row has stopped
-    return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)  # [B]
+    state = DecodeState(0, tokens, done, [] if return_logits else None, None)
+    return finish(decode_n_tokens(model, state, pad, draws, stops, generation, on_token))
 
 
 @torch.inference_mode()
@@ -400,44 +440,34 @@ def generate_cached(
     return_logits: bool = False,
     prefill: bool = True,
     on_token: OnToken = None,
-    compiled: bool = False,
-):
+    cache: Optional[KVCache] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Prefill the prompt in one forward, then one token per step against the cache.
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one.
-    compiled: for a torch.compile'd model, the cache keeps one shape at every step."""
+    cache: an empty cache to fill instead of init_cache's (torch only: compiled.py's, for a
+    torch.compile'd model)."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
     pad, draws, stops, tokens = start_generation(prompt, generation)
-    cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype, compiled=compiled)
+    if cache is None:
+        cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
     if prefill:
         logits, cache = model(prompt.clamp(min=0), cache, pad)  # [B, P, V]
     else:
         for i in range(P):
             logits, cache = model(prompt[:, i : i + 1].clamp(min=0), cache, pad)  # [B, 1, V]
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # [B]
-    step_logits = []
-    for step in range(generation.max_new_tokens):
-        if step > 0:
-            # A stopped row feeds PAD as token 0: its outputs are never used.
-            logits, cache = model(tokens[:, P + step - 1 : P + step].clamp(min=0), cache, pad)  # [B, 1, V]
-        if return_logits:
-            step_logits.append(logits[:, -1])
-        token, done = choose(logits[:, -1], generation, draws[:, step], done, stops)  # [B], [B]
-        tokens[:, P + step] = token
-        if on_token is not None:
-            on_token(token)
-        if generation.stop_ids and bool(done.all()):
-            break  # every row has stopped (a host look per step, only when there are stop ids)
-    return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens  # [B, P + N], [B, steps, V]
+    state = DecodeState(0, tokens, done, [] if return_logits else None, cache)
+    state, token = next_token(state, logits[:, -1], cache, draws, stops, generation)  # the prefill's logits choose it
+    if on_token is not None:
+        on_token(token)
+    return finish(decode_n_tokens(model, state, pad, draws, stops, generation, on_token))
 
 
-# The two halves of generate_cached as separate calls (in JAX these are the compiled,
-# cache-donating twins a stepwise loop calls).
+# A forward against the cache, as its own call (port.forward_chunks feeds chunks through it;
+# in JAX it is the compiled, cache-donating forward).
 @torch.inference_mode()
-def prefill(model: TinyModel, prompt: torch.Tensor, cache: KVCache, pad: Optional[torch.Tensor] = None):
+def prefill(
+    model: TinyModel, prompt: torch.Tensor, cache: KVCache, pad: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, KVCache]:
     return model(prompt, cache, pad)  # [B, P, V], cache
-
-
-@torch.inference_mode()
-def decode_step(model: TinyModel, token: torch.Tensor, cache: KVCache, pad: Optional[torch.Tensor] = None):
-    return model(token, cache, pad)  # token [B, 1] -> [B, 1, V], cache

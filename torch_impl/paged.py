@@ -137,7 +137,7 @@ def paged_step(
     block_tables: torch.Tensor,
     samplers: Sequence[tuple[GenerationConfig, torch.Tensor]],
     uniform: torch.Tensor,
-):
+) -> tuple[torch.Tensor, BlockPool]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each
     row's next token [B], and the pool with this step's keys and values written in."""

@@ -14,8 +14,7 @@ import torch
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, as_generation
-from kvports.torch_impl import model as torch_model
-from kvports.torch_impl import speculative
+from kvports.torch_impl import onednn, speculative
 from kvports.torch_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
 
 NAME = "torch"
@@ -38,7 +37,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _on_device(device: torch.device):
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     # The model makes its cache, positions and masks with factory calls on the default
     # device; on a GPU this context puts them beside the weights. It costs Python time on
     # every op, so the CPU goes without.
@@ -75,13 +74,10 @@ def generate(
     to_host = None if on_token is None else (lambda token: on_token(token.cpu().numpy()))
     with _on_device(device):
         if mode == "cached":
-            result = generate_cached(model, prompt, as_generation(generation), return_logits, prefill, to_host)
+            tokens, logits = generate_cached(model, prompt, as_generation(generation), return_logits, prefill, to_host)
         else:
-            result = generate_naive(model, prompt, as_generation(generation), return_logits, to_host)
-    if not return_logits:
-        return result.cpu().numpy(), None
-    tokens, logits = result
-    return tokens.cpu().numpy(), logits.cpu().numpy()  # [B, P + N], [B, N, V]
+            tokens, logits = generate_naive(model, prompt, as_generation(generation), return_logits, to_host)
+    return tokens.cpu().numpy(), None if logits is None else logits.cpu().numpy()  # [B, P + N], [B, steps, V]
 
 
 def generate_speculative(
@@ -138,7 +134,7 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> l
             torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.inference_mode():
-            torch_model.linear(vector[None], matrix)  # [1, rows]: the model's own path (oneDNN on the CPU)
+            onednn.linear(vector[None], matrix)  # [1, rows]: the model's own path (oneDNN on the CPU)
         if target.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
@@ -156,7 +152,7 @@ def clear_compiled() -> None:
     """Nothing is compiled here; JAX's twin forgets its compiled programs."""
 
 
-# ---------------------------------------------------------------- continuous batching (issue 13)
+# ---------------------------------------------------------------- continuous batching
 # What shared/batching's engine calls: a pool of KV blocks shared by the running sequences,
 # and one step of the running batch over it (torch_impl/paged.py; docs/BATCHING.md).
 

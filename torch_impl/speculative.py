@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from kvports.shared.generation import PAD, GenerationConfig, speculative_uniforms
-from kvports.torch_impl.model import TinyModel, draw, init_cache, probabilities, sample, start_generation
+from kvports.torch_impl.model import KVCache, TinyModel, draw, init_cache, probabilities, sample, start_generation
 
 
 def propose_ngram(tokens: torch.Tensor, end: int, n: int, draft_tokens: int) -> torch.Tensor:
@@ -42,21 +42,22 @@ def propose_ngram(tokens: torch.Tensor, end: int, n: int, draft_tokens: int) -> 
 
 def propose_draft(
     draft: TinyModel,
-    draft_cache,
+    draft_cache: KVCache,
     tokens: torch.Tensor,
     end: int,
     pad: torch.Tensor | None,
     generation: GenerationConfig,
     uniform: torch.Tensor,
     draft_tokens: int,
-):
+) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
     """K proposals [B, K] from the draft model, and the probabilities they were drawn from
     [B, K, V] (None when greedy). The draft's cache always lacks the last two tokens here: the
     one before the last is fed again (the same key and value in the same slot), so one rule
     serves a round after a rejection and a round after every proposal was kept."""
     draft_cache = draft_cache.crop(end - 2)
     logits, draft_cache = draft(tokens[:, end - 2 : end].clamp(min=0), draft_cache, pad)  # [B, 2, V]
-    proposals, drawn_from = [], []
+    proposals: list[torch.Tensor] = []
+    drawn_from: list[torch.Tensor] = []
     for i in range(draft_tokens):
         if i > 0:
             logits, draft_cache = draft(proposals[-1][:, None], draft_cache, pad)  # [B, 1, V]
@@ -104,7 +105,7 @@ def generate_speculative(
     draft_tokens: int,
     ngram: int = 2,
     on_token: Callable[[torch.Tensor], None] | None = None,
-):
+) -> tuple[torch.Tensor, dict[str, int]]:
     """prompt [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N], the target's own
     output, and counts: rounds, target forwards, proposals made and accepted."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
