@@ -110,6 +110,8 @@ class Checker:
         self.references: dict[str, Any] = {}
         self.failed_runs: list[tuple[Check, np.ndarray, list[int], np.ndarray]] = []  # cached FAILs: inputs, logits
         self.failed_tokens: list[tuple[Check, np.ndarray, np.ndarray]] = []  # generate_cached FAILs
+        self.raised_at: set[tuple[str, str, type]] = set()  # (function, file:line, exception type) explained
+        self.explained: set[str] = set()  # checks whose failure has its own line (an exception)
 
     # -- the reference ---------------------------------------------------------------------
     def reference(self, dtype: str) -> Any:
@@ -124,6 +126,12 @@ class Checker:
 
     def raised(self, name: str, error: ImplementationError, diagnosis: str | None = None) -> None:
         line = error.line
+        self.explained.add(name)
+        seen = (error.function, line, type(error.error))
+        if seen in self.raised_at and diagnosis is None:  # the same slip again, from another check
+            self.add(Check(name, FAIL, f"raised {type(error.error).__name__}", error.function + f" ({line})"))
+            return
+        self.raised_at.add(seen)
         self.add(
             Check(name, FAIL, f"raised {type(error.error).__name__}", error.function + (f" ({line})" if line else ""))
         )
@@ -275,6 +283,7 @@ class Checker:
             self.raised(name, error, "cache_update" if "cached" in name and later_chunk(error) else None)
         else:
             self.add(Check(name, FAIL, str(error)[:120]))
+            self.explained.add(name)
             self.explain(None, f"{name}: {error}")
 
     # -- diagnosis -------------------------------------------------------------------------
@@ -287,9 +296,13 @@ class Checker:
         for check, prompt, tokens in self.failed_tokens:
             if check.diagnosis is None and not self.report.diagnoses:
                 self.match_tokens(check, prompt, tokens)
-        unexplained = [check for check in self.report.checks if check.status == FAIL and check.diagnosis is None]
-        if self.report.diagnoses or not unexplained or len(self.report.explanations) >= len(unexplained):
-            return  # every failure is explained (an exception explains its own)
+        unexplained = [
+            check
+            for check in self.report.checks
+            if check.status == FAIL and check.diagnosis is None and check.name not in self.explained
+        ]
+        if self.report.diagnoses or not unexplained:
+            return  # a diagnosis accounts for the failures (an exception's line, for its own)
         check = unexplained[0]
         more = f"; {len(unexplained) - 1} other check(s) fail too" if len(unexplained) > 1 else ""
         if "full logits" in check.name:
