@@ -128,6 +128,15 @@ BAD_PLUGINS = {
         ),
         "full returned logits of shape [1, 500], expected [B, T, V] = [1, 5, 500]",
     ),
+    "wrong step output shapes": (
+        lambda tmp: variant(
+            tmp,
+            ADAPTER,
+            "return model.forward(tokens, state), state",
+            "return model.forward(tokens, state)[:, -1:], state",
+        ),
+        "step returned logits of shape [1, 1, 500], expected [B, T, V] = [1, 5, 500]",
+    ),
     "NaN logits": (
         lambda tmp: variant(
             tmp, ADAPTER, "return model.forward(tokens, None)", "return model.forward(tokens, None) * np.nan"

@@ -154,8 +154,9 @@ class Checker:
         impl = self.impl
         model = impl.build(self.config, self.weights, "float32")
         prompt = SEED_PROMPT if self.family == "seed" else random_tokens(self.config, 1, 5, 1)
-        probe = impl.full(model, prompt)  # a plug-in whose first forward fails or misshapes is unusable
-        assert probe.shape[-1] == self.config.vocab_size
+        impl.full(model, prompt)  # a plug-in whose first forward fails, misshapes or gives NaN is unusable
+        if impl.can_step(model):
+            impl.cached(model, prompt, [prompt.shape[1]])  # and the same for its first cached call
         self.generators(model, prompt)
         self.eval_mode(model)
         self.prefill(model)
@@ -291,8 +292,11 @@ class Checker:
         """Each failing cached run, matched against the broken variants on its own inputs."""
         if "eval_mode" in self.report.diagnoses and self.impl.kind != "post":
             return  # dropout noise matches no variant; the post's model was put in eval mode instead
+        found: list[variants.Mistake] = []  # a later run is tried against what an earlier one matched first
         for check, tokens, chunks, logits in self.failed_runs:
-            self.match(check, tokens, chunks, logits)
+            mistake = self.match(check, tokens, chunks, logits, found or variants.MISTAKES)
+            if mistake is not None and mistake not in found:
+                found.append(mistake)
         for check, prompt, tokens in self.failed_tokens:
             if check.diagnosis is None and not self.report.diagnoses:
                 self.match_tokens(check, prompt, tokens)
@@ -315,9 +319,12 @@ class Checker:
         else:
             self.explain(None, f"{check.name}: {check.detail} ({check.where}); no known mistake reproduces it" + more)
 
-    def match(self, check: Check, tokens: np.ndarray, chunks: list[int], logits: np.ndarray) -> None:
+    def match(
+        self, check: Check, tokens: np.ndarray, chunks: list[int], logits: np.ndarray, candidates: Any
+    ) -> variants.Mistake | None:
+        """The first of the candidate mistakes whose broken reference reproduces these logits."""
         scale = max(1.0, float(np.abs(logits).max()))
-        for mistake in variants.MISTAKES:
+        for mistake in candidates:
             variant = variants.forward_chunks(self.config, self.weights, tokens, chunks, mistake)
             distance = float(np.abs(variant - logits).max())
             if distance <= MATCH * scale:
@@ -327,7 +334,8 @@ class Checker:
                     f"{mistake.diagnosis}: {mistake.what} (its broken reference reproduces {check.name} within "
                     f"{distance:.1e}, {check.where}): {mistake.fix}",
                 )
-                return
+                return mistake
+        return None
 
     def match_tokens(self, check: Check, prompt: np.ndarray, tokens: np.ndarray) -> None:
         n = tokens.shape[1] - prompt.shape[1]
