@@ -166,6 +166,17 @@ def test_an_adapter_of_each_family_passes_in_float32_and_float64(capsys, family)
     assert any(check["name"].startswith("cached == full float64") for check in report["checks"])
 
 
+def test_the_post_interface_runs_the_seed_model_only(capsys):
+    err = assert_one_error_line(*run_cli(capsys, "check", fixture("post"), "--family", "gpt2"))
+    assert "seed's model only" in err
+
+
+def test_an_adapter_is_found_by_module_name_too(capsys, monkeypatch):
+    monkeypatch.chdir(FIXTURES)  # importable from the folder the command runs in, as `python -m` finds it
+    code, report = check_json(capsys, "numpy_adapter")
+    assert (code, report["interface"]) == (0, "adapter")
+
+
 def test_a_seed_only_adapter_given_another_family_is_refused(capsys):
     err = assert_one_error_line(*run_cli(capsys, "check", ADAPTER, "--family", "llama"))
     assert "llama" in err or "KeyError" in err
