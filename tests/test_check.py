@@ -128,6 +128,15 @@ BAD_PLUGINS = {
         ),
         "full returned logits of shape [1, 500], expected [B, T, V] = [1, 5, 500]",
     ),
+    "wrong step output shapes": (
+        lambda tmp: variant(
+            tmp,
+            ADAPTER,
+            "return model.forward(tokens, state), state",
+            "return model.forward(tokens, state)[:, -1:], state",
+        ),
+        "step returned logits of shape [1, 1, 500], expected [B, T, V] = [1, 5, 500]",
+    ),
     "NaN logits": (
         lambda tmp: variant(
             tmp, ADAPTER, "return model.forward(tokens, None)", "return model.forward(tokens, None) * np.nan"
@@ -155,6 +164,17 @@ def test_an_adapter_of_each_family_passes_in_float32_and_float64(capsys, family)
     code, report = check_json(capsys, PORT_ADAPTER, "--family", family)
     assert (code, report["family"]) == (0, family)
     assert any(check["name"].startswith("cached == full float64") for check in report["checks"])
+
+
+def test_the_post_interface_runs_the_seed_model_only(capsys):
+    err = assert_one_error_line(*run_cli(capsys, "check", fixture("post"), "--family", "gpt2"))
+    assert "seed's model only" in err
+
+
+def test_an_adapter_is_found_by_module_name_too(capsys, monkeypatch):
+    monkeypatch.chdir(FIXTURES)  # importable from the folder the command runs in, as `python -m` finds it
+    code, report = check_json(capsys, "numpy_adapter")
+    assert (code, report["interface"]) == (0, "adapter")
 
 
 def test_a_seed_only_adapter_given_another_family_is_refused(capsys):

@@ -222,6 +222,15 @@ def checked_logits(function: str, logits: Any, B: int, T: int, V: int) -> np.nda
     return logits
 
 
+def loaded_torch(label: str) -> ModuleType:
+    """The torch the post's file imported. shared imports no framework of its own: it drives
+    the one the implementation brought, so it never loads torch where nothing else did."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        raise UserError(f"{echo_path(label)} defines TinyModel without importing torch (the post's interface is torch)")
+    return torch
+
+
 class Post(Implementation):
     """The post's file: a torch TinyModel and its two generators."""
 
@@ -232,8 +241,7 @@ class Post(Implementation):
         self.module, self.label = module, label
 
     def build(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: str) -> Any:
-        import torch
-
+        torch = loaded_torch(self.label)
         model = call("TinyModel()", self.module.TinyModel)
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"TinyModel() in {self.label} is a {type(model).__name__}, not a torch.nn.Module")
@@ -250,8 +258,7 @@ class Post(Implementation):
         return model
 
     def run_forward(self, model: Any, tokens: np.ndarray, caches: list | None) -> np.ndarray:
-        import torch
-
+        torch = loaded_torch(self.label)
         with torch.no_grad():
             idx = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
             args = (idx,) if caches is None else (idx, caches)
@@ -274,8 +281,7 @@ class Post(Implementation):
         return np.concatenate(pieces, axis=1)
 
     def generate(self, model: Any, prompt: np.ndarray, n: int, mode: str) -> np.ndarray:
-        import torch
-
+        torch = loaded_torch(self.label)
         name = f"generate_{mode}"
         with torch.no_grad():
             out = call(name, getattr(self.module, name), model, torch.from_numpy(np.asarray(prompt, np.int64)), n)

@@ -110,6 +110,8 @@ class Checker:
         self.references: dict[str, Any] = {}
         self.failed_runs: list[tuple[Check, np.ndarray, list[int], np.ndarray]] = []  # cached FAILs: inputs, logits
         self.failed_tokens: list[tuple[Check, np.ndarray, np.ndarray]] = []  # generate_cached FAILs
+        self.raised_at: set[tuple[str, str, type]] = set()  # (function, file:line, exception type) explained
+        self.explained: set[str] = set()  # checks whose failure has its own line (an exception)
 
     # -- the reference ---------------------------------------------------------------------
     def reference(self, dtype: str) -> Any:
@@ -124,6 +126,12 @@ class Checker:
 
     def raised(self, name: str, error: ImplementationError, diagnosis: str | None = None) -> None:
         line = error.line
+        self.explained.add(name)
+        seen = (error.function, line, type(error.error))
+        if seen in self.raised_at and diagnosis is None:  # the same slip again, from another check
+            self.add(Check(name, FAIL, f"raised {type(error.error).__name__}", error.function + f" ({line})"))
+            return
+        self.raised_at.add(seen)
         self.add(
             Check(name, FAIL, f"raised {type(error.error).__name__}", error.function + (f" ({line})" if line else ""))
         )
@@ -146,8 +154,9 @@ class Checker:
         impl = self.impl
         model = impl.build(self.config, self.weights, "float32")
         prompt = SEED_PROMPT if self.family == "seed" else random_tokens(self.config, 1, 5, 1)
-        probe = impl.full(model, prompt)  # a plug-in whose first forward fails or misshapes is unusable
-        assert probe.shape[-1] == self.config.vocab_size
+        impl.full(model, prompt)  # a plug-in whose first forward fails, misshapes or gives NaN is unusable
+        if impl.can_step(model):
+            impl.cached(model, prompt, [prompt.shape[1]])  # and the same for its first cached call
         self.generators(model, prompt)
         self.eval_mode(model)
         self.prefill(model)
@@ -275,6 +284,7 @@ class Checker:
             self.raised(name, error, "cache_update" if "cached" in name and later_chunk(error) else None)
         else:
             self.add(Check(name, FAIL, str(error)[:120]))
+            self.explained.add(name)
             self.explain(None, f"{name}: {error}")
 
     # -- diagnosis -------------------------------------------------------------------------
@@ -282,14 +292,21 @@ class Checker:
         """Each failing cached run, matched against the broken variants on its own inputs."""
         if "eval_mode" in self.report.diagnoses and self.impl.kind != "post":
             return  # dropout noise matches no variant; the post's model was put in eval mode instead
+        found: list[variants.Mistake] = []  # a later run is tried against what an earlier one matched first
         for check, tokens, chunks, logits in self.failed_runs:
-            self.match(check, tokens, chunks, logits)
+            mistake = self.match(check, tokens, chunks, logits, found or variants.MISTAKES)
+            if mistake is not None and mistake not in found:
+                found.append(mistake)
         for check, prompt, tokens in self.failed_tokens:
             if check.diagnosis is None and not self.report.diagnoses:
                 self.match_tokens(check, prompt, tokens)
-        unexplained = [check for check in self.report.checks if check.status == FAIL and check.diagnosis is None]
-        if self.report.diagnoses or not unexplained or len(self.report.explanations) >= len(unexplained):
-            return  # every failure is explained (an exception explains its own)
+        unexplained = [
+            check
+            for check in self.report.checks
+            if check.status == FAIL and check.diagnosis is None and check.name not in self.explained
+        ]
+        if self.report.diagnoses or not unexplained:
+            return  # a diagnosis accounts for the failures (an exception's line, for its own)
         check = unexplained[0]
         more = f"; {len(unexplained) - 1} other check(s) fail too" if len(unexplained) > 1 else ""
         if "full logits" in check.name:
@@ -302,9 +319,12 @@ class Checker:
         else:
             self.explain(None, f"{check.name}: {check.detail} ({check.where}); no known mistake reproduces it" + more)
 
-    def match(self, check: Check, tokens: np.ndarray, chunks: list[int], logits: np.ndarray) -> None:
+    def match(
+        self, check: Check, tokens: np.ndarray, chunks: list[int], logits: np.ndarray, candidates: Any
+    ) -> variants.Mistake | None:
+        """The first of the candidate mistakes whose broken reference reproduces these logits."""
         scale = max(1.0, float(np.abs(logits).max()))
-        for mistake in variants.MISTAKES:
+        for mistake in candidates:
             variant = variants.forward_chunks(self.config, self.weights, tokens, chunks, mistake)
             distance = float(np.abs(variant - logits).max())
             if distance <= MATCH * scale:
@@ -314,7 +334,8 @@ class Checker:
                     f"{mistake.diagnosis}: {mistake.what} (its broken reference reproduces {check.name} within "
                     f"{distance:.1e}, {check.where}): {mistake.fix}",
                 )
-                return
+                return mistake
+        return None
 
     def match_tokens(self, check: Check, prompt: np.ndarray, tokens: np.ndarray) -> None:
         n = tokens.shape[1] - prompt.shape[1]
