@@ -63,7 +63,7 @@ def hf_dir(tmp_path: Path, **config_changes) -> Path:
 
 
 @pytest.mark.parametrize("temperature", ["1e-320", "1e-300", "1e-20", "9e-13"])
-def test_a_temperature_too_small_to_divide_by_is_refused(capsys, port, temperature):
+def test_a_temperature_too_small_for_exact_logits_is_refused(capsys, port, temperature):
     """Below 1.9e-270 logits / T is inf in float64 and every port drew token 0 forever; at 1e-20
     the seed's logits / T are past 2**53, and JAX alone drew token 0."""
     err = generate(capsys, port, "--temperature", temperature)
