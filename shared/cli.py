@@ -14,7 +14,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvports.shared import bench
 from kvports.shared.batching import batch
@@ -43,7 +43,7 @@ class Parser(argparse.ArgumentParser):
     user error, where argparse would print its usage first: a value one of our types refuses
     (`--new-tokens 0`) names the flag and the limit; any other points to --help."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # `--temperature -inf` or `-1e-3` is a value our type then refuses by name; argparse
         # would take anything but plain negative digits for an unknown flag.

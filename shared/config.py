@@ -31,12 +31,13 @@ MAX_SIZE = 2**30
 # framework and Hugging Face's config store it.
 MAX_WINDOW = 2**63 - 1
 # The floats, bounded where a port could part from the others, and wide enough for every
-# published checkpoint. An epsilon below the smallest published (BERT's 1e-12; decoders use
-# 1e-5 or 1e-6) may be a float32 subnormal, which XLA flushes to zero: an all-zero row then
-# normalises to NaN in JAX alone. A RoPE theta below 1 makes frequencies above 1 and angles
-# past the positions, which each framework's sin and cos reduce their own way (JAX's tokens
-# parted from torch's at 1e-30); at most 1 they stay within max_seq_len. The top is far past
-# the largest published theta (Llama 3's 500000, long-context variants' few billion).
+# published checkpoint. An epsilon that is a float32 subnormal (below 1.2e-38) XLA flushes to
+# zero, and an all-zero row then normalises to NaN in JAX alone: the bound is the smallest
+# published epsilon (BERT's 1e-12; decoders use 1e-5 or 1e-6), far above that. A RoPE theta
+# below 1 makes frequencies above 1, and angles past the positions that each framework's sin
+# and cos reduce their own way (JAX's tokens parted from torch's at 1e-30); from 1 up, every
+# angle is at most its position. The top is far past the largest published theta (Llama 3's
+# 500000, long-context variants' few billion).
 MIN_NORM_EPS = 1e-12
 ROPE_THETA_RANGE = (1.0, 1e12)
 

@@ -11,7 +11,7 @@ import signal
 import stat
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvports.shared.errors import UserError, echo, echo_path
@@ -124,7 +124,7 @@ def check_writable_folder(folder: Path, name: str) -> None:
         )
 
 
-def check_output_file(path: Path, force: bool, inputs: Iterable[Path] = ()) -> None:
+def check_output_file(path: Path, force: bool, inputs: Sequence[Path] = ()) -> None:
     """Before any work is done for it: an output file's path can be written, and an existing
     one (a dangling symlink too) is replaced only with --force, only if it is a regular file,
     and never if it is one of the command's `inputs` (a file, or a folder and so each file in
@@ -143,7 +143,7 @@ def check_output_file(path: Path, force: bool, inputs: Iterable[Path] = ()) -> N
 OURS = ("config.json", "model.safetensors")  # what `convert --to-hf` writes
 
 
-def check_output_folder(path: Path, force: bool, inputs: Iterable[Path] = ()) -> None:
+def check_output_folder(path: Path, force: bool, inputs: Sequence[Path] = ()) -> None:
     """Before any work: the folder `convert --to-hf` will replace whole. An empty one is taken;
     one holding a model only with --force; one holding anything else, a symlink, or any of the
     command's `inputs` never (it would go)."""
@@ -176,7 +176,7 @@ def check_regular(path: Path, why: str) -> None:
         raise UserError(f"{echo_path(path)} is {kind}; {why}")
 
 
-def check_not_an_input(path: Path, inputs: Iterable[Path], holder: Path | None = None) -> None:
+def check_not_an_input(path: Path, inputs: Sequence[Path], holder: Path | None = None) -> None:
     """`path` (if it exists) is none of `inputs` and no file of an input folder: compared as
     files (os.path.samefile), so a symlink or a hard link to an input is caught too. holder:
     the folder being replaced that holds `path`, for the message."""

@@ -19,11 +19,17 @@ from kvports.shared.errors import UserError, echo
 
 PAD = -1  # in a token array: left padding of a short prompt, or a slot after a row stopped
 MAX_SEED = 2**64 - 1  # Philox keys are 64-bit words
-# Every port divides the logits, cast to float64, by the temperature. Down to this one no
-# logit of float32's range (every float32 run's) overflows float64 there: below it, a logit
-# of inf and then NaN probabilities, and token 0 forever. The top is far past where sampling
-# is already uniform (torch and JAX fail on a whole-number one past int64, where NumPy runs).
-MIN_TEMPERATURE = float(np.finfo(np.float32).max) / float(np.finfo(np.float64).max)  # about 1.9e-270
+# Every port divides the logits, cast to float64, by the temperature, and softmax subtracts
+# the largest. XLA computes x / T as x * (1 / T) in one fusion and as x / T in another: the two
+# differ by an ulp of x / T, which exp makes a factor e**ulp; once logits / T pass about 6e18
+# that is inf or 0, JAX's probabilities NaN and its draws token 0 forever (so does every port
+# once they overflow float64, below 1.9e-270). Down to MIN_TEMPERATURE, a logit below
+# MAX_EXACT_LOGIT divided by it stays under 2**53, where float64 holds every integer and the
+# ulp is at most 1, which exp cannot blow up. Real models' logits are tens, the seed's about 2.
+# The top is far past where sampling is already uniform (torch and JAX fail on a whole-number
+# temperature past int64, where NumPy runs).
+MAX_EXACT_LOGIT = 2**13
+MIN_TEMPERATURE = 1e-12  # a round number above MAX_EXACT_LOGIT / 2**53 = MAX_EXACT_LOGIT * finfo(float64).eps / 2
 MAX_TEMPERATURE = 1e18
 
 
@@ -50,7 +56,8 @@ class GenerationConfig:
         ):
             raise UserError(
                 f"temperature {echo(self.temperature)} must be a finite number >= 0 (0 means greedy; else in "
-                f"[{MIN_TEMPERATURE:.3g}, {MAX_TEMPERATURE:g}]: dividing the logits by less overflows float64)"
+                f"[{MIN_TEMPERATURE:.3g}, {MAX_TEMPERATURE:g}]: logits divided by less lose their exactness in "
+                "float64, and the ports their agreement)"
             )
         check_int("top-k", self.top_k, 0)
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:

@@ -195,7 +195,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         type=number,
         default=0.0,
         help=f"0 (default): greedy; else sample, in [{MIN_TEMPERATURE:.3g}, {MAX_TEMPERATURE:g}] "
-        "(a logit divided by less overflows float64)",
+        "(logits divided by less lose float64's exactness)",
     )
     group.add_argument(
         "--top-k", type=non_negative_int, default=0, metavar="K", help="sample from the K likeliest tokens (0: all)"
