@@ -10,16 +10,14 @@ the first token whose cumulative probability passes the uniform).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvports.shared.errors import UserError
+from kvports.shared.checks import check_generation
 
 PAD = -1  # in a token array: left padding of a short prompt, or a slot after a row stopped
-MAX_SEED = 2**64 - 1  # Philox keys are 64-bit words
 
 
 @dataclass(frozen=True)
@@ -36,31 +34,9 @@ class GenerationConfig:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int) -> GenerationConfig:
-        """The same one-line errors for every port, before any framework code runs."""
-        check_int("new tokens", self.max_new_tokens, 1)
-        if (
-            not isinstance(self.temperature, (int, float))
-            or isinstance(self.temperature, bool)
-            or not math.isfinite(self.temperature)
-            or self.temperature < 0
-        ):
-            raise UserError(f"temperature {self.temperature!r} must be a finite number >= 0 (0 means greedy)")
-        check_int("top-k", self.top_k, 0)
-        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
-            raise UserError(f"top-p {self.top_p!r} must be in (0, 1] (1 means no nucleus filter)")
-        check_int("seed", self.seed, 0, MAX_SEED)
-        for stop in self.stop_ids:
-            check_int("stop id", stop, 0, vocab_size - 1)
+        """The same one-line errors for every port, before any framework code runs (`checks.check_generation`)."""
+        check_generation(self, vocab_size)
         return self
-
-
-def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise UserError(f"{name} {value!r} is not an integer")
-    if value < low or (high is not None and value > high):
-        limit = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise UserError(f"{name} {value} must be {limit}")
-    return int(value)
 
 
 def as_generation(generation: int | GenerationConfig) -> GenerationConfig:

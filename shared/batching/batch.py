@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvports.shared.arguments import positive_int
 from kvports.shared.batching.blocks import blocks_for
 from kvports.shared.batching.engine import (
     BLOCK_SIZE,
@@ -29,7 +30,6 @@ from kvports.shared.batching.engine import (
 from kvports.shared.batching.requests import BadLine, Request, parse_requests
 from kvports.shared.batching.scheduler import Sequence
 from kvports.shared.bench.presets import PRESETS
-from kvports.shared.commands.arguments import positive_int
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.devices import add_device_argument, check_device
 from kvports.shared.errors import UserError, echo_path

@@ -7,10 +7,10 @@ import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvports.shared.arguments import add_speculative_arguments, integer, parse_integer
 from kvports.shared.bench.presets import PRESETS
 from kvports.shared.bench.runners import DEFAULT_MODES, FRAMEWORKS, MODES
 from kvports.shared.checks import SEED_PROMPT
-from kvports.shared.commands.arguments import add_speculative_arguments, integer, parse_integer
 from kvports.shared.config import DTYPES, MAX_SIZE, ModelConfig
 from kvports.shared.devices import add_device_argument
 from kvports.shared.errors import UserError, echo, echo_path

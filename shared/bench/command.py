@@ -20,11 +20,13 @@ from kvports.shared.bench.presets import bench_prompts, load_bench_model
 from kvports.shared.bench.rows import run_rows
 from kvports.shared.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, RUNNERS, Runner
 from kvports.shared.bench.targets import targets
-from kvports.shared.commands.arguments import load_draft
+from kvports.shared.checks import COMMAND_LINE, check_draft, check_needed
 from kvports.shared.config import ModelConfig
 from kvports.shared.devices import check_gpu_reachable, device_problem
 from kvports.shared.errors import UserError
+from kvports.shared.generation import GenerationConfig
 from kvports.shared.progress import make_progress
+from kvports.shared.run import Draft, RunInputs, read_draft
 
 
 def gpu_problems(runners: list[Runner], device: str) -> dict[str, str]:
@@ -75,7 +77,14 @@ def run(args: argparse.Namespace) -> int:
 
     preset, config, tensors = load_bench_model(args, check)
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens)  # [B, P]
-    draft_weights = load_draft(args, config, prompts) if "speculative" in modes else None  # at --dtype
+    draft_weights = None
+    if "speculative" in modes:
+        draft = Draft(args.draft, args.draft_tokens, args.ngram)
+        generation = GenerationConfig(args.new_tokens)
+        inputs = RunInputs(frameworks[0], "speculative", generation, args.weights, args.dtype, args.device, draft)
+        check_draft("speculative", args.draft, args.draft_tokens, args.ngram, COMMAND_LINE)
+        check_needed(args.prompt_len, args.new_tokens, args.draft_tokens, [("the model", config)])
+        draft_weights = read_draft(inputs, config, prompts)  # at --dtype
     roofline = args.roofline or preset == "gpt2-small"
     settings: dict[str, Any] = {
         "preset": preset,

@@ -10,6 +10,7 @@ import numpy as np
 
 from kvports.shared.checks import SEED_PROMPT, check_prompts
 from kvports.shared.config import ModelConfig
+from kvports.shared.generation import pad_prompts
 from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, open_weights
 
 PRESETS: dict[str, ModelConfig | None] = {
@@ -46,4 +47,4 @@ def load_bench_model(
 def bench_prompts(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> np.ndarray:
     # The seed's prompt, repeated to length; ids past a small vocab wrap into it.
     row = [int(token) % config.vocab_size for token in np.resize(np.asarray(SEED_PROMPT), prompt_len)]
-    return check_prompts([row] * batch, config, new_tokens)  # [B, P]
+    return pad_prompts(check_prompts([row] * batch, config, new_tokens))[0]  # [B, P]
