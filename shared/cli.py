@@ -17,8 +17,7 @@ from typing import NoReturn
 
 from kvports.shared import bench
 from kvports.shared.arguments import OutOfRange
-from kvports.shared.batching import batch
-from kvports.shared.commands import compare, convert, generate, init_weights
+from kvports.shared.commands import batch, compare, convert, generate, init_weights
 from kvports.shared.errors import UserError
 from kvports.version import __version__
 

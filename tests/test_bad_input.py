@@ -3,7 +3,7 @@ nothing on stdout, the same for every framework, caught in shared/ before any po
 (and, where the header tells, before any tensor is read); or, where the input is valid
 after all (a wide sliding window), the same correct tokens in every port.
 
-One table per class of bad input (issue 9): a file the weights reader must refuse, a
+One table per class of bad input: a file the weights reader must refuse, a
 Hugging Face directory, prompts, sizes that would exhaust memory, output paths, the
 command line itself. The next bad input is a line in its table.
 """

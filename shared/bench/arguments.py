@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvports.shared.arguments import add_speculative_arguments, integer, parse_integer
+from kvports.shared.batching.engine import BatchSettings
+from kvports.shared.bench.batching import WORKLOADS, BatchingBench
 from kvports.shared.bench.presets import PRESETS
 from kvports.shared.bench.runners import DEFAULT_MODES, FRAMEWORKS, MODES
 from kvports.shared.checks import SEED_PROMPT
@@ -96,8 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 BATCHING_FLAGS = ("preset", "weights", "frameworks", "dtype", "device", "json", "requests")
 
 
-def batching_argv(args: argparse.Namespace, parser_defaults: dict[str, object], ports: Sequence[str]) -> list[str]:
-    """`kvports bench --requests N ...` as the flags of `kvports batch --bench`."""
+def batching_inputs(
+    args: argparse.Namespace, parser_defaults: dict[str, object], ports: Sequence[str]
+) -> BatchingBench:
+    """`kvports bench --requests N ...` as the batching bench's inputs (`kvports batch --bench`'s)."""
     check_at_least("--requests", args.requests, 1)
     if args.requests > MAX_SIZE:
         raise UserError(f"--requests {echo(args.requests)} is above {MAX_SIZE}")
@@ -114,10 +118,17 @@ def batching_argv(args: argparse.Namespace, parser_defaults: dict[str, object], 
         raise UserError(
             f"--requests times the ports ({','.join(ports)}); --frameworks {echo(args.frameworks)} names none"
         )
-    argv = ["--bench", "--count", str(args.requests), "--frameworks", ",".join(chosen)]
-    argv += ["--dtype", args.dtype, "--device", args.device]
-    argv += ["--weights", str(args.weights)] if args.weights is not None else ["--preset", args.preset]
-    return argv + (["--json"] if args.json else [])
+    return BatchingBench(
+        tuple(chosen),
+        WORKLOADS,
+        args.requests,
+        BatchSettings(),
+        args.preset,
+        args.weights,
+        args.dtype,
+        args.device,
+        args.json,
+    )
 
 
 def check_counts(args: argparse.Namespace) -> None:

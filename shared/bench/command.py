@@ -45,15 +45,13 @@ def gpu_problems(runners: list[Runner], device: str) -> dict[str, str]:
 
 def run_batching(args: argparse.Namespace) -> int:
     """`kvports bench --requests N`: `kvports batch --bench`'s two workloads, N requests each."""
-    from kvports.shared.batching import batch
-    from kvports.shared.batching.bench import run_bench
-    from kvports.shared.bench.arguments import add_arguments, batching_argv
+    from kvports.shared.bench.arguments import add_arguments, batching_inputs
+    from kvports.shared.bench.batching import run_bench
 
-    bench_parser, batch_parser = argparse.ArgumentParser(), argparse.ArgumentParser()
+    bench_parser = argparse.ArgumentParser()
     add_arguments(bench_parser)
-    batch.add_arguments(batch_parser)
     defaults = vars(bench_parser.parse_args([]))  # every bench flag at its default
-    return run_bench(batch_parser.parse_args(batching_argv(args, defaults, ports.PORTS)))
+    return run_bench(batching_inputs(args, defaults, ports.PORTS))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         sweep.extend(parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None))
         check_bench_run(config, args, modes, max([args.new_tokens, *sweep]))
 
-    preset, config, tensors = load_bench_model(args, check)
+    preset, config, tensors = load_bench_model(args.preset, args.weights, args.dtype, check)
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens)  # [B, P]
     draft_weights = None
     if "speculative" in modes:

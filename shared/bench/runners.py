@@ -105,7 +105,7 @@ def import_runner(runner: Runner) -> tuple[Timed | None, str | None]:
     except ports.PortUnavailable as exc:
         return None, exc.reason
     except ModuleNotFoundError as exc:
-        # A baseline's library not installed (transformers, torch) is a row that says so; any other import failure is a bug.
+        # A baseline whose library is not installed is a row that says so; any other import failure is a bug.
         if exc.name is None or importlib.util.find_spec(exc.name.split(".")[0]) is not None:
             raise
         return None, f"not installed ({exc})"
