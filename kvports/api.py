@@ -75,9 +75,7 @@ class Model:
             raise UserError(f"generation={echo(generation)} is not a GenerationConfig")
         chosen = None if draft is None else run.Draft(os.fspath(draft), draft_tokens, ngram)
         inputs = run.RunInputs(self.framework, mode, generation, None, self.dtype, self.device, chosen)
-        batch = run.check_inputs(inputs, self.config, prompt_rows(prompts), API)
-        if mode == "speculative":
-            run.prepare_draft(self.loaded, inputs, batch)
+        batch = run.check_and_prepare(self.loaded, inputs, prompt_rows(prompts), API)
         return run.generate(self.loaded, batch, inputs, return_logits, on_token)
 
 

@@ -146,25 +146,31 @@ def check_inputs(
     prompts: Sequence[Sequence[object]],
     names: Names = COMMAND_LINE,
     modes: Sequence[str] | None = None,
+    draft: ModelConfig | None = None,
 ) -> np.ndarray:
     """Every check of one run's inputs against its model, in one place, once: the prompts, the
-    generation settings, the draft's settings (for `modes` with speculative; default: the
-    inputs' own mode) and the bytes the run will allocate. The prompts as one batch [B, P],
-    left-padded with PAD (every row's last prompt token in the same column)."""
+    generation settings, the draft's settings and its model's config (`draft`, from its header;
+    for `modes` with speculative, default: the inputs' own mode) and the bytes the run will
+    allocate. The prompts as one batch [B, P], left-padded with PAD (every row's last prompt
+    token in the same column)."""
     modes = [check_choice("mode", inputs.mode, MODES, names)] if modes is None else list(modes)
     generation = inputs.generation
     rows = check_prompts(prompts, config, generation.max_new_tokens, names)
     check_generation(generation, config.vocab_size, names)
     draft_tokens = 0
     if "speculative" in modes:
-        draft = inputs.draft
-        check_draft(inputs.mode, None if draft is None else draft.source, *draft_fields(draft), names)
-        assert draft is not None
-        draft_tokens = draft.tokens
-        check_needed(max(map(len, rows)), generation.max_new_tokens, draft_tokens, [("the model", config)])
+        source = None if inputs.draft is None else inputs.draft.source
+        check_draft(inputs.mode, source, *draft_fields(inputs.draft), names)
+        assert inputs.draft is not None
+        draft_tokens = inputs.draft.tokens
+        models = [("the model", config)]
+        if draft is not None:
+            check_draft_model(config, draft)
+            models.append(("the draft", draft))
+        check_needed(max(map(len, rows)), generation.max_new_tokens, draft_tokens, models)
     batch = pad_prompts(rows)[0]  # [B, P]
     B, P = batch.shape
-    check_run(config, inputs.dtype, B, P, generation.max_new_tokens, modes, draft_tokens)
+    check_run(config, inputs.dtype, B, P, generation.max_new_tokens, modes, draft_tokens, draft)
     return batch
 
 
@@ -172,43 +178,46 @@ def draft_fields(draft: Draft | None) -> tuple[object, object]:
     return (4, 2) if draft is None else (draft.tokens, draft.ngram)
 
 
-def check_draft_run(inputs: RunInputs, config: ModelConfig, draft: ModelConfig, prompts: np.ndarray) -> None:
-    """A draft model's config against the model and the run (what `check_inputs` cannot know before it is read)."""
-    assert inputs.draft is not None
-    check_draft_model(config, draft)
-    B, P = prompts.shape
-    N, K = inputs.generation.max_new_tokens, inputs.draft.tokens
-    check_needed(P, N, K, [("the model", config), ("the draft", draft)])
-    check_run(config, inputs.dtype, B, P, N, ["speculative"], K, draft)
+def draft_file(inputs: RunInputs, modes: Sequence[str] | None = None) -> str | None:
+    """The draft model's weights file a run needs read (speculative with a file), or None."""
+    speculative = "speculative" in (modes if modes is not None else [inputs.mode])
+    if not speculative or inputs.draft is None or inputs.draft.source == "ngram":
+        return None
+    return inputs.draft.source
+
+
+def check_and_prepare(
+    loaded: LoadedModel, inputs: RunInputs, prompts: Sequence[Sequence[object]], names: Names = COMMAND_LINE
+) -> np.ndarray:
+    """`check_inputs` for a model already loaded (the Python API): a draft file is read, checked
+    and loaded on first use, then kept on `loaded` for the calls after."""
+    source = draft_file(inputs)
+    if source is None or source in loaded.drafts:
+        draft = None if source is None else loaded.drafts[source][0]
+        return check_inputs(inputs, loaded.config, prompts, names, draft=draft)
+    with open_weights(Path(source)) as file:
+        batch = check_inputs(inputs, loaded.config, prompts, names, draft=file.config)
+        loaded.add_draft(source, file.config, file.read(inputs.dtype))
+    return batch
 
 
 def read_draft(inputs: RunInputs, config: ModelConfig, prompts: np.ndarray) -> tuple[ModelConfig, Tensors] | None:
-    """The draft model's config and tensors, checked against the model and the run; None for prompt lookup."""
-    assert inputs.draft is not None  # check_inputs refuses speculative mode without one
-    if inputs.draft.source == "ngram":
+    """The bench's draft: config and tensors, checked against the model and the run; None for prompt lookup."""
+    source = draft_file(inputs)
+    if source is None:
         return None
-    with open_weights(Path(inputs.draft.source)) as file:
-        check_draft_run(inputs, config, file.config, prompts)
+    assert inputs.draft is not None
+    with open_weights(Path(source)) as file:
+        check_draft_model(config, file.config)
+        B, P = prompts.shape
+        N, K = inputs.generation.max_new_tokens, inputs.draft.tokens
+        check_needed(P, N, K, [("the model", config), ("the draft", file.config)])
+        check_run(config, inputs.dtype, B, P, N, ["speculative"], K, file.config)
         return file.config, file.read(inputs.dtype)
 
 
-def prepare_draft(loaded: LoadedModel, inputs: RunInputs, prompts: np.ndarray) -> None:
-    """A speculative run's draft, checked against the model and the run: read and loaded on first
-    use and kept on `loaded` (the Python API's calls share it); nothing for prompt lookup."""
-    assert inputs.draft is not None
-    source = inputs.draft.source
-    if source == "ngram":
-        return
-    if source in loaded.drafts:
-        check_draft_run(inputs, loaded.config, loaded.drafts[source][0], prompts)
-        return
-    draft = read_draft(inputs, loaded.config, prompts)
-    assert draft is not None
-    loaded.add_draft(source, *draft)
-
-
 def draft_model(loaded: LoadedModel, inputs: RunInputs) -> Any:
-    """The draft model `prepare_draft` (or the command line's `read_draft`) put on `loaded`; None for prompt lookup."""
+    """The run's draft model, loaded onto `loaded` beforehand; None for prompt lookup."""
     assert inputs.draft is not None
     return None if inputs.draft.source == "ngram" else loaded.drafts[inputs.draft.source][1]
 

@@ -5,6 +5,7 @@ prompts checked by `shared.run` and `shared.checks`, before any port is imported
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from kvports.shared.arguments import non_negative_int, number, positive_int, see
 from kvports.shared.checks import SEED_PROMPT, check_stop_flags, check_text_flags, parse_prompt
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.generation import GenerationConfig
+from kvports.shared.weights import open_weights
 
 
 def add_input_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,20 +103,30 @@ def read_inputs(
 ) -> CommandInputs:
     """The flags as typed inputs, checked once against the model (its header: before any tensor
     is read), then the weights and any draft read. `modes`: the modes the command runs (default: `mode`)."""
+    draft = draft_of(args)
+    wanted = None if draft is None or draft.source == "ngram" else draft.source
+    if wanted is None or "speculative" not in (modes if modes is not None else [mode]):
+        return read_checked(args, framework, mode, modes, None)
+    with open_weights(Path(wanted)) as file:  # its header is checked with the rest, before any tensor is read
+        given = read_checked(args, framework, mode, modes, file.config)
+        return dataclasses.replace(given, draft=(file.config, file.read(args.dtype)))
 
+
+def read_checked(
+    args: argparse.Namespace, framework: str, mode: str, modes: Sequence[str] | None, draft: ModelConfig | None
+) -> CommandInputs:
     def check(config: ModelConfig) -> tuple[run.RunInputs, Any, np.ndarray]:
         tokenizer = text_tokenizer(args, config)
         inputs = run.RunInputs(
             framework, mode, generation_of(args, config), args.weights, args.dtype, args.device, draft_of(args)
         )
-        return inputs, tokenizer, run.check_inputs(inputs, config, prompt_rows(args, tokenizer), modes=modes)
+        rows = prompt_rows(args, tokenizer)
+        return inputs, tokenizer, run.check_inputs(inputs, config, rows, modes=modes, draft=draft)
 
     config, tensors, checked = run.read_model(args.weights, args.dtype, check)
     assert checked is not None
     inputs, tokenizer, prompts = checked
-    speculative = "speculative" in (modes if modes is not None else [mode])
-    draft = run.read_draft(inputs, config, prompts) if speculative else None
-    return CommandInputs(inputs, config, tensors, prompts, tokenizer, draft)
+    return CommandInputs(inputs, config, tensors, prompts, tokenizer, None)
 
 
 def draft_of(args: argparse.Namespace) -> run.Draft | None:
