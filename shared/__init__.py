@@ -7,7 +7,7 @@ The core, which the ports import:
 - `checks`: input checks that run before any framework code
 - `compare`: token comparison with float32's near-ties explained; logit differences
 - `generation`: how to generate (sampling settings, stop ids, seed), the shared random draws, ragged prompts
-- `contract`: what a port must provide (`Port`), and a bench baseline (`Runner`)
+- `contract`: what a port must provide (`Port`), and a bench baseline (`Baseline`)
 - `ports`: ports imported by name, lazily; a missing one is reported as unavailable
 - `errors`, `files`, `families`, `progress`: small pieces the above and the tools share
 

@@ -83,14 +83,14 @@ def run_batched(
     start = time.perf_counter()
     for request in requests:
         engine.add(request)
-    done = engine.run()
+    finished = engine.run()
     port.synchronize(model)
     seconds = time.perf_counter() - start
     stats = engine.stats
     return {
         "seconds": seconds,
-        "tokens": {sequence.request.id: sequence.generated for sequence in done},
-        "ttft_s": [sequence.first_token_time - sequence.arrival for sequence in done],  # type: ignore[operator]
+        "tokens": {sequence.request.id: sequence.generated for sequence in finished},
+        "ttft_s": [sequence.first_token_time - sequence.arrival for sequence in finished],  # type: ignore[operator]
         "steps": dict(stats.steps),
         "step_seconds": dict(stats.seconds),
         "prefill_tokens": stats.prefill_tokens,

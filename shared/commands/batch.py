@@ -216,8 +216,8 @@ def run_requests(
             print(json.dumps(result_line(sequence, tokenizer)), flush=True)
             progress.advance(task)
 
-        done = engine.run(on_finish=report)
-    return summarize(engine, done, time.perf_counter() - start)
+        finished = engine.run(on_finish=report)
+    return summarize(engine, finished, time.perf_counter() - start)
 
 
 def result_line(sequence: Sequence, tokenizer: Any) -> dict[str, Any]:
@@ -239,18 +239,20 @@ def result_line(sequence: Sequence, tokenizer: Any) -> dict[str, Any]:
     return line
 
 
-def summarize(engine: Engine, done: list[Sequence], seconds: float) -> dict[str, Any]:
+def summarize(engine: Engine, finished: list[Sequence], seconds: float) -> dict[str, Any]:
     stats, blocks = engine.stats, engine.blocks
-    generated = sum(len(sequence.generated) for sequence in done)
-    ttft = [sequence.first_token_time - sequence.arrival for sequence in done if sequence.first_token_time is not None]
-    latency = [sequence.finish_time - sequence.arrival for sequence in done if sequence.finish_time is not None]
+    generated = sum(len(sequence.generated) for sequence in finished)
+    ttft = [
+        sequence.first_token_time - sequence.arrival for sequence in finished if sequence.first_token_time is not None
+    ]
+    latency = [sequence.finish_time - sequence.arrival for sequence in finished if sequence.finish_time is not None]
     return {
-        "requests": len(done),
+        "requests": len(finished),
         "seconds": seconds,
-        "requests_per_s": len(done) / seconds,
+        "requests_per_s": len(finished) / seconds,
         "tokens_per_s": generated / seconds,
         "generated_tokens": generated,
-        "prompt_tokens": sum(len(sequence.request.prompt) for sequence in done),
+        "prompt_tokens": sum(len(sequence.request.prompt) for sequence in finished),
         "prefill_tokens": stats.prefill_tokens,
         "padded_prefill_tokens": stats.padded_prefill_tokens,
         "cached_tokens": stats.cached_tokens,
