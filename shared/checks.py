@@ -7,16 +7,20 @@ here, once, and every port gets the same message.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvports.shared.config import ModelConfig
-from kvports.shared.errors import UserError, echo
+from kvports.shared.config import MAX_SIZE, ModelConfig
+from kvports.shared.errors import UserError, echo, echo_path
+from kvports.shared.files import check_writable_folder, os_errors_as_user_errors
+from kvports.shared.limits import check_run
 
 if TYPE_CHECKING:  # generation.py imports this module: its validate() is check_generation
     from kvports.shared.generation import GenerationConfig
@@ -213,3 +217,63 @@ def check_text_flags(text: Sequence[str] | None, tokenizer: object, prompt: Sequ
         raise UserError("--text needs --tokenizer DIR (a folder holding tokenizer.json)")
     if text is not None and prompt:
         raise UserError("give --prompt (token ids) or --text, not both")
+
+
+# ---------------------------------------------------------------- the bench's own flags
+
+
+def check_at_least(name: str, value: int, limit: int, why: str = "") -> None:
+    if value < limit:
+        raise UserError(f"{name} {value} is below {limit}{why}")
+
+
+def check_bench_counts(batch: int, prompt_len: int, new_tokens: int, repeats: int, warmup: int) -> None:
+    """The counts the bench needs, before anything loads. (Integers, not argparse types: the
+    messages name the rule each limit comes from.)"""
+    check_at_least("--batch", batch, 1)
+    check_at_least("--prompt-len", prompt_len, 1)
+    check_at_least("new tokens", new_tokens, 2, ": decode timing needs a step after the first token")
+    check_at_least("--repeats", repeats, 1)
+    check_at_least("--warmup", warmup, 1, ": the first call (and JAX's compile) must stay out of the figures")
+    flags = {"--batch": batch, "--prompt-len": prompt_len, "--new-tokens": new_tokens, "--repeats": repeats}
+    for name, value in {**flags, "--warmup": warmup}.items():
+        if value > MAX_SIZE:
+            raise UserError(f"{name} {echo(value)} is above {MAX_SIZE}")
+
+
+def check_bench_run(
+    config: ModelConfig,
+    dtype: str,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    modes: Sequence[str],
+    longest: int,
+) -> None:
+    """The bench's sizes against the model, and the bytes of its longest generation (`longest`
+    new tokens: --new-tokens, or a --sweep value) against the limit: before the prompts are
+    built or any tensor is read."""
+    total = prompt_len + new_tokens
+    if total > config.max_seq_len:
+        raise UserError(
+            f"prompt length {prompt_len} + new tokens {new_tokens} = {total} exceeds max_seq_len {config.max_seq_len}"
+        )
+    check_run(config, dtype, batch, prompt_len, longest, modes)
+
+
+def check_bench_outputs(plot: Path | None, csv: Path | None, as_json: bool) -> None:
+    """--plot and --csv, checked before anything runs: a long run must not fail at its end."""
+    if plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UserError("--plot needs matplotlib: pip install 'kvports[plot]'")
+        with os_errors_as_user_errors(plot):
+            if plot.exists() and not plot.is_dir():
+                raise UserError(f"--plot {echo_path(plot)} is a file, not a folder")
+            check_writable_folder(plot.parent, plot.name)
+    if csv is not None and str(csv) == "-" and as_json:
+        raise UserError("--csv - and --json both print to stdout: give --csv a FILE")
+    if csv is not None and str(csv) != "-":
+        with os_errors_as_user_errors(csv):
+            if csv.is_dir():
+                raise UserError(f"--csv {echo_path(csv)} is a folder; give the file to write")
+            check_writable_folder(csv.parent, csv.name)

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from kvports.shared import ports
-from kvports.shared.bench.arguments import check_bench_run, check_counts, check_outputs, parse_choices, parse_sweep
+from kvports.shared.bench.arguments import parse_choices, parse_sweep
 from kvports.shared.bench.measure import load_average, threads_info
 from kvports.shared.bench.output import print_result
 from kvports.shared.bench.plots import write_plots
@@ -20,7 +20,14 @@ from kvports.shared.bench.presets import bench_prompts, load_bench_model
 from kvports.shared.bench.rows import run_rows
 from kvports.shared.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, RUNNERS, Runner
 from kvports.shared.bench.targets import targets
-from kvports.shared.checks import COMMAND_LINE, check_draft, check_needed
+from kvports.shared.checks import (
+    COMMAND_LINE,
+    check_bench_counts,
+    check_bench_outputs,
+    check_bench_run,
+    check_draft,
+    check_needed,
+)
 from kvports.shared.config import ModelConfig
 from kvports.shared.devices import check_gpu_reachable, device_problem
 from kvports.shared.errors import UserError
@@ -57,10 +64,10 @@ def run_batching(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.requests is not None:
         return run_batching(args)
-    check_counts(args)
+    check_bench_counts(args.batch, args.prompt_len, args.new_tokens, args.repeats, args.warmup)
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
-    check_outputs(args)
+    check_bench_outputs(args.plot, args.csv, args.json)
     if "speculative" in modes and args.draft is None:
         raise UserError("--modes speculative needs --draft FILE (a smaller model) or --draft ngram")
     runners = [runner for runner in RUNNERS if runner.framework in frameworks]
@@ -71,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
 
     def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
         sweep.extend(parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None))
-        check_bench_run(config, args, modes, max([args.new_tokens, *sweep]))
+        longest = max([args.new_tokens, *sweep])
+        check_bench_run(config, args.dtype, args.batch, args.prompt_len, args.new_tokens, modes, longest)
 
     preset, config, tensors = load_bench_model(args.preset, args.weights, args.dtype, check)
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens)  # [B, P]
