@@ -261,3 +261,8 @@ def test_one_generate_call_checks_its_inputs_once(monkeypatch):
         )
     numpy_model.generate(SEED, 3, "speculative", draft="ngram")
     assert calls == dict.fromkeys(calls, 1)
+
+
+def test_time_to_first_token_is_measured_when_tokens_stream(model):
+    assert model.generate(SEED, 3).first_token_seconds is None
+    assert model.generate(SEED, 3, on_token=lambda token: None).first_token_seconds is not None
