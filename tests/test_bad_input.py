@@ -24,7 +24,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kvports.shared import ports
-from kvports.shared.commands.arguments import non_negative_int, positive_int
+from kvports.shared.arguments import non_negative_int, positive_int
 from kvports.shared.config import MAX_SIZE, ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.ports import PORTS
