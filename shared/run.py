@@ -2,14 +2,16 @@
 (`check_inputs`, with `shared.checks`' messages), one `generate` for every mode, a typed result.
 
     inputs = RunInputs("numpy", "cached", GenerationConfig(8))
-    config, tensors = read_model(inputs.weights, inputs.dtype, check=...)   # checked before a tensor is read
+    config, tensors, prompts = read_model(                                # [B, P]: every check, once,
+        inputs.weights, inputs.dtype, lambda config: check_inputs(inputs, config, [[160, 248, 104]])
+    )                                                                     # before a tensor is read
     loaded = load_model(inputs.framework, config, tensors, inputs.dtype, inputs.device)
-    prompts = check_inputs(inputs, config, [[160, 248, 104, 209, 394]])  # [B, P], every check, once
-    result = generate(loaded, prompts, inputs)
+    result = generate(loaded, prompts, inputs)                            # result.generated, .seconds, ...
 
 `kvports generate`, `compare`, `bench` and `batch` parse their flags into these inputs; the
-Python API (`kvports.load(...).generate(...)`) builds them from its arguments. A draft model
-(speculative mode) is read and loaded once, then kept on the `LoadedModel`.
+Python API (`kvports.load(...).generate(...)`) builds them from its arguments and calls
+`check_and_prepare` on the model it loaded. A draft model (speculative mode) is read and
+loaded once, then kept on the `LoadedModel`.
 """
 
 from __future__ import annotations
