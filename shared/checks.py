@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvports.shared.config import MAX_SIZE, ModelConfig
+from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError, echo, echo_path
 from kvports.shared.files import check_writable_folder, os_errors_as_user_errors
-from kvports.shared.limits import check_run
+from kvports.shared.limits import check_count, check_run
 
 if TYPE_CHECKING:  # generation.py imports this module: its validate() is check_generation
     from kvports.shared.generation import GenerationConfig
@@ -88,7 +88,7 @@ def is_integer(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def check_count(field: str, value: object, low: int, names: Names, high: int | None = None) -> int:
+def check_range(field: str, value: object, low: int, names: Names, high: int | None = None) -> int:
     """A whole number in [low, high]: "new tokens 0 is below 1", "draft_tokens=17 is above 16"."""
     if not is_integer(value):
         raise UserError(f"{names.show(field, echo(value))} is not an integer")
@@ -110,7 +110,7 @@ def check_prompts(
     prompts: Sequence[Sequence[object]], config: ModelConfig, new_tokens: object, names: Names = COMMAND_LINE
 ) -> list[list[int]]:
     """The prompts as rows of ids, or a UserError naming the value and the limit."""
-    new_tokens = check_count("new_tokens", new_tokens, 1, names)
+    new_tokens = check_range("new_tokens", new_tokens, 1, names)
     if len(prompts) == 0:
         raise UserError("no prompt given")
     batch: list[list[int]] = []
@@ -185,8 +185,8 @@ def check_draft(mode: str, draft: str | None, draft_tokens: object, ngram: objec
         if names.api:
             raise UserError(f"mode={mode!r} needs draft= a smaller model's weights file, or draft='ngram'")
         raise UserError("--mode speculative needs --draft FILE (a smaller model) or --draft ngram")
-    check_count("draft_tokens", draft_tokens, 1, names, MAX_DRAFT_TOKENS)
-    check_count("ngram", ngram, 1, names)
+    check_range("draft_tokens", draft_tokens, 1, names, MAX_DRAFT_TOKENS)
+    check_range("ngram", ngram, 1, names)
 
 
 def check_needed(prompt_len: int, new_tokens: int, draft_tokens: int, models: list[tuple[str, ModelConfig]]) -> None:
@@ -237,18 +237,11 @@ def check_bench_counts(batch: int, prompt_len: int, new_tokens: int, repeats: in
     check_at_least("--warmup", warmup, 1, ": the first call (and JAX's compile) must stay out of the figures")
     flags = {"--batch": batch, "--prompt-len": prompt_len, "--new-tokens": new_tokens, "--repeats": repeats}
     for name, value in {**flags, "--warmup": warmup}.items():
-        if value > MAX_SIZE:
-            raise UserError(f"{name} {echo(value)} is above {MAX_SIZE}")
+        check_count(name, value)
 
 
 def check_bench_run(
-    config: ModelConfig,
-    dtype: str,
-    batch: int,
-    prompt_len: int,
-    new_tokens: int,
-    modes: Sequence[str],
-    longest: int,
+    config: ModelConfig, modes: Sequence[str], longest: int, dtype: str, batch: int, prompt_len: int, new_tokens: int
 ) -> None:
     """The bench's sizes against the model, and the bytes of its longest generation (`longest`
     new tokens: --new-tokens, or a --sweep value) against the limit: before the prompts are

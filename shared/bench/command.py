@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
         sweep.extend(parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None))
         longest = max([args.new_tokens, *sweep])
-        check_bench_run(config, args.dtype, args.batch, args.prompt_len, args.new_tokens, modes, longest)
+        check_bench_run(config, modes, longest, args.dtype, args.batch, args.prompt_len, args.new_tokens)
 
     preset, config, tensors = load_bench_model(args.preset, args.weights, args.dtype, check)
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens)  # [B, P]
