@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from kvports.version import __version__
 
 if TYPE_CHECKING:  # what __getattr__ below hands out, for type checkers and editors
-    from kvports.api import Generation, Model, UserError, load
+    from kvports.api import Generation, GenerationConfig, Model, UserError, load
 
 # In a checkout (run from the repository, or installed editable), the subpackages are the
 # top-level folders beside this one; an installed wheel has them inside this folder.
@@ -23,12 +23,12 @@ _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isfile(_os.path.join(_checkout, "shared", "__init__.py")) and _checkout not in __path__:
     __path__.append(_checkout)
 
-__all__ = ["Generation", "Model", "UserError", "__version__", "load"]
+__all__ = ["Generation", "GenerationConfig", "Model", "UserError", "__version__", "load"]
 
 
 def __getattr__(name: str) -> object:
     # The API (kvports.api) loads on first use: `import kvports.shared...` stays as light as shared itself.
-    if name in ("Generation", "Model", "UserError", "load"):
+    if name in ("Generation", "GenerationConfig", "Model", "UserError", "load"):
         from kvports import api
 
         return getattr(api, name)

@@ -7,17 +7,75 @@ here, once, and every port gets the same message.
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvports.shared.config import ModelConfig
-from kvports.shared.errors import UserError, echo
-from kvports.shared.generation import pad_prompts
+from kvports.shared.errors import UserError, echo, echo_path
+from kvports.shared.files import check_writable_folder, os_errors_as_user_errors
+from kvports.shared.limits import check_count, check_run
+
+if TYPE_CHECKING:  # generation.py imports this module: its validate() is check_generation
+    from kvports.shared.generation import GenerationConfig
 
 SEED_PROMPT = (160, 248, 104, 209, 394)
 MAX_ID_DIGITS = 30  # far past any vocabulary (config.MAX_SIZE has 10)
+MAX_SEED = 2**64 - 1  # Philox keys are 64-bit words
+# Every port divides the logits, cast to float64, by the temperature, and softmax subtracts
+# the largest. XLA computes x / T as x * (1 / T) in one fusion and as x / T in another: the two
+# differ by an ulp of x / T, which exp makes a factor e**ulp; once logits / T pass about 6e18
+# that is inf or 0, JAX's probabilities NaN and its draws token 0 forever (so does every port
+# once they overflow float64, below 1.9e-270). Down to MIN_TEMPERATURE, a logit below
+# MAX_EXACT_LOGIT divided by it stays under 2**53, where float64 holds every integer and the
+# ulp is at most 1, which exp cannot blow up. Real models' logits are tens, the seed's about 2.
+# The top is far past where sampling is already uniform (torch and JAX fail on a whole-number
+# temperature past int64, where NumPy runs).
+MAX_EXACT_LOGIT = 2**13
+MIN_TEMPERATURE = 1e-12  # a round number above MAX_EXACT_LOGIT / 2**53 = MAX_EXACT_LOGIT * finfo(float64).eps / 2
+MAX_TEMPERATURE = 1e18
+MAX_DRAFT_TOKENS = 16  # a verified chunk is K + 1 wide; past this the draft is the bottleneck anyway
+MODES = ("naive", "cached", "speculative")
+
+
+@dataclass(frozen=True)
+class Names:
+    """How a message names an input: the command line by its flags' wording (`--draft-tokens 17`,
+    `top-k -1`), the Python API by its own arguments (`draft_tokens=17`, `top_k=-1`)."""
+
+    api: bool
+    labels: tuple[tuple[str, str], ...] = ()  # the command line's word for a field, where it differs
+
+    def label(self, field: str) -> str:
+        return field if self.api else dict(self.labels).get(field, field)
+
+    def show(self, field: str, text: str) -> str:
+        """`field` holding the value written as `text`: "new tokens 0" or "new_tokens=0"."""
+        return f"{field}={text}" if self.api else f"{self.label(field)} {text}"
+
+
+COMMAND_LINE = Names(
+    api=False,
+    labels=(
+        ("new_tokens", "new tokens"),
+        ("top_k", "top-k"),
+        ("top_p", "top-p"),
+        ("stop_ids", "stop id"),
+        ("draft_tokens", "--draft-tokens"),
+        ("ngram", "--ngram"),
+        ("mode", "--mode"),
+        ("framework", "--framework"),
+        ("dtype", "--dtype"),
+        ("device", "--device"),
+    ),
+)
+API = Names(api=True)
 
 
 def parse_prompt(text: str) -> list[int]:
@@ -38,18 +96,33 @@ def parse_prompt(text: str) -> list[int]:
     return ids
 
 
-def check_new_tokens(new_tokens: object) -> int:
-    if not isinstance(new_tokens, (int, np.integer)) or isinstance(new_tokens, bool):
-        raise UserError(f"new tokens {echo(new_tokens)} is not an integer")
-    if new_tokens < 1:
-        raise UserError(f"new tokens {new_tokens} is below 1")
-    return int(new_tokens)
+def is_integer(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def check_prompts(prompts: Sequence[Sequence[object]], config: ModelConfig, new_tokens: object) -> np.ndarray:
-    """The prompts as one int64 batch [B, P] (PAD on the left of shorter rows), or a UserError
-    naming the value and the limit."""
-    new_tokens = check_new_tokens(new_tokens)
+def check_range(field: str, value: object, low: int, names: Names, high: int | None = None) -> int:
+    """A whole number in [low, high]: "new tokens 0 is below 1", "draft_tokens=17 is above 16"."""
+    if not is_integer(value):
+        raise UserError(f"{names.show(field, echo(value))} is not an integer")
+    assert isinstance(value, (int, np.integer))
+    if value < low:
+        raise UserError(f"{names.show(field, str(value))} is below {low}")
+    if high is not None and value > high:
+        raise UserError(f"{names.show(field, str(value))} is above {high}")
+    return int(value)
+
+
+def check_choice(field: str, value: object, choices: Sequence[str], names: Names) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise UserError(f"{names.show(field, repr(value))} is not one of {', '.join(choices)}")
+    return value
+
+
+def check_prompts(
+    prompts: Sequence[Sequence[object]], config: ModelConfig, new_tokens: object, names: Names = COMMAND_LINE
+) -> list[list[int]]:
+    """The prompts as rows of ids, or a UserError naming the value and the limit."""
+    new_tokens = check_range("new_tokens", new_tokens, 1, names)
     if len(prompts) == 0:
         raise UserError("no prompt given")
     batch: list[list[int]] = []
@@ -72,8 +145,7 @@ def check_prompts(prompts: Sequence[Sequence[object]], config: ModelConfig, new_
         raise UserError(
             f"prompt length {longest} + new tokens {new_tokens} = {total} exceeds max_seq_len {config.max_seq_len}"
         )
-    # Rows of different lengths are left-padded with PAD: every row's last prompt token in the same column.
-    return pad_prompts(batch)[0]  # [B, P]
+    return batch
 
 
 def check_chunk_sizes(chunk_sizes: Sequence[object], length: int) -> list[int]:
@@ -89,3 +161,130 @@ def check_chunk_sizes(chunk_sizes: Sequence[object], length: int) -> list[int]:
     if sum(sizes) != length:
         raise UserError(f"chunk sizes {sizes} add up to {sum(sizes)}, not the {length} tokens given")
     return sizes
+
+
+def check_generation(generation: GenerationConfig, vocab_size: int, names: Names = COMMAND_LINE) -> None:
+    """The same one-line errors for every port, before any framework code runs."""
+    check_int(names.label("new_tokens"), generation.max_new_tokens, 1, names.api)
+    temperature = generation.temperature
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not math.isfinite(temperature):
+        raise UserError(f"{names.show('temperature', repr(temperature))} must be a finite number >= 0 (0 means greedy)")
+    if temperature < 0:
+        raise UserError(f"{names.show('temperature', repr(temperature))} must be a finite number >= 0 (0 means greedy)")
+    if temperature != 0 and not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+        raise UserError(
+            f"{names.show('temperature', repr(temperature))} must be 0 (greedy) or in "
+            f"[{MIN_TEMPERATURE:.3g}, {MAX_TEMPERATURE:g}]: logits divided by less lose their exactness in "
+            "float64, and the ports their agreement"
+        )
+    check_int(names.label("top_k"), generation.top_k, 0, names.api)
+    top_p = generation.top_p
+    if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
+        raise UserError(f"{names.show('top_p', repr(top_p))} must be in (0, 1] (1 means no nucleus filter)")
+    check_int(names.label("seed"), generation.seed, 0, names.api, MAX_SEED)
+    for stop in generation.stop_ids:
+        check_int(names.label("stop_ids"), stop, 0, names.api, vocab_size - 1)
+
+
+def check_int(name: str, value: object, low: int, api: bool = False, high: int | None = None) -> int:
+    shown = f"{name}=" if api else f"{name} "
+    if not is_integer(value):
+        raise UserError(f"{shown}{value!r} is not an integer")
+    assert isinstance(value, (int, np.integer))
+    if value < low or (high is not None and value > high):
+        limit = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise UserError(f"{shown}{value} must be {limit}")
+    return int(value)
+
+
+def check_draft(mode: str, draft: str | None, draft_tokens: object, ngram: object, names: Names) -> None:
+    """A speculative run's draft settings (the draft file itself is read later, checked against the model)."""
+    if draft is None:
+        if names.api:
+            raise UserError(f"mode={mode!r} needs draft= a smaller model's weights file, or draft='ngram'")
+        raise UserError("--mode speculative needs --draft FILE (a smaller model) or --draft ngram")
+    check_range("draft_tokens", draft_tokens, 1, names, MAX_DRAFT_TOKENS)
+    check_range("ngram", ngram, 1, names)
+
+
+def check_needed(prompt_len: int, new_tokens: int, draft_tokens: int, models: list[tuple[str, ModelConfig]]) -> None:
+    needed = prompt_len + new_tokens + draft_tokens  # a round writes up to K past what it keeps
+    for name, model_config in models:
+        if needed > model_config.max_seq_len:
+            raise UserError(
+                f"prompt length {prompt_len} + new tokens {new_tokens} + draft tokens "
+                f"{draft_tokens} = {needed} exceeds {name}'s max_seq_len {model_config.max_seq_len}"
+            )
+
+
+def check_draft_model(config: ModelConfig, draft: ModelConfig) -> None:
+    if draft.vocab_size != config.vocab_size:
+        raise UserError(
+            f"the draft's vocab_size {draft.vocab_size} differs from the model's "
+            f"{config.vocab_size}: a draft must propose the target's tokens"
+        )
+
+
+def check_stop_flags(stop_ids: Sequence[int] | None, no_stop: bool) -> None:
+    if no_stop and stop_ids:
+        raise UserError("give --stop-id or --no-stop, not both")
+
+
+def check_text_flags(text: Sequence[str] | None, tokenizer: object, prompt: Sequence[str] | None) -> None:
+    if text is not None and tokenizer is None:
+        raise UserError("--text needs --tokenizer DIR (a folder holding tokenizer.json)")
+    if text is not None and prompt:
+        raise UserError("give --prompt (token ids) or --text, not both")
+
+
+# ---------------------------------------------------------------- the bench's own flags
+
+
+def check_at_least(name: str, value: int, limit: int, why: str = "") -> None:
+    if value < limit:
+        raise UserError(f"{name} {value} is below {limit}{why}")
+
+
+def check_bench_counts(batch: int, prompt_len: int, new_tokens: int, repeats: int, warmup: int) -> None:
+    """The counts the bench needs, before anything loads. (Integers, not argparse types: the
+    messages name the rule each limit comes from.)"""
+    check_at_least("--batch", batch, 1)
+    check_at_least("--prompt-len", prompt_len, 1)
+    check_at_least("new tokens", new_tokens, 2, ": decode timing needs a step after the first token")
+    check_at_least("--repeats", repeats, 1)
+    check_at_least("--warmup", warmup, 1, ": the first call (and JAX's compile) must stay out of the figures")
+    flags = {"--batch": batch, "--prompt-len": prompt_len, "--new-tokens": new_tokens, "--repeats": repeats}
+    for name, value in {**flags, "--warmup": warmup}.items():
+        check_count(name, value)
+
+
+def check_bench_run(
+    config: ModelConfig, modes: Sequence[str], longest: int, dtype: str, batch: int, prompt_len: int, new_tokens: int
+) -> None:
+    """The bench's sizes against the model, and the bytes of its longest generation (`longest`
+    new tokens: --new-tokens, or a --sweep value) against the limit: before the prompts are
+    built or any tensor is read."""
+    total = prompt_len + new_tokens
+    if total > config.max_seq_len:
+        raise UserError(
+            f"prompt length {prompt_len} + new tokens {new_tokens} = {total} exceeds max_seq_len {config.max_seq_len}"
+        )
+    check_run(config, dtype, batch, prompt_len, longest, modes)
+
+
+def check_bench_outputs(plot: Path | None, csv: Path | None, as_json: bool) -> None:
+    """--plot and --csv, checked before anything runs: a long run must not fail at its end."""
+    if plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UserError("--plot needs matplotlib: pip install 'kvports[plot]'")
+        with os_errors_as_user_errors(plot):
+            if plot.exists() and not plot.is_dir():
+                raise UserError(f"--plot {echo_path(plot)} is a file, not a folder")
+            check_writable_folder(plot.parent, plot.name)
+    if csv is not None and str(csv) == "-" and as_json:
+        raise UserError("--csv - and --json both print to stdout: give --csv a FILE")
+    if csv is not None and str(csv) != "-":
+        with os_errors_as_user_errors(csv):
+            if csv.is_dir():
+                raise UserError(f"--csv {echo_path(csv)} is a folder; give the file to write")
+            check_writable_folder(csv.parent, csv.name)

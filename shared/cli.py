@@ -17,9 +17,8 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from kvports.shared import bench
-from kvports.shared.batching import batch
-from kvports.shared.commands import check, compare, convert, generate, init_weights
-from kvports.shared.commands.arguments import OutOfRange
+from kvports.shared.arguments import OutOfRange
+from kvports.shared.commands import batch, check, compare, convert, generate, init_weights
 from kvports.shared.errors import UserError
 from kvports.version import __version__
 

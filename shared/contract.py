@@ -2,7 +2,7 @@
 
 A port is a module (`kvports.torch_impl.port`, `kvports.jax_impl.port`,
 `kvports.numpy_impl.port`) whose names match `Port`; a baseline
-(`kvports.baselines.*`) is a module whose names match `Runner`. Everything crosses
+(`kvports.baselines.*`) is a module whose names match `Baseline`. Everything crosses
 these calls as NumPy: prompts `[B, P]` int64 in; tokens `[B, P + N]` int64 and step
 logits `[B, N, V]` out. Inputs are checked before they get here (`shared.checks`): a
 port never sees an out-of-range id, an empty prompt or a length past `max_seq_len`.
@@ -142,7 +142,7 @@ class Port(Timed, Protocol):
         ...
 
 
-class Runner(Timed, Protocol):
+class Baseline(Timed, Protocol):
     """A baseline the bench times beside the ports (the seed's concat cache, transformers' GPT-2)."""
 
     MODES: tuple[str, ...]  # the modes its generate runs, e.g. ("cached",)

@@ -56,10 +56,12 @@ def check_gpu_reachable(device: str, problems: Mapping[str, str | None]) -> None
         raise UserError("--device gpu: no GPU here (" + "; ".join(f"{n}: {p}" for n, p in candidates.items()) + ")")
 
 
-def check_device(port: Port, device: str) -> None:
-    """One framework on one device (`generate`, the Python API): its reason as the error."""
+def check_device(port: Port, device: str, shown: str | None = None) -> None:
+    """One framework on one device (`generate`, `batch`, the Python API): its reason as the error,
+    after the device as the caller names it (`--device gpu`, `device='gpu'`)."""
+    shown = f"--device {device}" if shown is None else shown
     if device == "gpu" and port.NAME in ports.CPU_ONLY:
-        raise UserError(f"--device gpu: {port.NAME} runs on the CPU only")
+        raise UserError(f"{shown}: {port.NAME} runs on the CPU only")
     problem = device_problem(port, device)
     if problem is not None:
-        raise UserError(f"--device {device}: {problem}")
+        raise UserError(f"{shown}: {problem}")

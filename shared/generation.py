@@ -15,22 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvports.shared.errors import UserError, echo
+from kvports.shared.checks import check_generation
 
 PAD = -1  # in a token array: left padding of a short prompt, or a slot after a row stopped
-MAX_SEED = 2**64 - 1  # Philox keys are 64-bit words
-# Every port divides the logits, cast to float64, by the temperature, and softmax subtracts
-# the largest. XLA computes x / T as x * (1 / T) in one fusion and as x / T in another: the two
-# differ by an ulp of x / T, which exp makes a factor e**ulp; once logits / T pass about 6e18
-# that is inf or 0, JAX's probabilities NaN and its draws token 0 forever (so does every port
-# once they overflow float64, below 1.9e-270). Down to MIN_TEMPERATURE, a logit below
-# MAX_EXACT_LOGIT divided by it stays under 2**53, where float64 holds every integer and the
-# ulp is at most 1, which exp cannot blow up. Real models' logits are tens, the seed's about 2.
-# The top is far past where sampling is already uniform (torch and JAX fail on a whole-number
-# temperature past int64, where NumPy runs).
-MAX_EXACT_LOGIT = 2**13
-MIN_TEMPERATURE = 1e-12  # a round number above MAX_EXACT_LOGIT / 2**53 = MAX_EXACT_LOGIT * finfo(float64).eps / 2
-MAX_TEMPERATURE = 1e18
 
 
 @dataclass(frozen=True)
@@ -47,34 +34,9 @@ class GenerationConfig:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int) -> GenerationConfig:
-        """The same one-line errors for every port, before any framework code runs."""
-        check_int("new tokens", self.max_new_tokens, 1)
-        if (
-            not isinstance(self.temperature, (int, float))
-            or isinstance(self.temperature, bool)
-            or not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE)
-        ):
-            raise UserError(
-                f"temperature {echo(self.temperature)} must be a finite number >= 0 (0 means greedy; else in "
-                f"[{MIN_TEMPERATURE:.3g}, {MAX_TEMPERATURE:g}]: logits divided by less lose their exactness in "
-                "float64, and the ports their agreement)"
-            )
-        check_int("top-k", self.top_k, 0)
-        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
-            raise UserError(f"top-p {self.top_p!r} must be in (0, 1] (1 means no nucleus filter)")
-        check_int("seed", self.seed, 0, MAX_SEED)
-        for stop in self.stop_ids:
-            check_int("stop id", stop, 0, vocab_size - 1)
+        """The same one-line errors for every port, before any framework code runs (`checks.check_generation`)."""
+        check_generation(self, vocab_size)
         return self
-
-
-def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise UserError(f"{name} {value!r} is not an integer")
-    if value < low or (high is not None and value > high):
-        limit = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise UserError(f"{name} {value} must be {limit}")
-    return int(value)
 
 
 def as_generation(generation: int | GenerationConfig) -> GenerationConfig:

@@ -1,9 +1,12 @@
 """Ports are imported by name, lazily: an install without JAX (or torch) still runs
-the others and reports the missing one as unavailable."""
+the others and reports the missing one as unavailable. Only a framework that is not
+installed makes its port unavailable: any other ImportError, in a port or in what it
+imports, is a bug and surfaces as the error it is."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import cast
 
 from kvports.shared.contract import Port
@@ -13,6 +16,7 @@ REFERENCE = "torch"
 CPU_ONLY = ("numpy",)  # runs on the CPU whatever --device asks for
 COMPILES = ("jax",)  # the first call traces and compiles: compare and bench report that time apart
 MODULES = {"torch": "kvports.torch_impl.port", "jax": "kvports.jax_impl.port", "numpy": "kvports.numpy_impl.port"}
+FRAMEWORK_PACKAGES = {"torch": ("torch",), "jax": ("jax", "flax"), "numpy": ()}  # NumPy: kvports' own dependency
 
 
 class PortUnavailable(RuntimeError):
@@ -30,11 +34,16 @@ def load_port(name: str) -> Port:
     if name not in MODULES:
         raise PortUnavailable(name, f"known frameworks: {', '.join(PORTS)}")
     if name not in _loaded:
-        try:
-            _loaded[name] = cast(Port, importlib.import_module(MODULES[name]))
-        except ImportError as exc:
-            raise PortUnavailable(name, str(exc)) from None
+        missing = missing_packages(name)
+        if missing:
+            raise PortUnavailable(name, f"{' and '.join(missing)} not installed")
+        _loaded[name] = cast(Port, importlib.import_module(MODULES[name]))
     return _loaded[name]
+
+
+def missing_packages(name: str) -> list[str]:
+    """The framework packages port `name` needs that are not installed."""
+    return [package for package in FRAMEWORK_PACKAGES[name] if importlib.util.find_spec(package) is None]
 
 
 def available_port(name: str) -> Port | None:

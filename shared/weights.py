@@ -174,11 +174,6 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return dict(iter_expected(config))
 
 
-def tensor_count(config: ModelConfig) -> int:
-    before, after = outer_shapes(config)
-    return len(before) + config.n_layers * len(layer_shapes(config, 0)) + len(after)
-
-
 def parameter_count(config: ModelConfig) -> int:
     """The model's numbers, counted without listing its tensors."""
     before, after = outer_shapes(config)

@@ -124,15 +124,37 @@ GENERATE_CASES = {
 }
 
 
+# Where the command line's message names a flag (or is argparse's), the API's names its own argument.
+API_MESSAGES = {
+    "non_integer_id": "token id 2.5 in prompt 0 is not an integer",
+    "empty_row": "prompt 1 is empty: give at least one token id",
+    "zero_new_tokens": "new_tokens=0 is below 1",
+    "negative_new_tokens": "new_tokens=-3 is below 1",
+    "word_new_tokens": "new_tokens='ten' is not an integer",
+    "fractional_new_tokens": "new_tokens=2.5 is not an integer",
+    "mode": "mode='fast' is not one of naive, cached, speculative",
+    "negative_temperature": "temperature=-1 must be a finite number >= 0 (0 means greedy)",
+    "nan_temperature": "temperature=nan must be a finite number >= 0 (0 means greedy)",
+    "negative_top_k": "top_k=-1 must be >= 0",
+    "zero_top_p": "top_p=0 must be in (0, 1] (1 means no nucleus filter)",
+    "negative_seed": "seed=-1 must be in [0, 18446744073709551615]",
+    "stop_id_outside_vocab": "stop_ids=600 must be in [0, 499]",
+    "speculative_without_draft": "mode='speculative' needs draft= a smaller model's weights file, or draft='ngram'",
+    "zero_draft_tokens": "draft_tokens=0 is below 1",
+    "too_many_draft_tokens": "draft_tokens=17 is above 16",
+}
+
+
 def mode_of(flags: list[str]) -> list[str]:
     return [] if "--mode" in flags else ["--mode", "cached"]
 
 
 @pytest.mark.parametrize("case", sorted(GENERATE_CASES))
-def test_generate_refuses_what_the_command_line_refuses_with_its_message(model, capsys, case):
+def test_generate_refuses_what_the_command_line_refuses_naming_its_own_arguments(model, capsys, case):
     flags, keywords = GENERATE_CASES[case]
     expected = cli_message(capsys, "generate", "--framework", model.framework, *mode_of(flags), *flags)
-    assert api_message(lambda: model.generate(**keywords)) == expected
+    message = api_message(lambda: model.generate(**keywords))
+    assert message == API_MESSAGES.get(case, expected) and "--" not in message
 
 
 def test_a_draft_with_another_vocabulary_is_refused_with_the_command_lines_message(model, capsys, tmp_path):
@@ -145,23 +167,35 @@ def test_a_draft_with_another_vocabulary_is_refused_with_the_command_lines_messa
     assert "vocab_size 64 differs" in expected
 
 
-# (the command line's flags, the same input as load()'s arguments)
+# (the command line's flags, the same input as load()'s arguments, and the API's message where it names one)
 LOAD_CASES = {
-    "framework": (["--framework", "tensorflow"], dict(framework="tensorflow")),
-    "dtype": (["--dtype", "float16"], dict(dtype="float16")),
-    "device": (["--device", "tpu"], dict(device="tpu")),
-    "missing_weights": (["--weights", "/no/such/model.safetensors"], dict(weights="/no/such/model.safetensors")),
-    "numpy_on_a_gpu": (["--framework", "numpy", "--device", "gpu"], dict(framework="numpy", device="gpu")),
+    "framework": (
+        ["--framework", "tensorflow"],
+        dict(framework="tensorflow"),
+        "framework='tensorflow' is not one of torch, jax, numpy",
+    ),
+    "dtype": (["--dtype", "float16"], dict(dtype="float16"), "dtype='float16' is not one of float32, float64"),
+    "device": (["--device", "tpu"], dict(device="tpu"), "device='tpu' is not one of cpu, gpu"),
+    "missing_weights": (
+        ["--weights", "/no/such/model.safetensors"],
+        dict(weights="/no/such/model.safetensors"),
+        None,
+    ),
+    "numpy_on_a_gpu": (
+        ["--framework", "numpy", "--device", "gpu"],
+        dict(framework="numpy", device="gpu"),
+        "device='gpu': numpy runs on the CPU only",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(LOAD_CASES))
-def test_load_refuses_what_the_command_line_refuses_with_its_message(capsys, case):
-    flags, keywords = LOAD_CASES[case]
+def test_load_refuses_what_the_command_line_refuses_naming_its_own_arguments(capsys, case):
+    flags, keywords, api_wording = LOAD_CASES[case]
     arguments = {"framework": "numpy", **keywords}
     argv = ["generate", "--mode", "cached"] + ([] if "--framework" in flags else ["--framework", "numpy"]) + flags
     expected = cli_message(capsys, *argv)
-    assert api_message(lambda: kvports.load(**arguments)) == expected
+    assert api_message(lambda: kvports.load(**arguments)) == (expected if api_wording is None else api_wording)
 
 
 def test_load_refuses_a_broken_weights_file_with_the_command_lines_message(capsys, tmp_path):
@@ -176,7 +210,8 @@ def test_load_on_a_gpu_that_is_not_there_is_the_command_lines_error(capsys, monk
     port = port_or_skip(framework)
     monkeypatch.setattr(port, "resolve_device", lambda device: (_ for _ in ()).throw(RuntimeError("no GPU here")))
     expected = cli_message(capsys, "generate", "--framework", framework, "--mode", "cached", "--device", "gpu")
-    assert api_message(lambda: kvports.load(framework, device="gpu")) == expected == "--device gpu: no GPU here"
+    assert expected == "--device gpu: no GPU here"
+    assert api_message(lambda: kvports.load(framework, device="gpu")) == "device='gpu': no GPU here"
 
 
 def test_the_package_root_offers_the_api_and_nothing_it_does_not_have():
@@ -190,3 +225,44 @@ def test_an_array_prompt_is_refused_like_the_same_list():
     assert api_message(lambda: numpy_model.generate(np.array([[1, 500]]))) == api_message(
         lambda: numpy_model.generate([[1, 500]])
     )
+
+
+def test_a_generation_config_as_the_second_argument_is_the_keywords(model):
+    config = kvports.GenerationConfig(6, temperature=0.8, top_k=5, seed=3)
+    assert (
+        model.generate(SEED, config).tokens
+        == model.generate(SEED, new_tokens=6, temperature=0.8, top_k=5, seed=3, stop_ids=[]).tokens
+    )
+
+
+def test_a_speculative_call_with_a_draft_file_reads_the_draft_once(tmp_path, monkeypatch):
+    from kvports.shared import run
+
+    numpy_model = kvports.load("numpy")
+    draft = tmp_path / "draft.safetensors"
+    save_weights(draft, random_weights(numpy_model.config), numpy_model.config)
+    reads = []
+    real = run.open_weights
+    monkeypatch.setattr(run, "open_weights", lambda *args: reads.append(args) or real(*args))
+    first = numpy_model.generate(SEED, 4, "speculative", draft=draft, draft_tokens=2)
+    second = numpy_model.generate(SEED, 4, "speculative", draft=draft, draft_tokens=2)
+    assert len(reads) == 1 and first.tokens == second.tokens and first.speculative["draft"] == str(draft)
+
+
+def test_one_generate_call_checks_its_inputs_once(monkeypatch):
+    from kvports.shared import run
+
+    numpy_model = kvports.load("numpy")
+    calls = {name: 0 for name in ("check_prompts", "check_generation", "check_draft", "check_needed", "check_run")}
+    for name in calls:
+        real = getattr(run, name)
+        monkeypatch.setattr(
+            run, name, lambda *args, real=real, name=name: calls.__setitem__(name, calls[name] + 1) or real(*args)
+        )
+    numpy_model.generate(SEED, 3, "speculative", draft="ngram")
+    assert calls == dict.fromkeys(calls, 1)
+
+
+def test_time_to_first_token_is_measured_when_tokens_stream(model):
+    assert model.generate(SEED, 3).first_token_seconds is None
+    assert model.generate(SEED, 3, on_token=lambda token: None).first_token_seconds is not None

@@ -3,7 +3,7 @@ nothing on stdout, the same for every framework, caught in shared/ before any po
 (and, where the header tells, before any tensor is read); or, where the input is valid
 after all (a wide sliding window), the same correct tokens in every port.
 
-One table per class of bad input (issue 9): a file the weights reader must refuse, a
+One table per class of bad input: a file the weights reader must refuse, a
 Hugging Face directory, prompts, sizes that would exhaust memory, output paths, the
 command line itself. The next bad input is a line in its table.
 """
@@ -24,7 +24,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kvports.shared import ports
-from kvports.shared.commands.arguments import non_negative_int, positive_int
+from kvports.shared.arguments import non_negative_int, positive_int
 from kvports.shared.config import MAX_SIZE, ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.ports import PORTS

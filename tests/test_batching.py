@@ -501,7 +501,7 @@ def test_batch_cli_user_errors_are_one_line_for_every_framework(
     def refuse(name):
         raise AssertionError("no port may load before the inputs are checked")
 
-    monkeypatch.setattr("kvports.shared.batching.batch.load_port", refuse)
+    monkeypatch.setattr("kvports.shared.ports.load_port", refuse)
     files = {"empty": "\n\n", "bad": '{"prompt": []}\n', "good": '{"prompt": [1]}\n'}
     for name, text in files.items():
         (tmp_path / f"{name}.jsonl").write_text(text)

@@ -128,8 +128,8 @@ def test_compare_exits_1_when_a_path_disagrees(capsys, monkeypatch):
             return getattr(torch_port, name)
 
         @staticmethod
-        def generate(model, prompts, new_tokens, mode, return_logits=False):
-            tokens, logits = torch_port.generate(model, prompts, new_tokens, mode, return_logits)
+        def generate(model, prompts, new_tokens, mode, return_logits=False, *, on_token=None):
+            tokens, logits = torch_port.generate(model, prompts, new_tokens, mode, return_logits, on_token=on_token)
             tokens = tokens.copy()
             tokens[:, -1] = (tokens[:, -1] + 1) % 500  # a real bug: the last token is wrong
             return tokens, logits
@@ -250,3 +250,28 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
     process.stdout.close()
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=120) == 141 and stderr == ""
+
+
+def test_generate_checks_each_input_once(capsys, monkeypatch, tmp_path):
+    from kvports.shared import run
+    from kvports.shared.config import ModelConfig
+    from kvports.shared.weights import save_weights
+    from tests.helpers import random_weights
+
+    draft = tmp_path / "draft.safetensors"
+    config = ModelConfig(d_model=16, n_heads=2, n_layers=1)
+    save_weights(draft, random_weights(config), config)
+    names = ("check_prompts", "check_generation", "check_draft", "check_draft_model", "check_needed", "check_run")
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(run, name)
+
+        def counted(*args, real=real, name=name):
+            calls[name] += 1
+            return real(*args)
+
+        monkeypatch.setattr(run, name, counted)
+    argv = ["generate", "--framework", "numpy", "--mode", "speculative", "--draft", draft, "--new-tokens", "3"]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert calls == dict.fromkeys(names, 1)

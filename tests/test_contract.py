@@ -1,4 +1,4 @@
-"""Every port satisfies shared.contract.Port and every baseline shared.contract.Runner: the
+"""Every port satisfies shared.contract.Port and every baseline shared.contract.Baseline: the
 names, the parameters (named, placed and defaulted as the Protocol says) and on_token's
 behaviour; and the checker itself catches what it should."""
 
@@ -33,9 +33,9 @@ def test_port_satisfies_the_port_protocol(name):
 
 
 @pytest.mark.parametrize("name", BASELINES)
-def test_baseline_satisfies_the_runner_protocol(name):
+def test_baseline_satisfies_the_baseline_protocol(name):
     baseline = import_or_skip(f"kvports.baselines.{name}")
-    assert contract.mismatches(baseline, contract.Runner) == []
+    assert contract.mismatches(baseline, contract.Baseline) == []
 
 
 @pytest.mark.parametrize("mode", ["naive", "cached"])
@@ -111,13 +111,13 @@ def test_a_different_default_is_reported():
 
 
 def test_an_extra_parameter_with_a_default_and_a_keyword_only_on_token_conform():
-    runner = conforming_port()
-    runner.MODES = ("cached",)
-    # A runner's generate may take more (prefill) as long as on_token is still a keyword.
-    runner.generate = with_signature(
+    baseline = conforming_port()
+    baseline.MODES = ("cached",)
+    # A baseline's generate may take more (prefill) as long as on_token is still a keyword.
+    baseline.generate = with_signature(
         "(model, prompts, new_tokens, mode='cached', return_logits=False, prefill=True, on_token=None)"
     )
-    assert contract.mismatches(runner, contract.Runner) == []
+    assert contract.mismatches(baseline, contract.Baseline) == []
 
 
 def test_members_lists_the_port_contract_in_order():
@@ -140,4 +140,4 @@ def test_members_lists_the_port_contract_in_order():
         "'bool' = False, "
         "prefill: 'bool' = True, on_token:"
     )
-    assert inspect.Parameter.KEYWORD_ONLY == contract.members(contract.Runner)["generate"].parameters["on_token"].kind
+    assert inspect.Parameter.KEYWORD_ONLY == contract.members(contract.Baseline)["generate"].parameters["on_token"].kind

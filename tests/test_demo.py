@@ -1,4 +1,4 @@
-"""The README's text demo: a tiny Llama and a word-level tokenizer built locally, converted,
+"""docs/GENERATION.md's text demo: a tiny Llama and a word-level tokenizer built locally, converted,
 then a sampled, streamed, stopped generation that every framework writes the same way."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.helpers import run_cli
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+GENERATION_MD = Path(__file__).resolve().parent.parent / "docs" / "GENERATION.md"
 FLAGS = ["--text", "the cat sat on the", "--new-tokens", "24", "--temperature", "0.8", "--top-k", "20", "--seed", "6"]
 
 
@@ -35,7 +35,7 @@ def test_the_readme_demo_streams_the_same_stopped_text_in_every_port(port, demo,
     assert code == 0
     streamed = out.splitlines()[0]
     assert streamed.endswith("<eos>")  # stopped at the converted checkpoint's eos_token_id
-    assert f"```\n{streamed}\n```" in README.read_text()  # the README shows this very line
+    assert f"```\n{streamed}\n```" in GENERATION_MD.read_text()  # docs/GENERATION.md shows this very line
     code, out, _ = run_cli(capsys, *command, *FLAGS, "--json")
     result = json.loads(out)
     assert result["finish_reason"] == ["stop"] and result["text"] == ["the cat sat on the " + streamed]

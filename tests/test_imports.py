@@ -165,6 +165,36 @@ def test_kvports_modules_import_each_other_without_a_cycle():
     assert find_cycle(graph) is None
 
 
+def package_of(name: str) -> str:
+    """A module of a subpackage of kvports.shared (kvports.shared.bench.rows) as that subpackage
+    (kvports.shared.bench); any other module as itself."""
+    parts = name.split(".")
+    if parts[:2] == ["kvports", "shared"] and len(parts) > 3:
+        return ".".join(parts[:3])
+    return name
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for name, module in MODULES.items():
+        node = package_of(name)
+        graph.setdefault(node, set()).update(
+            package_of(target) for target in edges(module, dynamic=True) if package_of(target) != node
+        )
+    return graph
+
+
+def test_shared_subpackages_import_each_other_without_a_cycle():
+    # bench importing commands while commands import bench is a cycle even where no two files import each other.
+    assert find_cycle(package_graph()) is None
+
+
+def test_a_cycle_between_packages_is_found_where_no_two_files_form_one():
+    graph = {package_of(a): {package_of(b)} for a, b in (("kvports.shared.bench.x", "kvports.shared.commands.y"),)}
+    graph[package_of("kvports.shared.commands.z")] = {package_of("kvports.shared.bench.w")}
+    assert find_cycle(graph) == ["kvports.shared.bench", "kvports.shared.commands", "kvports.shared.bench"]
+
+
 # The package root offers the Python API (kvports.load), imported on first use, not by `import kvports`.
 ROOT_API = {"kvports": {"kvports.api"}}
 

@@ -1,5 +1,5 @@
 """Build a tiny Llama and a word-level tokenizer with transformers' and tokenizers' own
-classes and save them as a Hugging Face directory: the README's text demo runs on it
+classes and save them as a Hugging Face directory: docs/GENERATION.md's text demo runs on it
 (nothing is downloaded). Its weights are random, so its text is word salad; the point is
 that every framework writes the same salad, sampled, streamed and stopped.
 

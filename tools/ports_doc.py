@@ -47,8 +47,8 @@ def section() -> str:
             BEGIN,
             f"### `Port`: every `port.py`\n{' '.join(inspect.getdoc(contract.Port).split())}",
             table(contract.Port),
-            f"### `Runner`: every baseline in `baselines/`\n{' '.join(inspect.getdoc(contract.Runner).split())}",
-            table(contract.Runner),
+            f"### `Baseline`: every baseline in `baselines/`\n{' '.join(inspect.getdoc(contract.Baseline).split())}",
+            table(contract.Baseline),
             END,
         ]
     )

@@ -5,6 +5,7 @@ One module per job:
 - `blocks`: the block manager: allocation, reference counts, prefix hashing
 - `scheduler`: waiting queue, running batch, prefill and decode steps, preemption
 - `engine`: the scheduler's steps run by one port (its `init_block_pool` and `paged_step`)
-- `batch`: the `kvports batch` subcommand
-- `bench`: continuous batching against the same requests one after another
+
+The `kvports batch` command is `shared/commands/batch.py`; the batching benchmark (continuous
+batching against the same requests one after another) is `shared/bench/batching.py`.
 """

@@ -175,10 +175,10 @@ class Engine:
 
     def run(self, on_finish: Callable[[Sequence], None] | None = None) -> list[Sequence]:
         """Step until every queued request has finished; the finished sequences in finishing order."""
-        done: list[Sequence] = []
+        finished: list[Sequence] = []
         while not self.idle:
             for sequence in self.step():
-                done.append(sequence)
+                finished.append(sequence)
                 if on_finish is not None:
                     on_finish(sequence)
-        return done
+        return finished

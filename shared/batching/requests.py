@@ -2,7 +2,7 @@
 
 A line holds a prompt as token ids (`"prompt": [1, 2, 3]`) or as text (`"text": "..."`,
 encoded with --tokenizer), and optionally `id`, `max_new_tokens`, `temperature`, `top_k`,
-`top_p`, `seed` and `stop_ids` (the generation issue's settings; without `stop_ids`, the
+`top_p`, `seed` and `stop_ids` (`kvports generate`'s settings; without `stop_ids`, the
 model's eos ids, as `kvports generate` stops). A bad line is one error naming its line
 number; the other lines still run.
 """

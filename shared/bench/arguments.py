@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvports.shared.arguments import add_speculative_arguments, integer, parse_integer
+from kvports.shared.batching.engine import BatchSettings
+from kvports.shared.bench.batching import WORKLOADS, BatchingBench
 from kvports.shared.bench.presets import PRESETS
 from kvports.shared.bench.runners import DEFAULT_MODES, FRAMEWORKS, MODES
-from kvports.shared.checks import SEED_PROMPT
-from kvports.shared.commands.arguments import add_speculative_arguments, integer, parse_integer
+from kvports.shared.checks import SEED_PROMPT, check_at_least
 from kvports.shared.config import DTYPES, MAX_SIZE, ModelConfig
 from kvports.shared.devices import add_device_argument
-from kvports.shared.errors import UserError, echo, echo_path
-from kvports.shared.files import check_writable_folder, os_errors_as_user_errors
-from kvports.shared.limits import check_run
+from kvports.shared.errors import UserError, echo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,8 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 BATCHING_FLAGS = ("preset", "weights", "frameworks", "dtype", "device", "json", "requests")
 
 
-def batching_argv(args: argparse.Namespace, parser_defaults: dict[str, object], ports: Sequence[str]) -> list[str]:
-    """`kvports bench --requests N ...` as the flags of `kvports batch --bench`."""
+def batching_inputs(
+    args: argparse.Namespace, parser_defaults: dict[str, object], ports: Sequence[str]
+) -> BatchingBench:
+    """`kvports bench --requests N ...` as the batching bench's inputs (`kvports batch --bench`'s)."""
     check_at_least("--requests", args.requests, 1)
     if args.requests > MAX_SIZE:
         raise UserError(f"--requests {echo(args.requests)} is above {MAX_SIZE}")
@@ -114,60 +115,17 @@ def batching_argv(args: argparse.Namespace, parser_defaults: dict[str, object], 
         raise UserError(
             f"--requests times the ports ({','.join(ports)}); --frameworks {echo(args.frameworks)} names none"
         )
-    argv = ["--bench", "--count", str(args.requests), "--frameworks", ",".join(chosen)]
-    argv += ["--dtype", args.dtype, "--device", args.device]
-    argv += ["--weights", str(args.weights)] if args.weights is not None else ["--preset", args.preset]
-    return argv + (["--json"] if args.json else [])
-
-
-def check_counts(args: argparse.Namespace) -> None:
-    """The counts the bench needs, before anything loads. (Integers, not argparse types: the
-    messages name the rule each limit comes from.)"""
-    check_at_least("--batch", args.batch, 1)
-    check_at_least("--prompt-len", args.prompt_len, 1)
-    check_at_least("new tokens", args.new_tokens, 2, ": decode timing needs a step after the first token")
-    check_at_least("--repeats", args.repeats, 1)
-    check_at_least("--warmup", args.warmup, 1, ": the first call (and JAX's compile) must stay out of the figures")
-    for name in ("--batch", "--prompt-len", "--new-tokens", "--repeats", "--warmup"):
-        value = getattr(args, name[2:].replace("-", "_"))
-        if value > MAX_SIZE:
-            raise UserError(f"{name} {echo(value)} is above {MAX_SIZE}")
-
-
-def check_bench_run(config: ModelConfig, args: argparse.Namespace, modes: Sequence[str], longest: int) -> None:
-    """The run's sizes against the model, and the bytes of its longest generation (`longest`
-    new tokens: --new-tokens, or a --sweep value) against the limit: before the prompts are
-    built or any tensor is read."""
-    total = args.prompt_len + args.new_tokens
-    if total > config.max_seq_len:
-        raise UserError(
-            f"prompt length {args.prompt_len} + new tokens {args.new_tokens} = {total} exceeds "
-            f"max_seq_len {config.max_seq_len}"
-        )
-    check_run(config, args.dtype, args.batch, args.prompt_len, longest, modes)
-
-
-def check_outputs(args: argparse.Namespace) -> None:
-    """--plot and --csv, checked before anything runs: a long run must not fail at its end."""
-    if args.plot is not None:
-        if importlib.util.find_spec("matplotlib") is None:
-            raise UserError("--plot needs matplotlib: pip install 'kvports[plot]'")
-        with os_errors_as_user_errors(args.plot):
-            if args.plot.exists() and not args.plot.is_dir():
-                raise UserError(f"--plot {echo_path(args.plot)} is a file, not a folder")
-            check_writable_folder(args.plot.parent, args.plot.name)
-    if args.csv is not None and str(args.csv) == "-" and args.json:
-        raise UserError("--csv - and --json both print to stdout: give --csv a FILE")
-    if args.csv is not None and str(args.csv) != "-":
-        with os_errors_as_user_errors(args.csv):
-            if args.csv.is_dir():
-                raise UserError(f"--csv {echo_path(args.csv)} is a folder; give the file to write")
-            check_writable_folder(args.csv.parent, args.csv.name)
-
-
-def check_at_least(name: str, value: int, limit: int, why: str = "") -> None:
-    if value < limit:
-        raise UserError(f"{name} {value} is below {limit}{why}")
+    return BatchingBench(
+        tuple(chosen),
+        WORKLOADS,
+        args.requests,
+        BatchSettings(),
+        args.preset,
+        args.weights,
+        args.dtype,
+        args.device,
+        args.json,
+    )
 
 
 def parse_choices(text: str, allowed: Sequence[str], what: str) -> list[str]:

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from kvports.shared import ports
-from kvports.shared.bench.arguments import check_bench_run, check_counts, check_outputs, parse_choices, parse_sweep
+from kvports.shared.bench.arguments import parse_choices, parse_sweep
 from kvports.shared.bench.measure import load_average, threads_info
 from kvports.shared.bench.output import print_result
 from kvports.shared.bench.plots import write_plots
@@ -20,11 +20,20 @@ from kvports.shared.bench.presets import bench_prompts, load_bench_model
 from kvports.shared.bench.rows import run_rows
 from kvports.shared.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, RUNNERS, Runner
 from kvports.shared.bench.targets import targets
-from kvports.shared.commands.arguments import load_draft
+from kvports.shared.checks import (
+    COMMAND_LINE,
+    check_bench_counts,
+    check_bench_outputs,
+    check_bench_run,
+    check_draft,
+    check_needed,
+)
 from kvports.shared.config import ModelConfig
 from kvports.shared.devices import check_gpu_reachable, device_problem
 from kvports.shared.errors import UserError
+from kvports.shared.generation import GenerationConfig
 from kvports.shared.progress import make_progress
+from kvports.shared.run import Draft, RunInputs, read_draft
 
 
 def gpu_problems(runners: list[Runner], device: str) -> dict[str, str]:
@@ -43,24 +52,22 @@ def gpu_problems(runners: list[Runner], device: str) -> dict[str, str]:
 
 def run_batching(args: argparse.Namespace) -> int:
     """`kvports bench --requests N`: `kvports batch --bench`'s two workloads, N requests each."""
-    from kvports.shared.batching import batch
-    from kvports.shared.batching.bench import run_bench
-    from kvports.shared.bench.arguments import add_arguments, batching_argv
+    from kvports.shared.bench.arguments import add_arguments, batching_inputs
+    from kvports.shared.bench.batching import run_bench
 
-    bench_parser, batch_parser = argparse.ArgumentParser(), argparse.ArgumentParser()
+    bench_parser = argparse.ArgumentParser()
     add_arguments(bench_parser)
-    batch.add_arguments(batch_parser)
     defaults = vars(bench_parser.parse_args([]))  # every bench flag at its default
-    return run_bench(batch_parser.parse_args(batching_argv(args, defaults, ports.PORTS)))
+    return run_bench(batching_inputs(args, defaults, ports.PORTS))
 
 
 def run(args: argparse.Namespace) -> int:
     if args.requests is not None:
         return run_batching(args)
-    check_counts(args)
+    check_bench_counts(args.batch, args.prompt_len, args.new_tokens, args.repeats, args.warmup)
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
-    check_outputs(args)
+    check_bench_outputs(args.plot, args.csv, args.json)
     if "speculative" in modes and args.draft is None:
         raise UserError("--modes speculative needs --draft FILE (a smaller model) or --draft ngram")
     runners = [runner for runner in RUNNERS if runner.framework in frameworks]
@@ -71,11 +78,19 @@ def run(args: argparse.Namespace) -> int:
 
     def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
         sweep.extend(parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None))
-        check_bench_run(config, args, modes, max([args.new_tokens, *sweep]))
+        longest = max([args.new_tokens, *sweep])
+        check_bench_run(config, modes, longest, args.dtype, args.batch, args.prompt_len, args.new_tokens)
 
-    preset, config, tensors = load_bench_model(args, check)
+    preset, config, tensors = load_bench_model(args.preset, args.weights, args.dtype, check)
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens)  # [B, P]
-    draft_weights = load_draft(args, config, prompts) if "speculative" in modes else None  # at --dtype
+    draft_weights = None
+    if "speculative" in modes:
+        draft = Draft(args.draft, args.draft_tokens, args.ngram)
+        generation = GenerationConfig(args.new_tokens)
+        inputs = RunInputs(frameworks[0], "speculative", generation, args.weights, args.dtype, args.device, draft)
+        check_draft("speculative", args.draft, args.draft_tokens, args.ngram, COMMAND_LINE)
+        check_needed(args.prompt_len, args.new_tokens, args.draft_tokens, [("the model", config)])
+        draft_weights = read_draft(inputs, config, prompts)  # at --dtype
     roofline = args.roofline or preset == "gpt2-small"
     settings: dict[str, Any] = {
         "preset": preset,

@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 
 from kvports.shared.bench.runners import Runner
-from kvports.shared.commands.generate import speculative_summary
 from kvports.shared.config import ModelConfig, kv_cache_bytes
 from kvports.shared.contract import OnToken, Timed
+from kvports.shared.generation import GenerationConfig
+from kvports.shared.run import Draft, RunInputs, run_port, speculative_summary, timed
 
 MATVEC_SHAPE = (8192, 8192)  # float32: 256 MiB, far beyond any cache level
 MATVEC_REPEATS = 7
@@ -27,40 +28,38 @@ def median(values: Sequence[float]) -> float:
 
 
 @dataclass
-class Generation:
-    """How a row generates: `generate(..., mode)`, or with mode "speculative" a port's
-    `generate_speculative` with its draft (a model, or None for prompt lookup)."""
+class RowCall:
+    """How a row generates: a port's or a baseline's `generate(..., mode)`, or with mode
+    "speculative" the run layer's call of a port's `generate_speculative` with its draft (a
+    model, or None for prompt lookup)."""
 
     mode: str
-    draft: Any = None
-    draft_label: str = "ngram"  # the draft's weights file, or ngram
-    draft_tokens: int = 4
-    ngram: int = 2
+    draft_model: Any = None
+    draft: Draft | None = None  # mode speculative: the draft's source (a weights file, or ngram), K and n
     counts: dict[str, int] | None = None  # the last speculative call's rounds, forwards, proposals
+
+    def inputs(self, module: Any, new_tokens: int) -> RunInputs:
+        return RunInputs(module.NAME, self.mode, GenerationConfig(new_tokens), draft=self.draft)
 
     def __call__(
         self, module: Any, model: Any, prompts: np.ndarray, new_tokens: int, on_token: OnToken | None = None
     ) -> np.ndarray:
         if self.mode == "speculative":
-            tokens, self.counts = module.generate_speculative(
-                model, self.draft, prompts, new_tokens, self.draft_tokens, self.ngram, on_token=on_token
-            )
+            inputs = self.inputs(module, new_tokens)
+            tokens, _, self.counts = run_port(module, model, self.draft_model, prompts, inputs, on_token=on_token)
             return tokens
         tokens, _ = module.generate(model, prompts, new_tokens, self.mode, on_token=on_token)
         return tokens
 
 
 def time_generate(
-    module: Timed, model: Any, prompts: np.ndarray, new_tokens: int, generation: Generation
+    module: Timed, model: Any, prompts: np.ndarray, new_tokens: int, call: RowCall
 ) -> tuple[np.ndarray, float]:
-    start = time.perf_counter()
-    tokens = generation(module, model, prompts, new_tokens)
-    module.synchronize(model)
-    return tokens, time.perf_counter() - start
+    return timed(lambda: call(module, model, prompts, new_tokens), module, model)
 
 
 def time_stream(
-    module: Timed, model: Any, prompts: np.ndarray, new_tokens: int, generation: Generation
+    module: Timed, model: Any, prompts: np.ndarray, new_tokens: int, call: RowCall
 ) -> tuple[np.ndarray, list[float]]:
     """Milliseconds per step: step 0 ends when the first new token is on the host."""
     stamps: list[float] = []
@@ -69,7 +68,7 @@ def time_stream(
         stamps.append(time.perf_counter())
 
     start = time.perf_counter()
-    tokens = generation(module, model, prompts, new_tokens, on_token=on_token)
+    tokens = call(module, model, prompts, new_tokens, on_token=on_token)
     if len(stamps) != new_tokens:
         raise RuntimeError(f"{module.NAME}: generate called on_token {len(stamps)} times, expected {new_tokens}")
     return tokens, [1e3 * step for step in np.diff([start] + stamps)]
@@ -112,7 +111,7 @@ def measure_row(
     runner: Runner,
     module: Timed,
     model: Any,
-    generation: Generation,
+    call: RowCall,
     prompts: np.ndarray,
     args: argparse.Namespace,
     sweep: list[int],
@@ -120,25 +119,25 @@ def measure_row(
 ) -> dict[str, Any]:
     """Warm-up, then --repeats timed whole generations and streamed ones; medians, every repeat, the sweep."""
     new_tokens = args.new_tokens
-    label = f"{runner.label} {generation.mode}"
-    speculative = generation.mode == "speculative"
+    label = f"{runner.label} {call.mode}"
+    speculative = call.mode == "speculative"
 
     def figures(step_ms: list[float]) -> dict[str, float | None]:
         return speculative_step_figures(step_ms, not runner.compiles) if speculative else step_figures(step_ms)
 
-    _, first_call_s = time_generate(module, model, prompts, new_tokens, generation)  # warm-up 1; JAX compiles here
+    _, first_call_s = time_generate(module, model, prompts, new_tokens, call)  # warm-up 1; JAX compiles here
     tick(f"{label} warm-up")
     for _ in range(args.warmup - 1):
-        time_generate(module, model, prompts, new_tokens, generation)
+        time_generate(module, model, prompts, new_tokens, call)
         tick(f"{label} warm-up")
     for _ in range(args.warmup):
-        time_stream(module, model, prompts, new_tokens, generation)
+        time_stream(module, model, prompts, new_tokens, call)
         tick(f"{label} warm-up")
     repeats: list[dict[str, Any]] = []
     tokens = None
     for index in range(args.repeats):
-        tokens, total_s = time_generate(module, model, prompts, new_tokens, generation)
-        stream_tokens, step_ms = time_stream(module, model, prompts, new_tokens, generation)
+        tokens, total_s = time_generate(module, model, prompts, new_tokens, call)
+        stream_tokens, step_ms = time_stream(module, model, prompts, new_tokens, call)
         repeats.append(
             {
                 "total_s": total_s,
@@ -169,10 +168,8 @@ def measure_row(
         "tokens": tokens,
     }
     if speculative:
-        assert generation.counts is not None and tokens is not None  # set by every speculative call
-        row["speculative"] = speculative_summary(
-            generation.counts, generation.draft_label, generation.draft_tokens, tokens, prompts.shape[1]
-        )
+        assert call.counts is not None and tokens is not None  # set by every speculative call
+        row["speculative"] = speculative_summary(call.counts, call.inputs(module, new_tokens), tokens, prompts.shape[1])
     if sweep:
         sweep_s = []
         for n in sweep:
@@ -180,10 +177,8 @@ def measure_row(
                 sweep_s.append(total_s)
             else:
                 for _ in range(args.warmup):
-                    time_generate(module, model, prompts, n, generation)  # a new n is a new compile for JAX
-                sweep_s.append(
-                    median([time_generate(module, model, prompts, n, generation)[1] for _ in range(args.repeats)])
-                )
+                    time_generate(module, model, prompts, n, call)  # a new n is a new compile for JAX
+                sweep_s.append(median([time_generate(module, model, prompts, n, call)[1] for _ in range(args.repeats)]))
             tick(f"{label} sweep {n}")
         row["sweep"] = {"new_tokens": list(sweep), "total_s": sweep_s, "slope": fit_slope(sweep, sweep_s)}
     else:

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from kvports.shared.checks import SEED_PROMPT, check_prompts
 from kvports.shared.config import ModelConfig
+from kvports.shared.generation import pad_prompts
 from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, open_weights
 
 PRESETS: dict[str, ModelConfig | None] = {
@@ -28,22 +29,22 @@ PRESETS: dict[str, ModelConfig | None] = {
 
 
 def load_bench_model(
-    args: argparse.Namespace, check: Callable[[ModelConfig], None]
+    preset: str, weights: Path | None, dtype: str, check: Callable[[ModelConfig], None]
 ) -> tuple[str, ModelConfig, dict[str, np.ndarray]]:
-    """(the name the results go by, config, tensors at --dtype) for --weights or --preset;
+    """(the name the results go by, config, tensors at `dtype`) for a weights file or a preset;
     check(config) runs before any tensor is read or drawn."""
-    preset = PRESETS[args.preset]
-    if args.weights is not None or preset is None:
-        with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
-            check(weights.config)
-            name = args.weights.name if args.weights is not None else args.preset
-            return name, weights.config, weights.read(args.dtype)
-    check(preset)
-    tensors = {name: array.astype(args.dtype, copy=False) for name, array in gpt2_init_weights(preset).items()}
-    return args.preset, preset, tensors
+    config = PRESETS[preset]
+    if weights is not None or config is None:
+        with open_weights(weights if weights is not None else DEFAULT_WEIGHTS) as file:
+            check(file.config)
+            name = weights.name if weights is not None else preset
+            return name, file.config, file.read(dtype)
+    check(config)
+    tensors = {name: array.astype(dtype, copy=False) for name, array in gpt2_init_weights(config).items()}
+    return preset, config, tensors
 
 
 def bench_prompts(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> np.ndarray:
     # The seed's prompt, repeated to length; ids past a small vocab wrap into it.
     row = [int(token) % config.vocab_size for token in np.resize(np.asarray(SEED_PROMPT), prompt_len)]
-    return check_prompts([row] * batch, config, new_tokens)  # [B, P]
+    return pad_prompts(check_prompts([row] * batch, config, new_tokens))[0]  # [B, P]

@@ -14,13 +14,14 @@ from kvports.shared import ports
 from kvports.shared.bench.measure import (
     MATVEC_REPEATS,
     MATVEC_SHAPE,
-    Generation,
+    RowCall,
     decode_bytes,
     matvec_bandwidth,
     measure_row,
 )
 from kvports.shared.bench.runners import Runner, import_runner, note
 from kvports.shared.config import ModelConfig, kv_cache_bytes
+from kvports.shared.run import Draft
 
 MEASURES = (
     "ttft_ms",
@@ -122,12 +123,12 @@ def run_rows(
                 "device": device,
                 "dtype": args.dtype,
             }
-            generation = Generation(mode)
+            call = RowCall(mode)
             if mode == "speculative":
                 draft = None if draft_weights is None else module.load_model(*draft_weights, args.dtype, device)
-                generation = Generation(mode, draft, str(args.draft), args.draft_tokens, args.ngram)
+                call = RowCall(mode, draft, Draft(str(args.draft), args.draft_tokens, args.ngram))
             try:
-                row.update(measure_row(runner, module, model, generation, prompts, args, sweep, tick))
+                row.update(measure_row(runner, module, model, call, prompts, args, sweep, tick))
             except Exception as exc:
                 if runner.variant is None and not runner.baseline:
                     raise  # a port that fails is a bug to see whole

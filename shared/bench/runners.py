@@ -5,6 +5,7 @@ note the table prints beside each."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import cast
 
@@ -103,5 +104,8 @@ def import_runner(runner: Runner) -> tuple[Timed | None, str | None]:
         return cast(Timed, importlib.import_module(runner.module)), None
     except ports.PortUnavailable as exc:
         return None, exc.reason
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        # A baseline whose library is not installed is a row that says so; any other import failure is a bug.
+        if exc.name is None or importlib.util.find_spec(exc.name.split(".")[0]) is not None:
+            raise
         return None, f"not installed ({exc})"

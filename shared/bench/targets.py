@@ -7,7 +7,7 @@ from typing import Any
 
 
 def targets(rows: list[dict[str, Any]], settings: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, at the settings they were set for (seed preset, batch 1; 500 new
+    """The development targets, at the settings they were set for (seed preset, batch 1; 500 new
     tokens for cached against naive; gpt2-small for the roofline). Reported, never asserted."""
     live = {(row["framework"], row["variant"], row["mode"]): row for row in rows if row["available"]}
     found = []

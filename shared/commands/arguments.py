@@ -1,86 +1,24 @@
-"""Argument types and the inputs `generate` and `compare` share: weights, prompts, text.
-
-Every refusal here is one `error:` line and exit 2 (see `shared.cli`), raised before any
-port is imported.
-"""
+"""The flags `generate` and `compare` share (weights, prompts, text, sampling), and what they
+turn into: the run layer's typed inputs (`shared.run.RunInputs`), the model read and the
+prompts checked by `shared.run` and `shared.checks`, before any port is imported."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import re
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvports.shared.checks import SEED_PROMPT, check_prompts, parse_prompt
+from kvports.shared import run
+from kvports.shared.arguments import non_negative_int, number, positive_int, seed
+from kvports.shared.checks import MAX_TEMPERATURE, MIN_TEMPERATURE, SEED_PROMPT, check_stop_flags, check_text_flags, parse_prompt
 from kvports.shared.config import DTYPES, ModelConfig
-from kvports.shared.errors import UserError, echo
-from kvports.shared.generation import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, GenerationConfig
-from kvports.shared.limits import check_bytes, check_run
-from kvports.shared.weights import DEFAULT_WEIGHTS, open_weights, parameter_count
-
-
-class OutOfRange(argparse.ArgumentTypeError):
-    """An integer outside what its type's name promises; the command line reports it as
-    `error: --flag VALUE is below LIMIT`, one line."""
-
-
-def parse_integer(text: str) -> int | None:
-    """ASCII digits with an optional sign, or None: Python's int() would also take `1_0` and
-    Arabic-Indic or fullwidth digits, and thousands of digits only to echo them back."""
-    if re.fullmatch(r"[+-]?[0-9]{1,30}", text.strip(), flags=re.ASCII) is None:
-        return None
-    return int(text)
-
-
-def integer(text: str) -> int:
-    value = parse_integer(text)
-    if value is None:
-        raise argparse.ArgumentTypeError(f"invalid int value: {echo(text)}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """1, 2, 3, ...: a count that must be at least one."""
-    value = integer(text)
-    if value < 1:
-        raise OutOfRange(f"{value} is below 1")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """0, 1, 2, ...: a seed, say."""
-    value = integer(text)
-    if value < 0:
-        raise OutOfRange(f"{value} is below 0")
-    return value
-
-
-def seed(text: str) -> int:
-    """0 to 2**64 - 1: a Philox key word, and what torch.manual_seed accepts."""
-    value = non_negative_int(text)
-    if value > MAX_SEED:
-        raise OutOfRange(f"{value} is above {MAX_SEED}")
-    return value
-
-
-def number(text: str) -> float:
-    try:
-        if not text.isascii() or "_" in text:  # float() also reads fullwidth digits, and 1_0
-            raise ValueError(text)
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {echo(text)}") from None
-
-
-def output_file(text: str) -> Path:
-    """--out as a file's path. A trailing separator names a folder: pathlib would drop it, and
-    `--out newfile/` would write a file called newfile."""
-    if text.endswith(("/", os.sep)):
-        raise UserError(f"--out {echo(text)} ends with {text[-1]!r}, so it names a folder; give the file's name")
-    return Path(text)
+from kvports.shared.generation import GenerationConfig
+from kvports.shared.weights import open_weights
 
 
 def add_input_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,73 +59,6 @@ def add_text_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_inputs(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, np.ndarray], np.ndarray]:
-    """Weights (at --dtype) and prompts [B, P], checked: everything a port needs, before any
-    port is imported. The file's header gives the config; the prompts, the generation flags
-    and the bytes the run will allocate are checked against it before any tensor is read."""
-    with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
-        config = weights.config.validate_at(args.dtype)
-        prompts = checked_prompts(args, config)
-        return config, weights.read(args.dtype), prompts
-
-
-def load_weights_argument(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """--weights at --dtype, without prompts: the Python API loads a model before it is given any.
-    Its weights' bytes are checked against the limit before any tensor is read."""
-    with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
-        config = weights.config.validate_at(args.dtype)
-        count = parameter_count(config)
-        check_bytes({"weights": 2 * count * np.dtype(args.dtype).itemsize}, f"a model of {count:,} parameters")
-        return config, weights.read(args.dtype)
-
-
-def checked_prompts(args: argparse.Namespace, config: ModelConfig) -> np.ndarray:
-    """--prompt (or --text; the seed's prompt when neither) as one batch [B, P], with everything
-    else a run is checked for against the model: the generation flags, the draft's flags, and
-    the bytes the run will allocate."""
-    tokenizer = load_text_tokenizer(args, config)
-    if getattr(args, "text", None) is not None:
-        from kvports.shared.hf.text import encode
-
-        if args.prompt:
-            raise UserError("give --prompt (token ids) or --text, not both")
-        ids = encode(tokenizer, args.text)
-        prompts = check_prompts(ids, config, args.new_tokens)
-    else:
-        texts = args.prompt if args.prompt else [",".join(map(str, SEED_PROMPT))]
-        prompts = check_prompts([parse_prompt(text) for text in texts], config, args.new_tokens)
-    generation_from(args, config)
-    modes = run_modes(args)
-    if "speculative" in modes:
-        check_draft_flags(args)
-        check_needed(args, prompts, [("the model", config)])
-    B, P = prompts.shape
-    check_run(config, args.dtype, B, P, args.new_tokens, modes, args.draft_tokens if "speculative" in modes else 0)
-    return prompts
-
-
-def run_modes(args: argparse.Namespace) -> list[str]:
-    """The modes the command runs: generate's --mode, or compare's naive and cached (and
-    speculative, given --draft)."""
-    if hasattr(args, "mode"):
-        return [args.mode]
-    return ["naive", "cached"] + (["speculative"] if args.draft is not None else [])
-
-
-def load_text_tokenizer(args: argparse.Namespace, config: ModelConfig) -> Any:
-    """The tokenizer --text and decoded output need, checked against the model's vocabulary;
-    None when neither was asked for."""
-    if getattr(args, "tokenizer", None) is None:
-        if getattr(args, "text", None) is not None:
-            raise UserError("--text needs --tokenizer DIR (a folder holding tokenizer.json)")
-        return None
-    if not hasattr(args, "_tokenizer"):
-        from kvports.shared.hf.text import check_vocabulary, load_tokenizer
-
-        args._tokenizer = check_vocabulary(load_tokenizer(args.tokenizer), config.vocab_size)
-    return args._tokenizer
-
-
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling and stopping (the same tokens in every framework)")
     group.add_argument(
@@ -221,71 +92,79 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-stop", action="store_true", help="generate every new token, ignoring the model's eos ids")
 
 
-def generation_from(args: argparse.Namespace, config: ModelConfig) -> GenerationConfig:
-    """The generation settings the flags ask for, checked (one `error:` line for a bad one)."""
-    if args.no_stop and args.stop_id:
-        raise UserError("give --stop-id or --no-stop, not both")
+@dataclass(frozen=True)
+class CommandInputs:
+    """What `generate` and `compare` run: the typed inputs, the model read and the prompts checked."""
+
+    inputs: run.RunInputs
+    config: ModelConfig
+    tensors: run.Tensors
+    prompts: np.ndarray  # [B, P], left-padded
+    tokenizer: Any  # None without --tokenizer
+    draft: tuple[ModelConfig, run.Tensors] | None  # a draft model's config and tensors (speculative with a file)
+
+
+def read_inputs(
+    args: argparse.Namespace, framework: str, mode: str, modes: Sequence[str] | None = None
+) -> CommandInputs:
+    """The flags as typed inputs, checked once against the model (its header: before any tensor
+    is read), then the weights and any draft read. `modes`: the modes the command runs (default: `mode`)."""
+    draft = draft_of(args)
+    wanted = None if draft is None or draft.source == "ngram" else draft.source
+    if wanted is None or "speculative" not in (modes if modes is not None else [mode]):
+        return read_checked(args, framework, mode, modes, None)
+    with open_weights(Path(wanted)) as file:  # its header is checked with the rest, before any tensor is read
+        given = read_checked(args, framework, mode, modes, file.config)
+        return dataclasses.replace(given, draft=(file.config, file.read(args.dtype)))
+
+
+def read_checked(
+    args: argparse.Namespace, framework: str, mode: str, modes: Sequence[str] | None, draft: ModelConfig | None
+) -> CommandInputs:
+    def check(config: ModelConfig) -> tuple[run.RunInputs, Any, np.ndarray]:
+        tokenizer = text_tokenizer(args, config)
+        inputs = run.RunInputs(
+            framework, mode, generation_of(args, config), args.weights, args.dtype, args.device, draft_of(args)
+        )
+        rows = prompt_rows(args, tokenizer)
+        return inputs, tokenizer, run.check_inputs(inputs, config, rows, modes=modes, draft=draft)
+
+    config, tensors, checked = run.read_model(args.weights, args.dtype, check)
+    assert checked is not None
+    inputs, tokenizer, prompts = checked
+    return CommandInputs(inputs, config, tensors, prompts, tokenizer, None)
+
+
+def draft_of(args: argparse.Namespace) -> run.Draft | None:
+    return None if args.draft is None else run.Draft(args.draft, args.draft_tokens, args.ngram)
+
+
+def generation_of(args: argparse.Namespace, config: ModelConfig) -> GenerationConfig:
+    """The sampling and stopping flags as one GenerationConfig (checked by `run.check_inputs`)."""
+    check_stop_flags(args.stop_id, args.no_stop)
     stops = () if args.no_stop else tuple(args.stop_id) if args.stop_id else config.eos_token_ids
     return GenerationConfig(
         args.new_tokens, args.temperature, args.top_k, args.top_p, args.seed, tuple(dict.fromkeys(stops))
-    ).validate(config.vocab_size)
-
-
-MAX_DRAFT_TOKENS = 16  # a verified chunk is K + 1 wide; past this the draft is the bottleneck anyway
-
-
-def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("speculative decoding (mode speculative)")
-    group.add_argument(
-        "--draft",
-        default=None,
-        metavar="FILE|ngram",
-        help="the draft: a smaller model's weights file with the same vocabulary, or 'ngram' (prompt lookup)",
-    )
-    group.add_argument(
-        "--draft-tokens",
-        type=positive_int,
-        default=4,
-        metavar="K",
-        help=f"proposals per round, each round one target forward (default 4, at most {MAX_DRAFT_TOKENS})",
-    )
-    group.add_argument(
-        "--ngram", type=positive_int, default=2, metavar="N", help="prompt lookup matches the last N tokens (default 2)"
     )
 
 
-def load_draft(
-    args: argparse.Namespace, config: ModelConfig, prompts: np.ndarray
-) -> tuple[ModelConfig, dict[str, np.ndarray]] | None:
-    """The draft model's config and weights, or None for prompt lookup; checked against the target."""
-    check_draft_flags(args)
-    if args.draft == "ngram":
-        check_needed(args, prompts, [("the model", config)])
+def text_tokenizer(args: argparse.Namespace, config: ModelConfig) -> Any:
+    """The tokenizer --text and decoded output need, checked against the model's vocabulary;
+    None when neither was asked for."""
+    tokenizer_dir = getattr(args, "tokenizer", None)
+    check_text_flags(getattr(args, "text", None), tokenizer_dir, args.prompt)
+    if tokenizer_dir is None:
         return None
-    with open_weights(Path(args.draft)) as weights:
-        if weights.config.vocab_size != config.vocab_size:
-            raise UserError(
-                f"the draft's vocab_size {weights.config.vocab_size} differs from the model's "
-                f"{config.vocab_size}: a draft must propose the target's tokens"
-            )
-        check_needed(args, prompts, [("the model", config), ("the draft", weights.config)])
-        B, P = prompts.shape
-        check_run(config, args.dtype, B, P, args.new_tokens, ["speculative"], args.draft_tokens, weights.config)
-        return weights.config, weights.read(args.dtype)
+    from kvports.shared.hf.text import check_vocabulary, load_tokenizer
+
+    return check_vocabulary(load_tokenizer(tokenizer_dir), config.vocab_size)
 
 
-def check_draft_flags(args: argparse.Namespace) -> None:
-    if args.draft is None:
-        raise UserError("--mode speculative needs --draft FILE (a smaller model) or --draft ngram")
-    if args.draft_tokens > MAX_DRAFT_TOKENS:
-        raise UserError(f"--draft-tokens {args.draft_tokens} is above {MAX_DRAFT_TOKENS}")
+def prompt_rows(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+    """--text encoded, or --prompt's ids, or the seed's prompt."""
+    if getattr(args, "text", None) is not None:
+        from kvports.shared.hf.text import encode
 
-
-def check_needed(args: argparse.Namespace, prompts: np.ndarray, models: list[tuple[str, ModelConfig]]) -> None:
-    needed = prompts.shape[1] + args.new_tokens + args.draft_tokens  # a round writes up to K past what it keeps
-    for name, model_config in models:
-        if needed > model_config.max_seq_len:
-            raise UserError(
-                f"prompt length {prompts.shape[1]} + new tokens {args.new_tokens} + draft tokens "
-                f"{args.draft_tokens} = {needed} exceeds {name}'s max_seq_len {model_config.max_seq_len}"
-            )
+        return encode(tokenizer, args.text)
+    texts = args.prompt if args.prompt else [",".join(map(str, SEED_PROMPT))]
+    return [parse_prompt(text) for text in texts]

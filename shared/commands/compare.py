@@ -13,22 +13,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kvports.shared import ports
-from kvports.shared.commands.arguments import (
-    add_generation_arguments,
-    add_input_arguments,
-    add_speculative_arguments,
-    generation_from,
-    load_draft,
-    load_inputs,
-    positive_int,
-)
+from kvports.shared.arguments import add_speculative_arguments, positive_int
+from kvports.shared.commands.arguments import add_generation_arguments, add_input_arguments, read_inputs
 from kvports.shared.commands.generate import describe_generation
 from kvports.shared.compare import NEAR_TIE, comparable_steps, compare_tokens, logit_difference
 from kvports.shared.config import ModelConfig
@@ -38,6 +29,7 @@ from kvports.shared.errors import UserError
 from kvports.shared.families import describe
 from kvports.shared.generation import PAD, GenerationConfig, row_tokens
 from kvports.shared.progress import make_progress
+from kvports.shared.run import LoadedModel, RunInputs, draft_model, run_port, timed
 from kvports.shared.terminal import console_for
 
 HELP = "every framework x mode against the torch reference: tokens, logit differences, time"
@@ -82,14 +74,6 @@ def usable_ports(device: str) -> tuple[dict[str, Port | None], dict[str, str]]:
     return usable, reasons
 
 
-def timed(call: Callable[[], Any], port: Port, model: Any) -> tuple[Any, float]:
-    """(what call returns, seconds until the device is done)."""
-    start = time.perf_counter()
-    result = call()
-    port.synchronize(model)
-    return result, time.perf_counter() - start
-
-
 def teacher_forced_logits(
     port: Port, model: Any, prompts: np.ndarray, reference_tokens: np.ndarray, mode: str
 ) -> np.ndarray:
@@ -113,11 +97,10 @@ def teacher_forced_logits(
 
 
 def run(args: argparse.Namespace) -> int:
-    config, tensors, prompts = load_inputs(args)
-    generation = generation_from(args, config)
     speculative = args.draft is not None  # a speculative row per framework, beside naive and cached
-    draft_weights = load_draft(args, config, prompts) if speculative else None
     modes = ("naive", "cached") + (("speculative",) if speculative else ())
+    given = read_inputs(args, ports.REFERENCE, "naive", modes)
+    config, tensors, prompts, generation = given.config, given.tensors, given.prompts, given.inputs.generation
     P = prompts.shape[1]
     usable, reasons = usable_ports(args.device)
     reference = next(name for name in [ports.REFERENCE, *ports.PORTS] if usable[name] is not None)
@@ -138,15 +121,22 @@ def run(args: argparse.Namespace) -> int:
                     progress.advance(task)
                     continue
                 if model is None:
-                    model = port.load_model(config, tensors, args.dtype, placement(name, args.device))
+                    model = LoadedModel(
+                        port,
+                        port.load_model(config, tensors, args.dtype, placement(name, args.device)),
+                        config,
+                        name,
+                        args.dtype,
+                        placement(name, args.device),
+                    )
+                    if given.draft is not None:
+                        model.add_draft(args.draft, *given.draft)
                 row["available"] = True
-                if mode == "speculative":
-                    row.update(measure_speculative(port, model, draft_weights, prompts, generation, args, results))
-                else:
-                    row.update(measure_generate(port, model, prompts, generation, mode, args, results))
-                    if args.teacher_forced:
-                        reference_tokens = results[(reference, "naive")][0]
-                        forced[(name, mode)] = teacher_forced_logits(port, model, prompts, reference_tokens, mode)
+                inputs = dataclasses.replace(given.inputs, framework=name, mode=mode)
+                row.update(measure(model, prompts, inputs, args.repeats, results))
+                if mode != "speculative" and args.teacher_forced:
+                    reference_tokens = results[(reference, "naive")][0]
+                    forced[(name, mode)] = teacher_forced_logits(port, model.model, prompts, reference_tokens, mode)
                 rows.append(row)
                 progress.advance(task)
     ref_tokens, ref_logits = results[(reference, "naive")]
@@ -198,57 +188,38 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else EXIT_DISAGREE
 
 
-def measure_generate(
-    port: Port,
-    model: Any,
+def measure(
+    loaded: LoadedModel,
     prompts: np.ndarray,
-    generation: GenerationConfig,
-    mode: str,
-    args: argparse.Namespace,
+    inputs: RunInputs,
+    repeats: int,
     results: dict[tuple[str, str], tuple[np.ndarray, np.ndarray | None]],
 ) -> dict[str, Any]:
-    """One row: tokens and logits from a first call, then the warm-up and --repeats timed calls
-    without logits (for JAX another compiled program: the warm-up is its compile)."""
-    results[(port.NAME, mode)] = port.generate(model, prompts, generation, mode, return_logits=True)
+    """One row: tokens (and for naive and cached, logits) from a first call, then a warm-up and
+    `repeats` timed calls without logits (for JAX another compiled program: the warm-up is its
+    compile). A speculative row's first call is its warm-up."""
+    draft = draft_model(loaded, inputs) if inputs.mode == "speculative" else None
 
-    def call() -> Any:
-        return port.generate(model, prompts, generation, mode)
+    def call(return_logits: bool = False) -> tuple[np.ndarray, np.ndarray | None, dict[str, int] | None]:
+        return run_port(loaded.port, loaded.model, draft, prompts, inputs, return_logits)
 
-    return timings(call, port, model, args.repeats)[1]
-
-
-def measure_speculative(
-    port: Port,
-    model: Any,
-    draft_weights: tuple[ModelConfig, dict[str, np.ndarray]] | None,
-    prompts: np.ndarray,
-    generation: GenerationConfig,
-    args: argparse.Namespace,
-    results: dict[tuple[str, str], tuple[np.ndarray, np.ndarray | None]],
-) -> dict[str, Any]:
-    draft = None
-    if draft_weights is not None:
-        draft = port.load_model(*draft_weights, args.dtype, placement(port.NAME, args.device))
-
-    def call() -> Any:
-        return port.generate_speculative(model, draft, prompts, generation, args.draft_tokens, args.ngram)
-
-    (tokens, counts), figures = timings(call, port, model, args.repeats)
-    results[(port.NAME, "speculative")] = (tokens, None)
-    return {**figures, "speculative": counts}
-
-
-def timings(call: Callable[[], Any], port: Port, model: Any, repeats: int) -> tuple[Any, dict[str, Any]]:
-    """(the first call's result, its time and the median of `repeats` more)."""
-    first_result, first_call = timed(call, port, model)
-    seconds = [timed(call, port, model)[1] for _ in range(repeats)]
+    figures: dict[str, Any] = {}
+    if inputs.mode != "speculative":
+        tokens, logits, _ = call(return_logits=True)
+        results[(loaded.framework, inputs.mode)] = (tokens, logits)
+    (tokens, _, counts), first_call = timed(call, loaded.port, loaded.model)
+    seconds = [timed(call, loaded.port, loaded.model)[1] for _ in range(repeats)]
     median = float(np.median(seconds))
-    return first_result, {
+    if inputs.mode == "speculative":
+        results[(loaded.framework, "speculative")] = (tokens, None)
+        figures["speculative"] = counts
+    return {
         "seconds": median,
         "first_call_seconds": first_call,
         # Only where the first call compiles: elsewhere first minus median is warm-up noise, not a cost.
-        "compile_seconds": max(0.0, first_call - median) if port.NAME in ports.COMPILES else None,
+        "compile_seconds": max(0.0, first_call - median) if loaded.framework in ports.COMPILES else None,
         "repeat_seconds": seconds,
+        **figures,
     }
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvports.shared.commands.arguments import output_file
+from kvports.shared.arguments import output_file
 from kvports.shared.config import DTYPES
 from kvports.shared.errors import UserError, echo_path
 from kvports.shared.families import describe

@@ -6,33 +6,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvports.shared import ports
+from kvports.shared.arguments import add_speculative_arguments
+from kvports.shared.checks import MODES
 from kvports.shared.commands.arguments import (
     add_generation_arguments,
     add_input_arguments,
-    add_speculative_arguments,
     add_text_arguments,
-    generation_from,
-    load_draft,
-    load_inputs,
-    load_text_tokenizer,
+    read_inputs,
 )
-from kvports.shared.config import ModelConfig
-from kvports.shared.contract import Port
-from kvports.shared.devices import add_device_argument, check_device
-from kvports.shared.errors import UserError
+from kvports.shared.devices import add_device_argument
 from kvports.shared.families import describe
-from kvports.shared.generation import PAD, GenerationConfig, finish_reasons, row_tokens
+from kvports.shared.generation import PAD, GenerationConfig
+from kvports.shared.run import generate, load_model
 
 HELP = "generate with one framework and mode: greedy or sampled, stop tokens, streaming"
-MODES = ("naive", "cached", "speculative")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,99 +71,45 @@ class Stream:
             print(flush=True)
 
 
-def load_port_for(args: argparse.Namespace) -> Port:
-    """The framework --framework names, on the device --device names: a missing one is an error."""
-    try:
-        port = ports.load_port(args.framework)
-    except ports.PortUnavailable as exc:
-        raise UserError(str(exc)) from None
-    check_device(port, args.device)
-    return port
-
-
-@dataclass
-class Generated:
-    tokens: np.ndarray  # [B, P + N], PAD after a row stops
-    logits: np.ndarray | None  # [B, steps, V] when asked for (naive and cached only)
-    counts: dict[str, int] | None  # speculative: rounds, target_forwards, proposed, accepted
-    seconds: float  # until the device was done, the draft model's loading excluded
-
-
-def run_generation(
-    port: Port,
-    model: Any,
-    prompts: np.ndarray,
-    generation: GenerationConfig,
-    args: argparse.Namespace,
-    draft_weights: tuple[ModelConfig, dict[str, np.ndarray]] | None,
-    return_logits: bool = False,
-    on_token: Callable[[np.ndarray], None] | None = None,
-) -> Generated:
-    """One generation as `generate` (and the Python API) runs it: --mode, and the draft for speculative."""
-    if args.mode == "speculative":
-        draft = None if draft_weights is None else port.load_model(*draft_weights, args.dtype, args.device)
-        start = time.perf_counter()
-        tokens, counts = port.generate_speculative(
-            model, draft, prompts, generation, args.draft_tokens, args.ngram, on_token=on_token
-        )
-        logits = None
-    else:
-        start = time.perf_counter()
-        tokens, logits = port.generate(model, prompts, generation, args.mode, return_logits, on_token=on_token)
-        counts = None
-    port.synchronize(model)
-    return Generated(tokens, logits, counts, time.perf_counter() - start)
-
-
 def run(args: argparse.Namespace) -> int:
-    config, tensors, prompts = load_inputs(args)
-    generation = generation_from(args, config)
-    draft_weights = load_draft(args, config, prompts) if args.mode == "speculative" else None
-    tokenizer = load_text_tokenizer(args, config)  # loaded and checked by load_inputs
-    port = load_port_for(args)
-    model = port.load_model(config, tensors, args.dtype, args.device)
-    stream = Stream(prompts.shape[0], tokenizer, args.json) if args.stream else None
-    generated = run_generation(port, model, prompts, generation, args, draft_weights, on_token=stream)
-    tokens, counts, seconds = generated.tokens, generated.counts, generated.seconds
+    given = read_inputs(args, args.framework, args.mode)
+    loaded = load_model(args.framework, given.config, given.tensors, args.dtype, args.device)
+    if given.draft is not None:
+        loaded.add_draft(args.draft, *given.draft)
+    stream = Stream(given.prompts.shape[0], given.tokenizer, args.json) if args.stream else None
+    result = generate(loaded, given.prompts, given.inputs, on_token=stream, tokenizer=given.tokenizer)
     if stream is not None:
         stream.close()
-    P = prompts.shape[1]
-    rows, reasons = row_tokens(tokens), finish_reasons(tokens, P, generation.stop_ids)
-    prompt_rows = row_tokens(prompts)
-    texts = None
-    if tokenizer is not None:
-        from kvports.shared.hf.text import decode
-
-        texts = [decode(tokenizer, row) for row in rows]  # prompt and generated, as `tokens` holds them
+    generation = given.inputs.generation
     if args.json:
-        result: dict[str, Any] = {
+        output: dict[str, Any] = {
             "framework": args.framework,
             "mode": args.mode,
             "dtype": args.dtype,
             "device": args.device,
-            "family": config.family,
+            "family": given.config.family,
             "generation": dataclasses.asdict(generation),
-            "tokens": rows,
-            "finish_reason": reasons,
-            "seconds": seconds,
+            "tokens": result.tokens,
+            "finish_reason": result.finish_reason,
+            "seconds": result.seconds,
         }
-        if counts is not None:
-            result["speculative"] = speculative_summary(counts, str(args.draft), args.draft_tokens, tokens, P)
-        if texts is not None:
-            result["text"] = texts
-        print(json.dumps(result))
+        if result.speculative is not None:
+            output["speculative"] = result.speculative
+        if result.text is not None:
+            output["text"] = result.text
+        print(json.dumps(output))
         return 0
     print(
-        f"{args.framework} {args.mode} {args.dtype} on the {args.device}, {describe(config)}, "
-        f"{describe_generation(generation)}, {args.new_tokens} new tokens at most, in {seconds:.3f} s"
+        f"{args.framework} {args.mode} {args.dtype} on the {args.device}, {describe(given.config)}, "
+        f"{describe_generation(generation)}, {args.new_tokens} new tokens at most, in {result.seconds:.3f} s"
     )
-    for index, (row, prompt) in enumerate(zip(rows, prompt_rows, strict=True)):
-        print(f"  prompt    {' '.join(map(str, prompt))}")
-        print(f"  generated {' '.join(map(str, row[len(prompt) :]))}  ({reasons[index]})")
-        if texts is not None:
-            print(f"  text      {texts[index]}")
-    if counts is not None:
-        summary = speculative_summary(counts, str(args.draft), args.draft_tokens, tokens, P)
+    for index, (row, generated) in enumerate(zip(result.tokens, result.generated, strict=True)):
+        print(f"  prompt    {' '.join(map(str, row[: len(row) - len(generated)]))}")
+        print(f"  generated {' '.join(map(str, generated))}  ({result.finish_reason[index]})")
+        if result.text is not None:
+            print(f"  text      {result.text[index]}")
+    summary = result.speculative
+    if summary is not None:
         print(
             f"  speculative: draft {summary['draft']}, K = {summary['draft_tokens']}: {summary['accepted']} of "
             f"{summary['proposed']} proposals accepted ({summary['acceptance_rate']:.0%}), "
@@ -191,17 +129,3 @@ def describe_generation(generation: GenerationConfig) -> str:
     if generation.stop_ids:
         how += f", stop at {', '.join(map(str, generation.stop_ids))}"
     return how
-
-
-def speculative_summary(counts: dict[str, int], draft: str, draft_tokens: int, tokens: np.ndarray, P: int) -> dict:
-    """The counts a user wants: proposals, acceptances, their rate, and target forwards per
-    generated token (of the longest row: every row moves with the batch). draft: "ngram" or the
-    draft's weights file."""
-    generated = int((tokens[:, P:] != PAD).sum(axis=1).max())
-    return {
-        "draft": draft,
-        "draft_tokens": draft_tokens,
-        **counts,
-        "acceptance_rate": counts["accepted"] / counts["proposed"] if counts["proposed"] else 0.0,
-        "target_forwards_per_token": counts["target_forwards"] / max(generated, 1),
-    }

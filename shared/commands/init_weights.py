@@ -9,7 +9,7 @@ import argparse
 import numpy as np
 
 from kvports.shared import ports
-from kvports.shared.commands.arguments import output_file, positive_int, seed
+from kvports.shared.arguments import output_file, positive_int, seed
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.files import check_output_file

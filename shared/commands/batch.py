@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvports.shared.arguments import positive_int
 from kvports.shared.batching.blocks import blocks_for
 from kvports.shared.batching.engine import (
     BLOCK_SIZE,
@@ -28,14 +29,15 @@ from kvports.shared.batching.engine import (
 )
 from kvports.shared.batching.requests import BadLine, Request, parse_requests, split_lines
 from kvports.shared.batching.scheduler import Sequence
+from kvports.shared.bench.batching import WORKLOADS, BatchingBench, choices, run_bench
 from kvports.shared.bench.presets import PRESETS
-from kvports.shared.commands.arguments import positive_int
 from kvports.shared.config import DTYPES, ModelConfig
-from kvports.shared.devices import add_device_argument, check_device
+from kvports.shared.devices import add_device_argument
 from kvports.shared.errors import UserError, echo_path
 from kvports.shared.limits import check_bytes
-from kvports.shared.ports import PORTS, REFERENCE, PortUnavailable, load_port
+from kvports.shared.ports import PORTS, REFERENCE
 from kvports.shared.progress import make_progress
+from kvports.shared.run import load_model
 from kvports.shared.weights import DEFAULT_WEIGHTS, open_weights
 
 HELP = "run a JSONL file of requests with continuous batching over a paged KV cache (or --bench it)"
@@ -127,12 +129,9 @@ def settings_of(args: argparse.Namespace, max_length: int | None) -> BatchSettin
 
 def run(args: argparse.Namespace) -> int:
     if args.bench:
-        from kvports.shared.batching.bench import run_bench
-
         if args.requests is not None:
             raise UserError("give --requests FILE or --bench (it makes its own requests), not both")
-
-        return run_bench(args)
+        return run_bench(bench_inputs(args))
     if args.requests is None:
         raise UserError("give --requests FILE.jsonl (or --bench)")
     with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
@@ -147,16 +146,26 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_of(args, max(request.max_length for request in requests)).validate(config)
         check_bytes(run_bytes(config, args.dtype, settings), f"a batch of {len(requests)} requests in {args.dtype}")
         tensors = weights.read(args.dtype)
-    try:
-        port = load_port(args.framework)
-    except PortUnavailable as exc:
-        raise UserError(str(exc)) from None
-    check_device(port, args.device)
-    model = port.load_model(config, tensors, args.dtype, args.device)
-    summary = run_requests(port, model, config, settings, requests, tokenizer)
+    loaded = load_model(args.framework, config, tensors, args.dtype, args.device)
+    summary = run_requests(loaded.port, loaded.model, config, settings, requests, tokenizer)
     summary.update(framework=args.framework, dtype=args.dtype, device=args.device, bad_lines=len(bad))
     print(json.dumps({"summary": summary}), flush=True)
     return EXIT_BAD_LINES if bad else 0
+
+
+def bench_inputs(args: argparse.Namespace) -> BatchingBench:
+    """--bench's flags as the batching bench's inputs."""
+    return BatchingBench(
+        tuple(choices(args.frameworks, PORTS, "frameworks")),
+        tuple(choices(args.workloads, WORKLOADS, "workloads")),
+        args.count,
+        BatchSettings(args.max_batch, args.block_size, args.num_blocks, args.max_step_tokens),
+        args.preset,
+        args.weights,
+        args.dtype,
+        args.device,
+        args.json,
+    )
 
 
 def load_tokenizer(path: Path | None, config: ModelConfig) -> Any:
@@ -207,8 +216,8 @@ def run_requests(
             print(json.dumps(result_line(sequence, tokenizer)), flush=True)
             progress.advance(task)
 
-        done = engine.run(on_finish=report)
-    return summarize(engine, done, time.perf_counter() - start)
+        finished = engine.run(on_finish=report)
+    return summarize(engine, finished, time.perf_counter() - start)
 
 
 def result_line(sequence: Sequence, tokenizer: Any) -> dict[str, Any]:
@@ -230,18 +239,20 @@ def result_line(sequence: Sequence, tokenizer: Any) -> dict[str, Any]:
     return line
 
 
-def summarize(engine: Engine, done: list[Sequence], seconds: float) -> dict[str, Any]:
+def summarize(engine: Engine, finished: list[Sequence], seconds: float) -> dict[str, Any]:
     stats, blocks = engine.stats, engine.blocks
-    generated = sum(len(sequence.generated) for sequence in done)
-    ttft = [sequence.first_token_time - sequence.arrival for sequence in done if sequence.first_token_time is not None]
-    latency = [sequence.finish_time - sequence.arrival for sequence in done if sequence.finish_time is not None]
+    generated = sum(len(sequence.generated) for sequence in finished)
+    ttft = [
+        sequence.first_token_time - sequence.arrival for sequence in finished if sequence.first_token_time is not None
+    ]
+    latency = [sequence.finish_time - sequence.arrival for sequence in finished if sequence.finish_time is not None]
     return {
-        "requests": len(done),
+        "requests": len(finished),
         "seconds": seconds,
-        "requests_per_s": len(done) / seconds,
+        "requests_per_s": len(finished) / seconds,
         "tokens_per_s": generated / seconds,
         "generated_tokens": generated,
-        "prompt_tokens": sum(len(sequence.request.prompt) for sequence in done),
+        "prompt_tokens": sum(len(sequence.request.prompt) for sequence in finished),
         "prefill_tokens": stats.prefill_tokens,
         "padded_prefill_tokens": stats.padded_prefill_tokens,
         "cached_tokens": stats.cached_tokens,

@@ -1,0 +1,96 @@
+"""The argparse types every command shares (counts, seeds, numbers, output files) and the
+speculative flags `generate`, `compare` and `bench` take. They only turn strings into values:
+the checks of what those values mean are `shared.checks`'.
+
+A refusal here is one `error:` line and exit 2 (see `shared.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+
+from kvports.shared.checks import MAX_DRAFT_TOKENS, MAX_SEED
+from kvports.shared.errors import UserError, echo
+
+
+class OutOfRange(argparse.ArgumentTypeError):
+    """An integer outside what its type's name promises; the command line reports it as
+    `error: --flag VALUE is below LIMIT`, one line."""
+
+
+def parse_integer(text: str) -> int | None:
+    """ASCII digits with an optional sign, or None: Python's int() would also take `1_0` and
+    Arabic-Indic or fullwidth digits, and thousands of digits only to echo them back."""
+    if re.fullmatch(r"[+-]?[0-9]{1,30}", text.strip(), flags=re.ASCII) is None:
+        return None
+    return int(text)
+
+
+def integer(text: str) -> int:
+    value = parse_integer(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"invalid int value: {echo(text)}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """1, 2, 3, ...: a count that must be at least one."""
+    value = integer(text)
+    if value < 1:
+        raise OutOfRange(f"{value} is below 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """0, 1, 2, ...: a seed, say."""
+    value = integer(text)
+    if value < 0:
+        raise OutOfRange(f"{value} is below 0")
+    return value
+
+
+def seed(text: str) -> int:
+    """0 to 2**64 - 1: a Philox key word, and what torch.manual_seed accepts."""
+    value = non_negative_int(text)
+    if value > MAX_SEED:
+        raise OutOfRange(f"{value} is above {MAX_SEED}")
+    return value
+
+
+def number(text: str) -> float:
+    try:
+        if not text.isascii() or "_" in text:  # float() also reads fullwidth digits, and 1_0
+            raise ValueError(text)
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {echo(text)}") from None
+
+
+def output_file(text: str) -> Path:
+    """--out as a file's path. A trailing separator names a folder: pathlib would drop it, and
+    `--out newfile/` would write a file called newfile."""
+    if text.endswith(("/", os.sep)):
+        raise UserError(f"--out {echo(text)} ends with {text[-1]!r}, so it names a folder; give the file's name")
+    return Path(text)
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding (mode speculative)")
+    group.add_argument(
+        "--draft",
+        default=None,
+        metavar="FILE|ngram",
+        help="the draft: a smaller model's weights file with the same vocabulary, or 'ngram' (prompt lookup)",
+    )
+    group.add_argument(
+        "--draft-tokens",
+        type=positive_int,
+        default=4,
+        metavar="K",
+        help=f"proposals per round, each round one target forward (default 4, at most {MAX_DRAFT_TOKENS})",
+    )
+    group.add_argument(
+        "--ngram", type=positive_int, default=2, metavar="N", help="prompt lookup matches the last N tokens (default 2)"
+    )

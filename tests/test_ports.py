@@ -1,0 +1,60 @@
+"""Ports load by name: unavailable only where their framework is not installed; any other
+ImportError, in a port or in what it imports, is the error it is."""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+
+import pytest
+
+from kvports.shared import ports
+
+
+class BrokenImport(importlib.abc.MetaPathFinder):
+    """Imports of one module fail as a typo'd import inside a port would."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name:
+            raise ImportError(f"cannot import name 'nn_typo' from {fullname!r}", name=fullname)
+        return None
+
+
+def forget_port(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """From here on (until the test ends), port `name` is imported afresh."""
+    monkeypatch.setattr(ports, "_loaded", {})
+    package = ports.MODULES[name].rsplit(".", 1)[0]
+    for module in [module for module in sys.modules if module == package or module.startswith(package + ".")]:
+        monkeypatch.delitem(sys.modules, module)
+
+
+def test_an_import_error_inside_a_port_surfaces_instead_of_reading_as_not_installed(monkeypatch):
+    forget_port(monkeypatch, "numpy")
+    monkeypatch.setattr(sys, "meta_path", [BrokenImport("kvports.numpy_impl.nn"), *sys.meta_path])
+    with pytest.raises(ImportError, match="nn_typo") as failure:
+        ports.load_port("numpy")
+    assert not isinstance(failure.value, ports.PortUnavailable)
+
+
+def test_a_framework_that_is_not_installed_makes_its_port_unavailable(monkeypatch):
+    forget_port(monkeypatch, "jax")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "jax" else real(name, *rest))
+    with pytest.raises(ports.PortUnavailable, match="jax not installed"):
+        ports.load_port("jax")
+    assert ports.available_port("jax") is None
+
+
+@pytest.mark.parametrize("name", ports.PORTS)
+def test_every_port_whose_framework_is_installed_loads(name):
+    # The [all] install (the development venv) has torch and JAX: each port must import there.
+    if ports.missing_packages(name):
+        pytest.skip(f"{name}'s framework is not installed here (tools/check_numpy_only.py covers that install)")
+    assert ports.load_port(name).NAME == name
+
+
+def test_numpy_needs_nothing_but_numpy():
+    assert ports.missing_packages("numpy") == []
