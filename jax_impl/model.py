@@ -44,6 +44,7 @@ class KVCache:
     slot_positions: jax.Array  # [B, S] int32: the position each slot holds in each row, -1 while empty or padding
     length: jax.Array  # [] int32: columns written so far; an array, so a new length is not a new compile
     window: Optional[int] = dataclasses.field(metadata=dict(static=True))  # the sliding window, or None
+    # No filled(): shapes are static under jit, so the keys always span every slot, the empty ones masked.
 
     def writes_first(self, T: int) -> bool:
         # A chunk is written first and attended from the buffer: no copy of the history. Only a chunk
