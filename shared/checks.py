@@ -8,7 +8,6 @@ here, once, and every port gets the same message.
 from __future__ import annotations
 
 import importlib.util
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -167,15 +166,12 @@ def check_generation(generation: GenerationConfig, vocab_size: int, names: Names
     """The same one-line errors for every port, before any framework code runs."""
     check_int(names.label("new_tokens"), generation.max_new_tokens, 1, names.api)
     temperature = generation.temperature
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not math.isfinite(temperature):
-        raise UserError(f"{names.show('temperature', repr(temperature))} must be a finite number >= 0 (0 means greedy)")
-    if temperature < 0:
-        raise UserError(f"{names.show('temperature', repr(temperature))} must be a finite number >= 0 (0 means greedy)")
-    if temperature != 0 and not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+    number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    if not number or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
         raise UserError(
-            f"{names.show('temperature', repr(temperature))} must be 0 (greedy) or in "
+            f"{names.show('temperature', repr(temperature))} must be a finite number >= 0 (0 means greedy; else in "
             f"[{MIN_TEMPERATURE:.3g}, {MAX_TEMPERATURE:g}]: logits divided by less lose their exactness in "
-            "float64, and the ports their agreement"
+            "float64, and the ports their agreement)"
         )
     check_int(names.label("top_k"), generation.top_k, 0, names.api)
     top_p = generation.top_p

@@ -124,6 +124,11 @@ GENERATE_CASES = {
 }
 
 
+TEMPERATURE_RULE = (
+    " must be a finite number >= 0 (0 means greedy; else in [1e-12, 1e+18]: logits divided by less lose their "
+    "exactness in float64, and the ports their agreement)"
+)
+
 # Where the command line's message names a flag (or is argparse's), the API's names its own argument.
 API_MESSAGES = {
     "non_integer_id": "token id 2.5 in prompt 0 is not an integer",
@@ -133,8 +138,8 @@ API_MESSAGES = {
     "word_new_tokens": "new_tokens='ten' is not an integer",
     "fractional_new_tokens": "new_tokens=2.5 is not an integer",
     "mode": "mode='fast' is not one of naive, cached, speculative",
-    "negative_temperature": "temperature=-1 must be a finite number >= 0 (0 means greedy)",
-    "nan_temperature": "temperature=nan must be a finite number >= 0 (0 means greedy)",
+    "negative_temperature": "temperature=-1" + TEMPERATURE_RULE,
+    "nan_temperature": "temperature=nan" + TEMPERATURE_RULE,
     "negative_top_k": "top_k=-1 must be >= 0",
     "zero_top_p": "top_p=0 must be in (0, 1] (1 means no nucleus filter)",
     "negative_seed": "seed=-1 must be in [0, 18446744073709551615]",

@@ -16,8 +16,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kvports.shared.batching.requests import parse_requests, split_lines
-from kvports.shared.config import ModelConfig
 from kvports.shared.checks import MIN_TEMPERATURE
+from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, save_weights
 from tests.helpers import (

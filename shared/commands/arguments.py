@@ -15,7 +15,14 @@ import numpy as np
 
 from kvports.shared import run
 from kvports.shared.arguments import non_negative_int, number, positive_int, seed
-from kvports.shared.checks import MAX_TEMPERATURE, MIN_TEMPERATURE, SEED_PROMPT, check_stop_flags, check_text_flags, parse_prompt
+from kvports.shared.checks import (
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    SEED_PROMPT,
+    check_stop_flags,
+    check_text_flags,
+    parse_prompt,
+)
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.weights import open_weights
