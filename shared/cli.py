@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from kvports.shared import bench
 from kvports.shared.batching import batch
-from kvports.shared.commands import compare, convert, generate, init_weights
+from kvports.shared.commands import compare, convert, fetch, generate, init_weights
 from kvports.shared.commands.arguments import OutOfRange
 from kvports.shared.errors import UserError
 from kvports.version import __version__
@@ -33,6 +33,7 @@ COMMANDS: dict[str, ModuleType] = {
     "convert": convert,
     "bench": bench,
     "batch": batch,
+    "fetch": fetch,
 }
 
 

@@ -19,13 +19,16 @@ import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.errors import UserError, echo, echo_path
 from kvports.shared.files import write_atomic
+
+if TYPE_CHECKING:
+    from kvports.shared.gguf.reader import GGUFWeights
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64", "F16": "float16", "BF16": "bfloat16"}
 DEFAULT_WEIGHTS = Path(__file__).parent / "data" / "seed_model.safetensors"
@@ -275,7 +278,12 @@ class WeightsFile(Closing):
         self.file.close()
 
 
-def open_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> WeightsFile:
+def open_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> WeightsFile | GGUFWeights:
+    """Our safetensors weights file, or a GGUF file (by its magic) read through the same interface."""
+    from kvports.shared.gguf.reader import GGUFWeights, is_gguf
+
+    if is_gguf(path):
+        return GGUFWeights(path)  # the same interface: config, dtype, read, close
     return WeightsFile(path)
 
 

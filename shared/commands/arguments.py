@@ -88,8 +88,9 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
         "--weights",
         type=Path,
         default=None,
-        help="safetensors weights file (default: the seed's model, shipped with kvports)",
+        help="safetensors or GGUF weights file (default: the seed's model, shipped with kvports)",
     )
+    parser.add_argument("--model", default=None, metavar="NAME", help="a fetched model by name (kvports fetch smollm2)")
     parser.add_argument(
         "--prompt",
         action="append",
@@ -110,8 +111,12 @@ def add_text_arguments(parser: argparse.ArgumentParser) -> None:
         "--text",
         action="append",
         default=None,
-        help="prompt text, encoded with --tokenizer; repeat for a batch",
+        help="prompt text, encoded with --tokenizer (or a GGUF file's own tokenizer); repeat for a batch",
     )
+    parser.add_argument(
+        "--chat", action="append", default=None, help="a chat turn (user, then assistant, ...), in the model's template"
+    )
+    parser.add_argument("--chat-file", type=Path, default=None, help="a JSON list of {role, content} messages")
     parser.add_argument(
         "--tokenizer",
         type=Path,
@@ -125,16 +130,23 @@ def load_inputs(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, np.nda
     """Weights (at --dtype) and prompts [B, P], checked: everything a port needs, before any
     port is imported. The file's header gives the config; the prompts, the generation flags
     and the bytes the run will allocate are checked against it before any tensor is read."""
-    with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
+    with open_weights(weights_argument(args)) as weights:
         config = weights.config.validate_at(args.dtype)
         prompts = checked_prompts(args, config)
         return config, weights.read(args.dtype), prompts
 
 
+def weights_argument(args: argparse.Namespace) -> Path:
+    """--weights FILE, --model NAME (a fetched file), or the seed's model."""
+    from kvports.shared.fetch import weights_source
+
+    return weights_source(args.weights, getattr(args, "model", None), DEFAULT_WEIGHTS)
+
+
 def load_weights_argument(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """--weights at --dtype, without prompts: the Python API loads a model before it is given any.
     Its weights' bytes are checked against the limit before any tensor is read."""
-    with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
+    with open_weights(weights_argument(args)) as weights:
         config = weights.config.validate_at(args.dtype)
         count = parameter_count(config)
         check_bytes({"weights": 2 * count * np.dtype(args.dtype).itemsize}, f"a model of {count:,} parameters")
@@ -146,7 +158,16 @@ def checked_prompts(args: argparse.Namespace, config: ModelConfig) -> np.ndarray
     else a run is checked for against the model: the generation flags, the draft's flags, and
     the bytes the run will allocate."""
     tokenizer = load_text_tokenizer(args, config)
-    if getattr(args, "text", None) is not None:
+    from kvports.shared.chat import chat_messages
+
+    messages = chat_messages(getattr(args, "chat", None), getattr(args, "chat_file", None))
+    if messages is not None:
+        from kvports.shared.gguf.tokenizer import chat_ids
+
+        if args.prompt or getattr(args, "text", None):
+            raise UserError("give --chat/--chat-file, --text or --prompt, not two of them")
+        prompts = check_prompts([chat_ids(weights_argument(args), messages, tokenizer)], config, args.new_tokens)
+    elif getattr(args, "text", None) is not None:
         from kvports.shared.hf.text import encode
 
         if args.prompt:
@@ -177,14 +198,19 @@ def run_modes(args: argparse.Namespace) -> list[str]:
 def load_text_tokenizer(args: argparse.Namespace, config: ModelConfig) -> Any:
     """The tokenizer --text and decoded output need, checked against the model's vocabulary;
     None when neither was asked for."""
-    if getattr(args, "tokenizer", None) is None:
-        if getattr(args, "text", None) is not None:
-            raise UserError("--text needs --tokenizer DIR (a folder holding tokenizer.json)")
+    from kvports.shared.gguf.tokenizer import has_tokenizer
+
+    gguf = getattr(args, "tokenizer", None) is None and hasattr(args, "text") and has_tokenizer(weights_argument(args))
+    if getattr(args, "tokenizer", None) is None and not gguf:
+        if getattr(args, "text", None) is not None or getattr(args, "chat", None) or getattr(args, "chat_file", None):
+            raise UserError("--text and --chat need --tokenizer DIR (a folder holding tokenizer.json) or a GGUF file")
         return None
     if not hasattr(args, "_tokenizer"):
+        from kvports.shared.gguf.tokenizer import gguf_tokenizer
         from kvports.shared.hf.text import check_vocabulary, load_tokenizer
 
-        args._tokenizer = check_vocabulary(load_tokenizer(args.tokenizer), config.vocab_size)
+        found = gguf_tokenizer(weights_argument(args)) if gguf else load_tokenizer(args.tokenizer)
+        args._tokenizer = check_vocabulary(found, config.vocab_size)
     return args._tokenizer
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvports.shared.errors import UserError, echo, echo_path
-from kvports.shared.gguf.reader import Metadata, open_reader
+from kvports.shared.gguf.reader import Metadata, is_gguf, open_reader
 
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
 # Pre-tokenizers whose split differs from GPT-2's byte-level regex (Llama 3's, as transformers
@@ -104,15 +104,34 @@ def duplicate(tokens: list[str]) -> str | None:
     return None
 
 
+def has_tokenizer(path: os.PathLike) -> bool:
+    """A GGUF file with a tokenizer in its metadata: its text is decoded without --tokenizer."""
+    return is_gguf(path) and "tokenizer.ggml.model" in open_reader(Path(path)).fields
+
+
 def gguf_tokenizer(path: os.PathLike) -> Any:
     """The tokenizer stored in a GGUF file's metadata (a `tokenizers.Tokenizer`)."""
     return tokenizer_from_metadata(Metadata(open_reader(Path(path)), str(path)))
 
 
-def chat_template(path: os.PathLike) -> str:
-    """The file's `tokenizer.chat_template`, or one `error:` line saying it has none."""
+def gguf_chat_prompt(path: os.PathLike, messages: list[dict[str, str]]) -> str:
+    """The messages as the file's own chat template renders them, with the generation prompt."""
+    from kvports.shared.chat import render_chat
+
     meta = Metadata(open_reader(Path(path)), str(path))
     template = meta.get("tokenizer.chat_template")
     if not isinstance(template, str):
         raise UserError(f"GGUF file {echo_path(path)} has no chat template (metadata tokenizer.chat_template)")
-    return template
+    tokens = meta.strings("tokenizer.ggml.tokens")
+    special = {}
+    for name in ("bos", "eos"):
+        index = meta.token_id(f"tokenizer.ggml.{name}_token_id")
+        if index is not None and index < len(tokens):
+            special[f"{name}_token"] = tokens[index]
+    return render_chat(template, messages, special)
+
+
+def chat_ids(path: os.PathLike, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
+    """The chat prompt's token ids: the template writes every special token itself, so none is added
+    (as transformers' apply_chat_template tokenizes)."""
+    return tokenizer.encode(gguf_chat_prompt(path, messages), add_special_tokens=False).ids
