@@ -278,10 +278,9 @@ class GGUFWeights(Closing):
     dequantizes to) and `read(dtype)`, as `WeightsFile` has them. Names, types and shapes are
     checked from the tensor table before any tensor is dequantized."""
 
-    def __init__(self, path: os.PathLike, permuted: bool = True):
+    def __init__(self, path: os.PathLike):
         self.source = str(path)
         self.reader = open_reader(Path(path))
-        self.permuted = permuted  # False only to show what skipping the inverse permutation does
         self.config = gguf_config(self.reader, self.source)
         self.dtype = "float32"
         self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
@@ -317,7 +316,7 @@ class GGUFWeights(Closing):
         else:
             array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         array = array.reshape(tuple(int(n) for n in reversed(tensor.shape.tolist())))  # [out, in]
-        if self.permuted and (".attn_q." in name or ".attn_k." in name):
+        if ".attn_q." in name or ".attn_k." in name:
             heads = self.config.n_heads if ".attn_q." in name else self.config.kv_heads
             array = unpermute(array, heads)
         check_finite(name, array, self.source)
