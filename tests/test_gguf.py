@@ -203,7 +203,7 @@ def unsupported_type(path):
 BAD = {
     "truncated": (truncated, {}, "is truncated or lies"),
     "lying tensor offset": (lying_offset, {}, "runs past its end"),
-    "unknown quant type": (unknown_type, {}, "99 is not a valid GGMLQuantizationType"),
+    "unknown quant type": (unknown_type, {}, "unknown quantization type 99"),
     "unsupported quant type": (unsupported_type, {}, "has type Q5_0; kvports reads"),
     "not llama": (None, {"arch": "gpt2"}, "general.architecture='gpt2'"),
     "tokenizer size": (None, {"metadata": {"llama.vocab_size": len(gguf_tokens()) + 1}}, "differs from the vocabulary"),

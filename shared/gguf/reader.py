@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import stat
 import struct
 from collections.abc import Iterator
@@ -123,6 +124,10 @@ def open_reader(path: Path) -> Any:
         raise
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as exc:
         # An unknown value or quantization type, a duplicate key, a bad alignment, ...
+        unknown = re.search(r"(\d+)\)? is not a valid (GGMLQuantizationType|GGUFValueType)", str(exc))
+        if unknown is not None:
+            what = "a tensor of unknown quantization type" if unknown[2] == "GGMLQuantizationType" else "a value of unknown type"
+            raise UserError(f"{name} has {what} {unknown[1]}") from None
         raise UserError(f"{name} is not a GGUF file kvports can read ({exc})") from None
 
 
