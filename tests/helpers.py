@@ -316,7 +316,9 @@ def gguf_tokens() -> list[str]:
 
 def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter's q/k row order (its RoPE rotates adjacent pairs): convert_hf_to_gguf's permute."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 GGUF_SIZE = dict(d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, ffn_hidden=96, max_seq_len=64)

@@ -16,8 +16,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kvports.shared import ports
-from kvports.shared.hf import import_hf
 from kvports.shared.config import ModelConfig
+from kvports.shared.hf import import_hf
 from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, load_weights, save_weights
 from tests.helpers import (
     D,
@@ -316,7 +316,9 @@ def test_to_hf_writes_a_llama_back_exactly(llama_dir, tmp_path, capsys):
     assert convert(capsys, "--from-hf", llama_dir, "--out", tmp_path / "llama.safetensors")[0] == 0
     assert convert(capsys, "--to-hf", tmp_path / "llama.safetensors", "--out", tmp_path / "back")[0] == 0
     assert convert(capsys, "--from-hf", tmp_path / "back", "--out", tmp_path / "again.safetensors")[0] == 0
-    assert_same_tensors(load_weights(tmp_path / "llama.safetensors")[1], load_weights(tmp_path / "again.safetensors")[1])
+    assert_same_tensors(
+        load_weights(tmp_path / "llama.safetensors")[1], load_weights(tmp_path / "again.safetensors")[1]
+    )
 
 
 def test_to_hf_refuses_a_model_no_hugging_face_class_expresses(tmp_path, capsys):

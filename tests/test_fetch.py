@@ -39,7 +39,9 @@ def build_wheel(folder: Path, payload: bytes = PAYLOAD) -> Path:
         archive.writestr("fake_model/tiny.gguf", payload)
         archive.writestr("fake_model/__init__.py", "")
         archive.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: fake-model\nVersion: 0.1\n")
-        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         archive.writestr(f"{info}/RECORD", "")
     return wheel
 

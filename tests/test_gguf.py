@@ -108,7 +108,9 @@ def test_query_and_key_rows_come_back_in_transformers_order(tmp_path):
     with GGUFWeights(path) as weights:
         qkv = weights.read()["blocks.1.qkv.weight"]
     a = "layers.1.self_attn."
-    np.testing.assert_array_equal(qkv, np.concatenate([hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"]]))
+    np.testing.assert_array_equal(
+        qkv, np.concatenate([hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"]])
+    )
 
 
 def test_open_weights_reads_a_gguf_file_with_the_config_it_describes(files):
@@ -138,7 +140,11 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(files):
 def test_chat_prompt_equals_transformers_chat_template(files):
     transformers = pytest.importorskip("transformers")
     path = files["F32"]
-    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "world"}]
+    messages = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "world"},
+    ]
     theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     assert theirs.chat_template == CHATML
     expected = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -160,7 +166,18 @@ def test_chat_answer_is_decoded_text_in_json(capsys, files):
 def test_chat_file_gives_the_same_prompt_as_chat_turns(capsys, files, tmp_path):
     chat = tmp_path / "chat.json"
     chat.write_text(json.dumps([{"role": "user", "content": "hello"}]))
-    common = ("generate", "--framework", "numpy", "--mode", "cached", "--weights", files["F16"], "--new-tokens", 2, "--json")
+    common = (
+        "generate",
+        "--framework",
+        "numpy",
+        "--mode",
+        "cached",
+        "--weights",
+        files["F16"],
+        "--new-tokens",
+        2,
+        "--json",
+    )
     outputs = [run_cli(capsys, *common, *extra)[1] for extra in (("--chat", "hello"), ("--chat-file", chat))]
     assert json.loads(outputs[0])["tokens"] == json.loads(outputs[1])["tokens"]
 
@@ -176,7 +193,9 @@ def test_text_is_encoded_with_the_files_own_tokenizer(capsys, files):
 
 def test_unfetched_model_name_says_how_to_fetch_it(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("KVPORTS_HOME", str(tmp_path))
-    err = assert_one_error_line(*run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached", "--model", "smollm2"))
+    err = assert_one_error_line(
+        *run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached", "--model", "smollm2")
+    )
     assert "run kvports fetch smollm2" in err
 
 
@@ -229,9 +248,7 @@ def test_malformed_file_is_one_error_line_in_every_port(capsys, tmp_path, case):
 def test_dequantizing_past_the_byte_limit_is_refused(capsys, files, monkeypatch, tmp_path):
     path = shutil.copy(files["Q4_1"], tmp_path / "limit.gguf")
     monkeypatch.setenv("KVPORTS_MAX_BYTES", "400K")
-    err = assert_one_error_line(
-        *run_cli(capsys, "convert", "--from-gguf", path, "--out", tmp_path / "out.safetensors")
-    )
+    err = assert_one_error_line(*run_cli(capsys, "convert", "--from-gguf", path, "--out", tmp_path / "out.safetensors"))
     assert "dequantizing" in err and "above the limit" in err
 
 

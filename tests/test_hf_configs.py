@@ -70,9 +70,13 @@ def test_a_field_that_changes_the_forward_pass_is_still_refused(field, value, ne
         config_from_hf({**read("SmolLM2-135M"), field: value})
 
 
-@pytest.mark.parametrize("field", ["unk_token_id", "sep_token_id", "_commit_hash", "architectures", "transformers_version"])
+@pytest.mark.parametrize(
+    "field", ["unk_token_id", "sep_token_id", "_commit_hash", "architectures", "transformers_version"]
+)
 def test_a_field_that_only_names_things_is_accepted(field):
-    assert config_from_hf({**read("TinyLlama-1.1B-Chat-v1.0"), field: 7}) == config_from_hf(read("TinyLlama-1.1B-Chat-v1.0"))
+    assert config_from_hf({**read("TinyLlama-1.1B-Chat-v1.0"), field: 7}) == config_from_hf(
+        read("TinyLlama-1.1B-Chat-v1.0")
+    )
 
 
 def test_gpt2_n_special_other_than_zero_is_refused():

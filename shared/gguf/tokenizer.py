@@ -45,7 +45,9 @@ def tokenizer_from_metadata(meta: Metadata) -> Any:
     merges = meta.strings("tokenizer.ggml.merges")
     types = meta.get("tokenizer.ggml.token_type", [])
     if not isinstance(types, list) or len(types) not in (0, len(tokens)):
-        raise meta.refuse("tokenizer.ggml.token_type", f"<{len(types)} items>", f"needs one type per token ({len(tokens)})")
+        raise meta.refuse(
+            "tokenizer.ggml.token_type", f"<{len(types)} items>", f"needs one type per token ({len(tokens)})"
+        )
     # A token spelled outside the byte alphabet (a control token like <|im_start|> is within it) is respelled
     # byte by byte, as transformers does.
     spelling = byte_alphabet()
@@ -75,9 +77,10 @@ def tokenizer_from_metadata(meta: Metadata) -> Any:
             [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(prefix, use_regex=False)]
         )
     tokenizer.decoder = decoders.ByteLevel()
-    special = [token for token, kind in zip(tokens, types) if kind == CONTROL and set(token) <= alphabet]
+    kinds = types or [1] * len(tokens)  # a file without token types: every token normal
+    special = [token for token, kind in zip(tokens, kinds, strict=True) if kind == CONTROL and set(token) <= alphabet]
     tokenizer.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in special])
-    added = [token for token, kind in zip(tokens, types) if kind == USER_DEFINED and token in vocab]
+    added = [token for token, kind in zip(tokens, kinds, strict=True) if kind == USER_DEFINED and token in vocab]
     tokenizer.add_tokens([AddedToken(token, normalized=False, special=False) for token in added])
     bos = meta.token_id("tokenizer.ggml.bos_token_id")
     if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:

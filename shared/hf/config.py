@@ -231,7 +231,9 @@ def llama_config(fields: Fields) -> ModelConfig:
     mistral = fields.model_type == "mistral"
     fields.require("hidden_act", ("silu", "swish"), "kvports' SwiGLU uses silu")
     # SmolLM2 writes rope_interleaved=false: rotating the two halves, as transformers and kvports do.
-    fields.require("rope_interleaved", (False,), "kvports' RoPE rotates the two halves of each head, not adjacent pairs")
+    fields.require(
+        "rope_interleaved", (False,), "kvports' RoPE rotates the two halves of each head, not adjacent pairs"
+    )
     hidden = fields.integer("hidden_size", 4096)
     heads = fields.integer("num_attention_heads", 32)
     # Absent fields take transformers' defaults for the class: the model it would build.
