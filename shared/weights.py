@@ -19,16 +19,13 @@ import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.errors import UserError, echo, echo_path
 from kvports.shared.files import write_atomic
-
-if TYPE_CHECKING:
-    from kvports.shared.gguf.reader import GGUFWeights
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64", "F16": "float16", "BF16": "bfloat16"}
 DEFAULT_WEIGHTS = Path(__file__).parent / "data" / "seed_model.safetensors"
@@ -278,13 +275,40 @@ class WeightsFile(Closing):
         self.file.close()
 
 
-def open_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> WeightsFile | GGUFWeights:
-    """Our safetensors weights file, or a GGUF file (by its magic) read through the same interface."""
-    from kvports.shared.gguf.reader import GGUFWeights, is_gguf
+class GGUFWeights(Closing):
+    """A GGUF file as a weights file: `config` from its metadata, checked with its tensor table;
+    `read(dtype)` dequantizes (to float32, `dtype`: the library's dequantizers compute in it), then
+    checks and casts as WeightsFile does. As there, a caller checks the bytes a run allocates
+    between the two."""
 
-    if is_gguf(path):
-        return GGUFWeights(path)  # the same interface: config, dtype, read, close
-    return WeightsFile(path)
+    def __init__(self, path: os.PathLike):
+        from kvports.shared.gguf.reader import GGUFFile
+
+        self.source = str(path)
+        self.file: GGUFFile = GGUFFile(path)
+        self.config = self.file.config
+        self.dtype = "float32"
+
+    def read(self, dtype: str | None = None) -> dict[str, np.ndarray]:
+        """Every tensor, in state_dict order, finite, at `dtype` (None: float32)."""
+        target = self.dtype if dtype is None else dtype
+        self.config.validate_at(target)
+        tensors = {}
+        for name, _ in iter_expected(self.config):
+            array = self.file.read(name)
+            check_finite(name, array, self.source)
+            tensors[name] = cast_checked(name, array, target, self.source)
+        return tensors
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def open_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> WeightsFile | GGUFWeights:
+    """Our safetensors weights file, or a GGUF file (by its magic) through the same interface."""
+    from kvports.shared.gguf.reader import is_gguf
+
+    return GGUFWeights(path) if is_gguf(path) else WeightsFile(path)
 
 
 def load_weights(

@@ -12,10 +12,9 @@ import pytest
 
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.gguf import reader as gguf_reader
-from kvports.shared.gguf.reader import GGUFWeights
 from kvports.shared.gguf.tokenizer import gguf_chat_prompt, gguf_tokenizer
 from kvports.shared.ports import PORTS
-from kvports.shared.weights import open_weights
+from kvports.shared.weights import GGUFWeights, open_weights
 from tests.helpers import (
     CHATML,
     GGUF_SIZE,

@@ -76,8 +76,7 @@ def from_hf(args: argparse.Namespace) -> int:
 
 
 def from_gguf(args: argparse.Namespace) -> int:
-    from kvports.shared.gguf.reader import GGUFWeights
-    from kvports.shared.weights import parameter_count, save_weights
+    from kvports.shared.weights import GGUFWeights, parameter_count, save_weights
 
     out = output_file(args.out)
     check_output_file(out, args.force)
@@ -85,8 +84,10 @@ def from_gguf(args: argparse.Namespace) -> int:
         config = weights.config
         dtype = args.dtype if args.dtype is not None else weights.dtype
         count = parameter_count(config)
-        check_bytes({"file": count * np.dtype(dtype).itemsize}, f"writing {echo_path(args.from_gguf)} in {dtype}")
-        tensors = weights.read(dtype)  # its own check: the dequantized tensors and their cast
+        # The dequantized tensors (float32), their cast, and the file's bytes made from them.
+        parts = {"dequantized": count * 4, "tensors": count * np.dtype(dtype).itemsize}
+        check_bytes({**parts, "file": parts["tensors"]}, f"dequantizing {echo_path(args.from_gguf)} to {dtype}")
+        tensors = weights.read(dtype)
     save_weights(out, tensors, config)
     print(f"wrote {out}: {describe(config)}, {count:,} parameters, {dtype}, dequantized from {args.from_gguf}")
     return 0

@@ -1,6 +1,7 @@
-"""A GGUF file (llama.cpp's format) as a weights file: read by the `gguf` library's own
-GGUFReader, its `llama.*` metadata mapped to a ModelConfig, its tensors dequantized by the
-library's own dequantizer and renamed to ours.
+"""A GGUF file (llama.cpp's format) as weights: read by the `gguf` library's own GGUFReader,
+its `llama.*` metadata mapped to a ModelConfig, its tensors dequantized by the library's own
+dequantizer, renamed to ours and put in our layouts. `shared.weights.GGUFWeights` serves it
+to every command as a weights file; this module imports nothing of shared but the config.
 
 Before the library walks the file, its header's counts are bounded; while it walks, every
 read is checked to lie inside the file (the library would slice past the end and loop on
@@ -23,8 +24,6 @@ import numpy as np
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError, echo, echo_path
-from kvports.shared.limits import check_bytes
-from kvports.shared.weights import Closing, cast_checked, check_finite, iter_expected, parameter_count
 
 GGUF_MAGIC = b"GGUF"
 MAX_TENSORS = 100_000  # a 400-layer model has ~4,000
@@ -250,7 +249,8 @@ def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)  # [rows, in]
 
 
-# Ours <- GGUF's: each of our tensors, the GGUF tensors stacked along dim 0 in order.
+# Ours <- GGUF's: each of our tensors, the GGUF tensors stacked along dim 0 in order; in our
+# state_dict order (shared.weights.iter_expected's).
 def gguf_plan(config: ModelConfig) -> Iterator[tuple[str, tuple[str, ...]]]:
     yield "emb.weight", ("token_embd.weight",)
     for i in range(config.n_layers):
@@ -266,40 +266,43 @@ def gguf_plan(config: ModelConfig) -> Iterator[tuple[str, tuple[str, ...]]]:
         yield "head.weight", ("output.weight",)
 
 
-def stacked_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Each GGUF tensor's (out, in) shape, from ours: the plan's parts split our rows."""
-    Dh, D, F = config.head_dim, config.d_model, config.ffn_dim
-    split = {
+def gguf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each GGUF tensor's (out, in) shape (the file lists dims innermost first: reversed)."""
+    D, F, V, Dh = config.d_model, config.ffn_dim, config.vocab_size, config.head_dim
+    per_layer = {
+        "attn_norm.weight": (D,),
+        "ffn_norm.weight": (D,),
         "attn_q.weight": (config.n_heads * Dh, D),
         "attn_k.weight": (config.kv_heads * Dh, D),
         "attn_v.weight": (config.kv_heads * Dh, D),
+        "attn_output.weight": (D, config.n_heads * Dh),
         "ffn_gate.weight": (F, D),
         "ffn_up.weight": (F, D),
+        "ffn_down.weight": (D, F),
     }
-    ours = dict(iter_expected(config))
-    shapes = {}
-    for name, parts in gguf_plan(config):
-        for part in parts:
-            shapes[part] = split.get(part.split(".", 2)[-1], ours[name]) if len(parts) > 1 else ours[name]
+    shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
+    if not config.tie_embeddings:
+        shapes["output.weight"] = (V, D)
+    for i in range(config.n_layers):
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in per_layer.items()})
     return shapes
 
 
-class GGUFWeights(Closing):
-    """A GGUF file open as a weights file: `config`, `dtype` (float32, what the library
-    dequantizes to) and `read(dtype)`, as `WeightsFile` has them. Names, types and shapes are
-    checked from the tensor table before any tensor is dequantized."""
+class GGUFFile:
+    """A GGUF file, open: its config, its tensor table checked (names, types, shapes) before any
+    tensor is dequantized, and each of our tensors dequantized on request, at float32."""
 
     def __init__(self, path: os.PathLike):
         self.source = str(path)
         self.reader = open_reader(Path(path))
         self.config = gguf_config(self.reader, self.source)
-        self.dtype = "float32"
         self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
+        self.plan = dict(gguf_plan(self.config))
         self.check_table()
 
     def check_table(self) -> None:
         source = echo_path(self.source)
-        expected = stacked_shapes(self.config)
+        expected = gguf_shapes(self.config)
         for name, tensor in self.tensors.items():
             if name not in expected:
                 raise UserError(f"GGUF file {source}: unexpected tensor {echo(name)} (not in this config's model)")
@@ -307,7 +310,7 @@ class GGUFWeights(Closing):
             if kind not in READABLE_TYPES:
                 readable = ", ".join(READABLE_TYPES)
                 raise UserError(f"GGUF file {source}: tensor {echo(name)} has type {kind}; kvports reads {readable}")
-            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
+            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
             if shape != expected[name]:
                 raise UserError(
                     f"GGUF file {source}: tensor {echo(name)} has shape {list(shape)}, the config needs "
@@ -318,6 +321,7 @@ class GGUFWeights(Closing):
                 raise UserError(f"GGUF file {source}: missing tensor {name!r} (expected shape {list(shape)})")
 
     def dequantized(self, name: str) -> np.ndarray:
+        """One GGUF tensor at float32, (out, in), q and k rows back in halves order."""
         from gguf import GGMLQuantizationType, dequantize
 
         tensor = self.tensors[name]
@@ -327,35 +331,15 @@ class GGUFWeights(Closing):
             array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         array = array.reshape(tuple(int(n) for n in reversed(tensor.shape.tolist())))  # [out, in]
         if ".attn_q." in name or ".attn_k." in name:
-            heads = self.config.n_heads if ".attn_q." in name else self.config.kv_heads
-            array = unpermute(array, heads)
-        check_finite(name, array, self.source)
+            array = unpermute(array, self.config.n_heads if ".attn_q." in name else self.config.kv_heads)
         return array
 
-    def read(self, dtype: str | None = None) -> dict[str, np.ndarray]:
-        """Every tensor in our names, state_dict order and (out, in) layouts, at `dtype` (None: float32)."""
-        target = self.dtype if dtype is None else dtype
-        self.config.validate_at(target)
-        count = parameter_count(self.config)
-        # The dequantized tensors at float32, and their copies at the target dtype.
-        check_bytes(
-            {"dequantized": count * 4, "cast": count * np.dtype(target).itemsize},
-            f"dequantizing {echo_path(self.source)}",
-        )
-        order = [name for name, _ in iter_expected(self.config)]
-        plan = dict(gguf_plan(self.config))
-        tensors = {}
-        for ours in order:
-            parts = [self.dequantized(name) for name in plan[ours]]
-            array = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            tensors[ours] = cast_checked(ours, np.ascontiguousarray(array), target, self.source)
-        return tensors
+    def read(self, ours: str) -> np.ndarray:
+        """Our tensor `ours` (a name of shared.weights.iter_expected's) at float32."""
+        parts = [self.dequantized(name) for name in self.plan[ours]]
+        return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts))
 
     def close(self) -> None:
-        # The reader's memory map closes when it is collected; drop it so nothing reads through it.
+        # The reader's memory map closes when the last reference goes (the parse cache may keep one).
         self.tensors = {}
         self.reader = None
-
-
-def open_gguf(path: os.PathLike) -> GGUFWeights:
-    return GGUFWeights(path)
