@@ -257,3 +257,60 @@ def test_metadata_array_longer_than_its_bound_is_refused(files, monkeypatch):
     with pytest.raises(gguf_reader.UserError, match="metadata array of 271 items, above 100"):
         GGUFWeights(files["F16"])
     gguf_reader.cached_reader.cache_clear()
+
+
+# --- convert, and the flags' own refusals ---------------------------------------------------------
+
+
+def test_convert_from_gguf_writes_the_dequantized_weights(capsys, files, tmp_path):
+    from kvports.shared.weights import load_weights
+
+    code, _, err = run_cli(capsys, "convert", "--from-gguf", files["Q4_1"], "--out", tmp_path / "q.safetensors")
+    assert code == 0, err
+    with GGUFWeights(files["Q4_1"]) as weights:
+        expected = weights.read()
+    config, tensors = load_weights(tmp_path / "q.safetensors")
+    assert config.family == "llama"
+    assert sorted(tensors) == sorted(expected)
+    for name in expected:
+        np.testing.assert_array_equal(tensors[name], expected[name], err_msg=name)
+
+
+def test_convert_to_hf_from_gguf_writes_a_llama_directory_that_converts_back(capsys, files, tmp_path):
+    from kvports.shared.weights import load_weights
+
+    assert run_cli(capsys, "convert", "--to-hf", files["Q8_0"], "--out", tmp_path / "hf")[0] == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
+    assert run_cli(capsys, "convert", "--from-hf", tmp_path / "hf", "--out", tmp_path / "back.safetensors")[0] == 0
+    with GGUFWeights(files["Q8_0"]) as weights:
+        expected = weights.read()
+    back = load_weights(tmp_path / "back.safetensors")[1]
+    for name in expected:
+        np.testing.assert_array_equal(back[name], expected[name], err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (("--chat", "hi", "--text", "hello"), "not two of them"),
+        (("--chat", "hi", "--chat-file", "x.json"), "give --chat or --chat-file, not both"),
+        (("--chat-file", "missing.json"), "does not exist"),
+    ],
+)
+def test_chat_flags_refused_in_one_line(capsys, files, extra, words):
+    argv = ("generate", "--framework", "numpy", "--mode", "cached", "--weights", files["F32"], *extra)
+    assert words in assert_one_error_line(*run_cli(capsys, *argv))
+
+
+def test_chat_file_that_is_not_a_message_list_is_refused(capsys, files, tmp_path):
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps([{"role": "user", "text": "hi"}]))
+    argv = ("generate", "--framework", "numpy", "--mode", "cached", "--weights", files["F32"], "--chat-file", chat)
+    assert "message 0 is" in assert_one_error_line(*run_cli(capsys, *argv))
+
+
+def test_chat_without_a_gguf_file_says_what_it_needs(capsys):
+    err = assert_one_error_line(
+        *run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached", "--chat", "hi")
+    )
+    assert "--tokenizer DIR" in err and "GGUF file" in err

@@ -26,7 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seed: the seed's model; gpt2-small: GPT-2 small as published (124M parameters, tied head, tanh "
         "GELU), random weights (default seed)",
     )
-    parser.add_argument("--weights", type=Path, default=None, help="time this safetensors file instead of a preset")
+    parser.add_argument(
+        "--weights", type=Path, default=None, help="time this safetensors or GGUF file instead of a preset"
+    )
+    parser.add_argument("--model", default=None, metavar="NAME", help="time a fetched model (kvports fetch smollm2)")
     parser.add_argument("--batch", type=integer, default=1, help="prompts per batch (default 1)")
     parser.add_argument(
         "--prompt-len",

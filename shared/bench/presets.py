@@ -32,6 +32,10 @@ def load_bench_model(
 ) -> tuple[str, ModelConfig, dict[str, np.ndarray]]:
     """(the name the results go by, config, tensors at --dtype) for --weights or --preset;
     check(config) runs before any tensor is read or drawn."""
+    if getattr(args, "model", None) is not None:  # --model NAME: the fetched file, as --weights
+        from kvports.shared.fetch import weights_source
+
+        args.weights = weights_source(args.weights, args.model, DEFAULT_WEIGHTS)
     preset = PRESETS[args.preset]
     if args.weights is not None or preset is None:
         with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:

@@ -24,6 +24,7 @@ from kvports.shared.commands.arguments import (
     add_generation_arguments,
     add_input_arguments,
     add_speculative_arguments,
+    add_text_arguments,
     generation_from,
     load_draft,
     load_inputs,
@@ -47,6 +48,7 @@ EXIT_DISAGREE = 1  # a row disagrees and no float near-tie explains it
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_input_arguments(parser)
     add_device_argument(parser)
+    add_text_arguments(parser)  # --text and --chat prompts (a GGUF file's own tokenizer, or --tokenizer)
     parser.add_argument(
         "--teacher-forced",
         action="store_true",

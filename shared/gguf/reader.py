@@ -106,7 +106,9 @@ def open_reader(path: Path) -> Any:
         raise UserError(f"{name} does not exist") from None
     except OSError as exc:
         raise UserError(f"cannot read {name} ({exc.strerror or exc})") from None
-    if len(header) < 24 or header[:4] != GGUF_MAGIC:
+    if header[:4] != GGUF_MAGIC:
+        raise UserError(f"{name} is not a GGUF file (it does not start with the magic 'GGUF')")
+    if len(header) < 24:
         raise UserError(f"{name} is truncated: shorter than a GGUF header (24 bytes)")
     version, tensors, fields = struct.unpack("<IQQ", header[4:])
     if tensors > MAX_TENSORS:

@@ -121,6 +121,8 @@ def gguf_chat_prompt(path: os.PathLike, messages: list[dict[str, str]]) -> str:
     """The messages as the file's own chat template renders them, with the generation prompt."""
     from kvports.shared.chat import render_chat
 
+    if not is_gguf(path):
+        raise UserError("--chat renders a GGUF file's own chat template: give --model NAME or --weights FILE.gguf")
     meta = Metadata(open_reader(Path(path)), str(path))
     template = meta.get("tokenizer.chat_template")
     if not isinstance(template, str):
