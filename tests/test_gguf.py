@@ -82,6 +82,7 @@ def port_tokens(port, path, dtype: str) -> np.ndarray:
     return tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_tokens_equal_transformers_gguf_loader(port, files, reference, qtype, dtype):
