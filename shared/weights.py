@@ -276,10 +276,10 @@ class WeightsFile(Closing):
 
 
 class GGUFWeights(Closing):
-    """A GGUF file as a weights file: `config` from its metadata, checked with its tensor table;
-    `read(dtype)` dequantizes (to float32, `dtype`: the library's dequantizers compute in it), then
-    checks and casts as WeightsFile does. As there, a caller checks the bytes a run allocates
-    between the two."""
+    """A GGUF file as a weights file: `config` from its metadata, checked against its tensor table;
+    `read(dtype)` dequantizes each tensor to float32 (what the gguf library's dequantizers compute
+    in), then checks and casts it as WeightsFile does. As there, a caller checks the bytes a run
+    will allocate between the two."""
 
     def __init__(self, path: os.PathLike):
         from kvports.shared.gguf.reader import GGUFFile
