@@ -4,7 +4,6 @@ jinja2 as transformers renders it (a sandboxed environment, trim_blocks and lstr
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,23 +23,18 @@ def turns(texts: Sequence[str]) -> list[dict[str, str]]:
 
 def read_chat_file(path: os.PathLike) -> list[dict[str, str]]:
     """A JSON list of {"role", "content"} messages, size-bounded and checked."""
+    from kvports.shared.hf.checkpoint import read_json
+
     path = Path(path)
     try:
-        size = path.stat().st_size
         if not path.is_file():
-            raise UserError(f"--chat-file {echo_path(path)} is not a regular file")
-        if size > MAX_CHAT_FILE:
-            raise UserError(f"--chat-file {echo_path(path)} is {size} bytes, above {MAX_CHAT_FILE}")
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"--chat-file {echo_path(path)} does not exist") from None
-    except RecursionError:
-        raise UserError(f"--chat-file {echo_path(path)} is not valid JSON (nested too deeply)") from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise UserError(f"--chat-file {echo_path(path)} is not valid JSON ({exc})") from None
+            raise UserError(f"--chat-file {echo_path(path)} does not exist or is not a regular file")
+        size = path.stat().st_size
     except OSError as exc:
         raise UserError(f"cannot read --chat-file {echo_path(path)} ({exc.strerror or exc})") from None
-    return check_messages(data, f"--chat-file {echo_path(path)}")
+    if size > MAX_CHAT_FILE:
+        raise UserError(f"--chat-file {echo_path(path)} is {size} bytes, above {MAX_CHAT_FILE}")
+    return check_messages(read_json(path, "--chat-file"), f"--chat-file {echo_path(path)}")
 
 
 def check_messages(data: Any, what: str) -> list[dict[str, str]]:

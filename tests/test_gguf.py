@@ -30,6 +30,7 @@ from tests.helpers import (
 QTYPES = ("F32", "F16", "Q8_0", "Q4_1")
 NEW_TOKENS = 8
 PROMPT = np.array([[5, 100, 37, 200, 9, 262]], dtype=np.int64)  # [1, 6]
+GENERATE = ("generate", "--framework", "numpy", "--mode", "cached")
 STRINGS = ["hello world", "<|im_start|>hi this world<|im_end|>", "héllo\n  wor ld!", "", "   "]
 
 
@@ -153,7 +154,7 @@ def test_chat_prompt_equals_transformers_chat_template(files):
 
 def test_chat_answer_is_decoded_text_in_json(capsys, files):
     code, out, err = run_cli(
-        capsys, "generate", "--framework", "numpy", "--mode", "cached", "--weights", files["Q8_0"],
+        capsys, *GENERATE, "--weights", files["Q8_0"],
         "--chat", "hello", "--chat", "hi", "--chat", "world", "--new-tokens", 4, "--json",
     )  # fmt: skip
     assert code == 0, err
@@ -167,11 +168,7 @@ def test_chat_file_gives_the_same_prompt_as_chat_turns(capsys, files, tmp_path):
     chat = tmp_path / "chat.json"
     chat.write_text(json.dumps([{"role": "user", "content": "hello"}]))
     common = (
-        "generate",
-        "--framework",
-        "numpy",
-        "--mode",
-        "cached",
+        *GENERATE,
         "--weights",
         files["F16"],
         "--new-tokens",
@@ -184,7 +181,7 @@ def test_chat_file_gives_the_same_prompt_as_chat_turns(capsys, files, tmp_path):
 
 def test_text_is_encoded_with_the_files_own_tokenizer(capsys, files):
     code, out, err = run_cli(
-        capsys, "generate", "--framework", "numpy", "--mode", "cached", "--weights", files["F32"],
+        capsys, *GENERATE, "--weights", files["F32"],
         "--text", "hello world", "--new-tokens", 2, "--json",
     )  # fmt: skip
     assert code == 0, err
@@ -193,9 +190,7 @@ def test_text_is_encoded_with_the_files_own_tokenizer(capsys, files):
 
 def test_unfetched_model_name_says_how_to_fetch_it(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("KVPORTS_HOME", str(tmp_path))
-    err = assert_one_error_line(
-        *run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached", "--model", "smollm2")
-    )
+    err = assert_one_error_line(*run_cli(capsys, *GENERATE, "--model", "smollm2"))
     assert "run kvports fetch smollm2" in err
 
 
@@ -299,19 +294,17 @@ def test_convert_to_hf_from_gguf_writes_a_llama_directory_that_converts_back(cap
     ],
 )
 def test_chat_flags_refused_in_one_line(capsys, files, extra, words):
-    argv = ("generate", "--framework", "numpy", "--mode", "cached", "--weights", files["F32"], *extra)
+    argv = (*GENERATE, "--weights", files["F32"], *extra)
     assert words in assert_one_error_line(*run_cli(capsys, *argv))
 
 
 def test_chat_file_that_is_not_a_message_list_is_refused(capsys, files, tmp_path):
     chat = tmp_path / "chat.json"
     chat.write_text(json.dumps([{"role": "user", "text": "hi"}]))
-    argv = ("generate", "--framework", "numpy", "--mode", "cached", "--weights", files["F32"], "--chat-file", chat)
+    argv = (*GENERATE, "--weights", files["F32"], "--chat-file", chat)
     assert "message 0 is" in assert_one_error_line(*run_cli(capsys, *argv))
 
 
 def test_chat_without_a_gguf_file_says_what_it_needs(capsys):
-    err = assert_one_error_line(
-        *run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached", "--chat", "hi")
-    )
+    err = assert_one_error_line(*run_cli(capsys, *GENERATE, "--chat", "hi"))
     assert "--tokenizer DIR" in err and "GGUF file" in err
