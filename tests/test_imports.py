@@ -35,6 +35,8 @@ CORE = {"kvports", "kvports.version", "kvports.shared"} | {
         "families",
         "files",
         "generation",
+        "gguf",
+        "gguf.reader",
         "limits",
         "ports",
         "progress",
@@ -42,7 +44,7 @@ CORE = {"kvports", "kvports.version", "kvports.shared"} | {
     )
 }
 FRAMEWORKS = {"torch", "jax", "jaxlib", "flax"}
-LAZY_ONLY = {"transformers", "tokenizers", "matplotlib"}  # shared may use these inside functions only
+LAZY_ONLY = {"transformers", "tokenizers", "matplotlib", "gguf", "jinja2"}  # shared may use these inside functions only
 
 
 @dataclass

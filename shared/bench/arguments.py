@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvports.shared.arguments import add_speculative_arguments, integer, parse_integer
+from kvports.shared.arguments import add_model_argument, add_speculative_arguments, integer, parse_integer
 from kvports.shared.batching.engine import BatchSettings
 from kvports.shared.bench.batching import WORKLOADS, BatchingBench
 from kvports.shared.bench.presets import PRESETS
@@ -25,7 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seed: the seed's model; gpt2-small: GPT-2 small as published (124M parameters, tied head, tanh "
         "GELU), random weights (default seed)",
     )
-    parser.add_argument("--weights", type=Path, default=None, help="time this safetensors file instead of a preset")
+    parser.add_argument(
+        "--weights", type=Path, default=None, help="time this safetensors or GGUF file instead of a preset"
+    )
+    add_model_argument(parser)
     parser.add_argument("--batch", type=integer, default=1, help="prompts per batch (default 1)")
     parser.add_argument(
         "--prompt-len",

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvports.shared import run
-from kvports.shared.arguments import non_negative_int, number, positive_int, seed
+from kvports.shared.arguments import add_model_argument, non_negative_int, number, positive_int, seed
 from kvports.shared.checks import (
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
@@ -33,8 +33,9 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
         "--weights",
         type=Path,
         default=None,
-        help="safetensors weights file (default: the seed's model, shipped with kvports)",
+        help="safetensors or GGUF weights file (default: the seed's model, shipped with kvports)",
     )
+    add_model_argument(parser)
     parser.add_argument(
         "--prompt",
         action="append",
@@ -55,8 +56,12 @@ def add_text_arguments(parser: argparse.ArgumentParser) -> None:
         "--text",
         action="append",
         default=None,
-        help="prompt text, encoded with --tokenizer; repeat for a batch",
+        help="prompt text, encoded with --tokenizer (or a GGUF file's own tokenizer); repeat for a batch",
     )
+    parser.add_argument(
+        "--chat", action="append", default=None, help="a chat turn (user, then assistant, ...), in the model's template"
+    )
+    parser.add_argument("--chat-file", type=Path, default=None, help="a JSON list of {role, content} messages")
     parser.add_argument(
         "--tokenizer",
         type=Path,
@@ -156,19 +161,35 @@ def generation_of(args: argparse.Namespace, config: ModelConfig) -> GenerationCo
 
 
 def text_tokenizer(args: argparse.Namespace, config: ModelConfig) -> Any:
-    """The tokenizer --text and decoded output need, checked against the model's vocabulary;
-    None when neither was asked for."""
+    """The tokenizer --text, --chat and decoded output need, checked against the model's
+    vocabulary: --tokenizer DIR's, else a GGUF weights file's own; None when there is neither."""
+    from kvports.shared.gguf.tokenizer import gguf_tokenizer, has_tokenizer
+
     tokenizer_dir = getattr(args, "tokenizer", None)
-    check_text_flags(getattr(args, "text", None), tokenizer_dir, args.prompt)
-    if tokenizer_dir is None:
+    weights = args.weights
+    in_file = tokenizer_dir is None and weights is not None and has_tokenizer(weights)
+    check_text_flags(getattr(args, "text", None), tokenizer_dir or in_file, args.prompt, chat_given(args))
+    if tokenizer_dir is None and not in_file:
         return None
     from kvports.shared.hf.text import check_vocabulary, load_tokenizer
 
-    return check_vocabulary(load_tokenizer(tokenizer_dir), config.vocab_size)
+    found = gguf_tokenizer(weights) if in_file else load_tokenizer(tokenizer_dir)
+    return check_vocabulary(found, config.vocab_size)
+
+
+def chat_given(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "chat", None)) or getattr(args, "chat_file", None) is not None
 
 
 def prompt_rows(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
-    """--text encoded, or --prompt's ids, or the seed's prompt."""
+    """--chat rendered in the model's own template, --text encoded, or --prompt's ids, or the seed's prompt."""
+    if chat_given(args):
+        from kvports.shared.chat import chat_messages
+        from kvports.shared.gguf.tokenizer import chat_ids
+
+        messages = chat_messages(args.chat, args.chat_file)
+        assert messages is not None and args.weights is not None  # check_text_flags: a chat needs a GGUF file
+        return [chat_ids(args.weights, messages, tokenizer)]
     if getattr(args, "text", None) is not None:
         from kvports.shared.hf.text import encode
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvports.shared.arguments import positive_int
+from kvports.shared.arguments import add_model_argument, positive_int
 from kvports.shared.batching.blocks import blocks_for
 from kvports.shared.batching.engine import (
     BLOCK_SIZE,
@@ -60,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--weights",
         type=Path,
         default=None,
-        help="safetensors weights file (default: the seed's model, shipped with kvports)",
+        help="safetensors or GGUF weights file (default: the seed's model, shipped with kvports)",
     )
+    add_model_argument(parser)
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
     add_device_argument(parser)
     parser.add_argument(
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
         config = weights.config.validate_at(args.dtype)
         settings_of(args, None).validate(config)  # the flags, before the file: they decide what fits
-        tokenizer = load_tokenizer(args.tokenizer, config)
+        tokenizer = load_tokenizer(args.tokenizer, args.weights, config)
         requests, bad = read_requests(args, config, tokenizer)
         for line in bad:
             print(f"error: {line}", file=sys.stderr)
@@ -168,12 +169,15 @@ def bench_inputs(args: argparse.Namespace) -> BatchingBench:
     )
 
 
-def load_tokenizer(path: Path | None, config: ModelConfig) -> Any:
-    if path is None:
-        return None
+def load_tokenizer(path: Path | None, weights: Path | None, config: ModelConfig) -> Any:
+    """--tokenizer DIR's, else a GGUF weights file's own; None when there is neither."""
+    from kvports.shared.gguf.tokenizer import gguf_tokenizer, has_tokenizer
     from kvports.shared.hf.text import check_vocabulary
     from kvports.shared.hf.text import load_tokenizer as load
 
+    if path is None:
+        in_file = weights is not None and has_tokenizer(weights)
+        return check_vocabulary(gguf_tokenizer(weights), config.vocab_size) if in_file else None
     return check_vocabulary(load(path), config.vocab_size)
 
 

@@ -19,7 +19,12 @@ import numpy as np
 
 from kvports.shared import ports
 from kvports.shared.arguments import add_speculative_arguments, positive_int
-from kvports.shared.commands.arguments import add_generation_arguments, add_input_arguments, read_inputs
+from kvports.shared.commands.arguments import (
+    add_generation_arguments,
+    add_input_arguments,
+    add_text_arguments,
+    read_inputs,
+)
 from kvports.shared.commands.generate import describe_generation
 from kvports.shared.compare import NEAR_TIE, comparable_steps, compare_tokens, logit_difference
 from kvports.shared.config import ModelConfig
@@ -39,6 +44,7 @@ EXIT_DISAGREE = 1  # a row disagrees and no float near-tie explains it
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_input_arguments(parser)
     add_device_argument(parser)
+    add_text_arguments(parser)  # --text and --chat prompts (a GGUF file's own tokenizer, or --tokenizer)
     parser.add_argument(
         "--teacher-forced",
         action="store_true",

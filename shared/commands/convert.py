@@ -1,4 +1,5 @@
-"""`kvports convert`: a local Hugging Face directory to our weights file, and back to gpt2.
+"""`kvports convert`: a local Hugging Face directory or a GGUF file to our weights file, and our
+weights file (or a GGUF file) to a Hugging Face directory (gpt2, llama or mistral).
 
 NumPy only: neither transformers nor torch is needed to convert, and nothing is fetched.
 """
@@ -18,7 +19,8 @@ from kvports.shared.files import check_output_file, check_output_folder
 from kvports.shared.limits import check_bytes
 
 HELP = (
-    "convert a local Hugging Face model directory (gpt2, llama, mistral) to a weights file, or a weights file to gpt2"
+    "convert a local Hugging Face model directory (gpt2, llama, mistral) or a GGUF file to a weights file, "
+    "or a weights or GGUF file to a Hugging Face directory"
 )
 
 
@@ -30,11 +32,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="Hugging Face directory: config.json and *.safetensors (sharded or not)",
     )
-    source.add_argument("--to-hf", type=Path, metavar="FILE", help="our weights file, written as a gpt2-type directory")
+    source.add_argument(
+        "--from-gguf", type=Path, metavar="FILE", help="a GGUF file (llama), dequantized into our weights file"
+    )
+    source.add_argument(
+        "--to-hf",
+        type=Path,
+        metavar="FILE",
+        help="our weights file or a GGUF file, written as a Hugging Face directory (gpt2, llama or mistral)",
+    )
     parser.add_argument(
         "--out",
         required=True,
-        help="the weights file (--from-hf) or directory (--to-hf) to write; a directory is replaced whole",
+        help="the weights file (--from-hf, --from-gguf) or directory (--to-hf) to write; a directory is replaced whole",
     )
     parser.add_argument(
         "--dtype",
@@ -46,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_gguf is not None:
+        return from_gguf(args)
     return from_hf(args) if args.from_hf is not None else to_hf(args)
 
 
@@ -63,23 +75,40 @@ def from_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def from_gguf(args: argparse.Namespace) -> int:
+    from kvports.shared.weights import GGUFWeights, parameter_count, save_weights
+
+    out = output_file(args.out)
+    check_output_file(out, args.force)
+    with GGUFWeights(args.from_gguf) as weights:
+        config = weights.config
+        dtype = args.dtype if args.dtype is not None else weights.dtype
+        count = parameter_count(config)
+        # The dequantized tensors (float32), their cast, and the file's bytes made from them.
+        parts = {"dequantized": count * 4, "tensors": count * np.dtype(dtype).itemsize}
+        check_bytes({**parts, "file": parts["tensors"]}, f"dequantizing {echo_path(args.from_gguf)} to {dtype}")
+        tensors = weights.read(dtype)
+    save_weights(out, tensors, config)
+    print(f"wrote {out}: {describe(config)}, {count:,} parameters, {dtype}, dequantized from {args.from_gguf}")
+    return 0
+
+
 def to_hf(args: argparse.Namespace) -> int:
-    from kvports.shared.hf.config import gpt2_refusal
-    from kvports.shared.hf.exporter import export_gpt2
+    from kvports.shared.hf.exporter import export_hf, hf_refusal
     from kvports.shared.weights import open_weights, parameter_count
 
     out = Path(args.out)
     check_output_folder(out, args.force, inputs=[args.to_hf])
     with open_weights(args.to_hf) as weights:
         config = weights.config
-        why = gpt2_refusal(config)  # before anything is read or written
+        why = hf_refusal(config)  # before anything is read or written
         if why is not None:
-            raise UserError(f"cannot write {echo_path(args.to_hf)} as gpt2: {why}")
+            raise UserError(f"cannot write {echo_path(args.to_hf)} as a Hugging Face model: {why}")
         dtype = args.dtype if args.dtype is not None else weights.dtype
         size = parameter_count(config) * np.dtype(dtype).itemsize
         # The tensors, and the file's bytes made from them before it is written.
-        check_bytes({"tensors": size, "file": size}, f"writing {echo_path(args.to_hf)} as gpt2 in {dtype}")
+        check_bytes({"tensors": size, "file": size}, f"writing {echo_path(args.to_hf)} in {dtype}")
         tensors = weights.read(dtype)  # finite at the dtype written, or refused
-    export_gpt2(config, tensors, out)
-    print(f"wrote {out}: gpt2-type directory (config.json, model.safetensors) of a {describe(config)}, {dtype}")
+    model_type = export_hf(config, tensors, out)
+    print(f"wrote {out}: {model_type}-type directory (config.json, model.safetensors) of a {describe(config)}, {dtype}")
     return 0

@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
             output["speculative"] = result.speculative
         if result.text is not None:
             output["text"] = result.text
+            output["answer"] = answers(given.tokenizer, result.generated)
         print(json.dumps(output))
         return 0
     print(
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  generated {' '.join(map(str, generated))}  ({result.finish_reason[index]})")
         if result.text is not None:
             print(f"  text      {result.text[index]}")
+            print(f"  answer    {answers(given.tokenizer, [generated])[0]}")
     summary = result.speculative
     if summary is not None:
         print(
@@ -116,6 +118,13 @@ def run(args: argparse.Namespace) -> int:
             f"{summary['target_forwards']} target forwards, {summary['target_forwards_per_token']:.2f} per token"
         )
     return 0
+
+
+def answers(tokenizer: Any, generated: list[list[int]]) -> list[str]:
+    """Each row's generated tokens as text, without special tokens (the end of turn a chat stops at)."""
+    from kvports.shared.hf.text import decode_answer
+
+    return [decode_answer(tokenizer, row) for row in generated]
 
 
 def describe_generation(generation: GenerationConfig) -> str:

@@ -2,7 +2,7 @@
 
 Import: `config.json` plus `*.safetensors` (one file or shards) of model type gpt2,
 llama or mistral -> a ModelConfig and tensors in our names and (out, in) layouts.
-Export: a model GPT-2 can express -> a gpt2-type directory transformers can load.
+Export: our weights (or a GGUF file's) -> a gpt2, llama or mistral directory transformers can load.
 Text: prompts in and tokens out through a local tokenizer.json.
 
 One module per job:
@@ -10,12 +10,12 @@ One module per job:
 - `checkpoint`: reading a directory's config.json, and its safetensors shards through the one reader
 - `tensors`: Hugging Face tensor names and layouts <-> ours (an import's plan, checked from the headers)
 - `importer`: `import_hf`, the three above in order
-- `exporter`: `export_gpt2`
+- `exporter`: `export_hf` (gpt2, llama or mistral), `export_gpt2`
 - `text`: the tokenizer (the `tokenizers` package, imported only when text is asked for)
 """
 
 from kvports.shared.hf.config import gpt2_refusal
-from kvports.shared.hf.exporter import export_gpt2
+from kvports.shared.hf.exporter import export_gpt2, export_hf
 from kvports.shared.hf.importer import import_hf
 
-__all__ = ["export_gpt2", "gpt2_refusal", "import_hf"]
+__all__ = ["export_gpt2", "export_hf", "gpt2_refusal", "import_hf"]

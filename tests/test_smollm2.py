@@ -1,0 +1,103 @@
+"""The real SmolLM2-135M-Instruct (a Q4_1 GGUF file, `make model` fetches it): every port's
+greedy chat answer equals transformers' on the same file, and it names Paris."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvports.shared.errors import UserError
+from kvports.shared.fetch import model_path
+from kvports.shared.generation import GenerationConfig
+from kvports.shared.gguf.tokenizer import chat_ids, gguf_tokenizer
+from kvports.shared.weights import GGUFWeights
+from tests.helpers import assert_tokens_agree, run_cli
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+NEW_TOKENS = 12
+EOS = 2  # <|im_end|>, the file's eos
+STRINGS = ["What is the capital of France?", "  Two  spaces,\ttabs\nand lines.", "naïve café 東京 🙂", "1234567 x=3.14"]
+
+
+@pytest.fixture(scope="module")
+def path():
+    try:
+        return model_path("smollm2")
+    except UserError:
+        pytest.skip("SmolLM2 is not fetched: run make model")
+
+
+@pytest.fixture(scope="module")
+def weights(path):
+    with GGUFWeights(path) as file:
+        return file.config, file.read("float32")
+
+
+@pytest.fixture(scope="module")
+def prompt(path):
+    return np.array([chat_ids(path, QUESTION, gguf_tokenizer(path))], dtype=np.int64)  # [1, P]
+
+
+@pytest.fixture(scope="module")
+def transformers_answer(path, prompt):
+    """transformers' greedy answer on the same file, stopping at <|im_end|> as ours does: its tokens
+    [1, P + n] and step logits [1, n, V]."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import torch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent,
+        gguf_file=path.name,
+        dtype=torch.float32,
+        quantization_config=transformers.GgufConfig(dequantize=True),
+    ).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.from_numpy(prompt),
+            attention_mask=torch.ones_like(torch.from_numpy(prompt)),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=EOS,
+            pad_token_id=EOS,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences.numpy(), torch.stack(out.logits, dim=1).to(torch.float64).numpy()
+
+
+def test_tokenizer_equals_transformers_on_the_real_file(path):
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ours = gguf_tokenizer(path)
+    for text in STRINGS:
+        assert ours.encode(text).ids == theirs(text)["input_ids"], text
+    prompt = theirs.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    assert chat_ids(path, QUESTION, ours) == theirs(prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_chat_answer_equals_transformers_and_names_paris(port, path, weights, prompt, transformers_answer):
+    config, tensors = weights
+    hf_tokens, hf_logits = transformers_answer
+    model = port.load_model(config, tensors, "float32")
+    tokens, _ = port.generate(model, prompt, GenerationConfig(NEW_TOKENS, 0.0, 0, 1.0, 0, (EOS,)), "cached")
+    tokens = tokens[:, : hf_tokens.shape[1]]  # PAD after our stop, where transformers' output ends
+    assert_tokens_agree(hf_tokens, hf_logits, tokens, prompt.shape[1], port.NAME)
+    answer = [int(t) for t in tokens[0, prompt.shape[1] :] if t != EOS]
+    assert "Paris" in gguf_tokenizer(path).decode(answer)
+
+
+def test_chat_command_answers_in_text(capsys, path):
+    code, out, err = run_cli(
+        capsys, "generate", "--framework", "numpy", "--mode", "cached", "--weights", path,
+        "--chat", QUESTION[0]["content"], "--new-tokens", NEW_TOKENS, "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["finish_reason"] == ["stop"] and result["text"][0].endswith(
+        "The capital of France is Paris.<|im_end|>"
+    )
