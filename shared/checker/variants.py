@@ -107,7 +107,7 @@ def mlp(x: np.ndarray, weights: dict, prefix: str, config: ModelConfig) -> np.nd
     elif config.activation == "gelu_tanh":
         h = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))
     else:
-        from scipy.special import erf  # type: ignore[import-untyped]  # here: the command line starts without SciPy
+        from scipy.special import erf  # here: the command line starts without SciPy
 
         h = 0.5 * h * (1 + erf(h / np.sqrt(2)))
     return dense(h, weights, prefix + ".2")  # [B, T, D]

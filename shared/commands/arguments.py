@@ -165,16 +165,17 @@ def text_tokenizer(args: argparse.Namespace, config: ModelConfig) -> Any:
     vocabulary: --tokenizer DIR's, else a GGUF weights file's own; None when there is neither."""
     from kvports.shared.gguf.tokenizer import gguf_tokenizer, has_tokenizer
 
-    tokenizer_dir = getattr(args, "tokenizer", None)
-    weights = args.weights
+    tokenizer_dir: Path | None = getattr(args, "tokenizer", None)
+    weights: Path | None = args.weights
     in_file = tokenizer_dir is None and weights is not None and has_tokenizer(weights)
     check_text_flags(getattr(args, "text", None), tokenizer_dir or in_file, args.prompt, chat_given(args))
-    if tokenizer_dir is None and not in_file:
-        return None
     from kvports.shared.hf.text import check_vocabulary, load_tokenizer
 
-    found = gguf_tokenizer(weights) if in_file else load_tokenizer(tokenizer_dir)
-    return check_vocabulary(found, config.vocab_size)
+    if tokenizer_dir is not None:
+        return check_vocabulary(load_tokenizer(tokenizer_dir), config.vocab_size)
+    if weights is not None and in_file:
+        return check_vocabulary(gguf_tokenizer(weights), config.vocab_size)
+    return None
 
 
 def chat_given(args: argparse.Namespace) -> bool:

@@ -175,10 +175,11 @@ def load_tokenizer(path: Path | None, weights: Path | None, config: ModelConfig)
     from kvports.shared.hf.text import check_vocabulary
     from kvports.shared.hf.text import load_tokenizer as load
 
-    if path is None:
-        in_file = weights is not None and has_tokenizer(weights)
-        return check_vocabulary(gguf_tokenizer(weights), config.vocab_size) if in_file else None
-    return check_vocabulary(load(path), config.vocab_size)
+    if path is not None:
+        return check_vocabulary(load(path), config.vocab_size)
+    if weights is not None and has_tokenizer(weights):
+        return check_vocabulary(gguf_tokenizer(weights), config.vocab_size)
+    return None
 
 
 def read_requests(args: argparse.Namespace, config: ModelConfig, tokenizer: Any) -> tuple[list[Request], list[BadLine]]:
