@@ -85,3 +85,30 @@ def chat_messages(chat: Sequence[str] | None, chat_file: os.PathLike | None) -> 
     if chat_file is not None:
         return read_chat_file(chat_file)
     return turns(chat) if chat else None
+
+
+# The GGUF file's own template, here rather than in shared.gguf: the reader (which weights imports)
+# stays clear of jinja2 and of this module's file reading.
+def gguf_chat_prompt(path: os.PathLike, messages: list[dict[str, str]]) -> str:
+    """The messages as the file's own chat template renders them, with the generation prompt."""
+    from kvports.shared.gguf.reader import Metadata, is_gguf, open_reader
+
+    if not is_gguf(path):
+        raise UserError("--chat renders a GGUF file's own chat template: give --model NAME or --weights FILE.gguf")
+    meta = Metadata(open_reader(Path(path)), str(path))
+    template = meta.get("tokenizer.chat_template")
+    if not isinstance(template, str):
+        raise UserError(f"GGUF file {echo_path(path)} has no chat template (metadata tokenizer.chat_template)")
+    tokens = meta.strings("tokenizer.ggml.tokens")
+    special = {}
+    for name in ("bos", "eos"):
+        index = meta.token_id(f"tokenizer.ggml.{name}_token_id")
+        if index is not None and index < len(tokens):
+            special[f"{name}_token"] = tokens[index]
+    return render_chat(template, messages, special)
+
+
+def chat_ids(path: os.PathLike, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
+    """The chat prompt's token ids: the template writes every special token itself, so none is added
+    (as transformers' apply_chat_template tokenizes)."""
+    return tokenizer.encode(gguf_chat_prompt(path, messages), add_special_tokens=False).ids

@@ -10,9 +10,10 @@ import shutil
 import numpy as np
 import pytest
 
+from kvports.shared.chat import gguf_chat_prompt
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.gguf import reader as gguf_reader
-from kvports.shared.gguf.tokenizer import gguf_chat_prompt, gguf_tokenizer
+from kvports.shared.gguf.tokenizer import gguf_tokenizer
 from kvports.shared.ports import PORTS
 from kvports.shared.weights import GGUFWeights, open_weights
 from tests.helpers import (

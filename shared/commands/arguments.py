@@ -185,8 +185,7 @@ def chat_given(args: argparse.Namespace) -> bool:
 def prompt_rows(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     """--chat rendered in the model's own template, --text encoded, or --prompt's ids, or the seed's prompt."""
     if chat_given(args):
-        from kvports.shared.chat import chat_messages
-        from kvports.shared.gguf.tokenizer import chat_ids
+        from kvports.shared.chat import chat_ids, chat_messages
 
         messages = chat_messages(args.chat, args.chat_file)
         assert messages is not None and args.weights is not None  # check_text_flags: a chat needs a GGUF file

@@ -115,28 +115,3 @@ def has_tokenizer(path: os.PathLike) -> bool:
 def gguf_tokenizer(path: os.PathLike) -> Any:
     """The tokenizer stored in a GGUF file's metadata (a `tokenizers.Tokenizer`)."""
     return tokenizer_from_metadata(Metadata(open_reader(Path(path)), str(path)))
-
-
-def gguf_chat_prompt(path: os.PathLike, messages: list[dict[str, str]]) -> str:
-    """The messages as the file's own chat template renders them, with the generation prompt."""
-    from kvports.shared.chat import render_chat
-
-    if not is_gguf(path):
-        raise UserError("--chat renders a GGUF file's own chat template: give --model NAME or --weights FILE.gguf")
-    meta = Metadata(open_reader(Path(path)), str(path))
-    template = meta.get("tokenizer.chat_template")
-    if not isinstance(template, str):
-        raise UserError(f"GGUF file {echo_path(path)} has no chat template (metadata tokenizer.chat_template)")
-    tokens = meta.strings("tokenizer.ggml.tokens")
-    special = {}
-    for name in ("bos", "eos"):
-        index = meta.token_id(f"tokenizer.ggml.{name}_token_id")
-        if index is not None and index < len(tokens):
-            special[f"{name}_token"] = tokens[index]
-    return render_chat(template, messages, special)
-
-
-def chat_ids(path: os.PathLike, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
-    """The chat prompt's token ids: the template writes every special token itself, so none is added
-    (as transformers' apply_chat_template tokenizes)."""
-    return tokenizer.encode(gguf_chat_prompt(path, messages), add_special_tokens=False).ids
