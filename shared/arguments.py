@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from kvports.shared.checks import MAX_DRAFT_TOKENS, MAX_SEED
+from kvports.shared.checks import MAX_DRAFT_TOKENS, MAX_NGRAM, MAX_SEED
 from kvports.shared.errors import UserError, echo
 
 
@@ -82,7 +82,8 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft",
         default=None,
         metavar="FILE|ngram",
-        help="the draft: a smaller model's weights file with the same vocabulary, or 'ngram' (prompt lookup)",
+        help="the draft: a smaller model's weights file with the same vocabulary, or 'ngram' (prompt lookup); "
+        "generate uses it with --mode speculative only, and warns that it does nothing otherwise",
     )
     group.add_argument(
         "--draft-tokens",
@@ -92,7 +93,11 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"proposals per round, each round one target forward (default 4, at most {MAX_DRAFT_TOKENS})",
     )
     group.add_argument(
-        "--ngram", type=positive_int, default=2, metavar="N", help="prompt lookup matches the last N tokens (default 2)"
+        "--ngram",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help=f"prompt lookup matches the last N tokens (default 2, at most {MAX_NGRAM} and the prompt + new tokens)",
     )
 
 

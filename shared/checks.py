@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvports.shared.config import ModelConfig
+from kvports.shared.config import MAX_SIZE, ModelConfig
 from kvports.shared.errors import UserError, echo, echo_path
 from kvports.shared.files import check_writable_folder, os_errors_as_user_errors
 from kvports.shared.limits import check_count, check_run
@@ -40,6 +40,9 @@ MAX_EXACT_LOGIT = 2**13
 MIN_TEMPERATURE = 1e-12  # a round number above MAX_EXACT_LOGIT / 2**53 = MAX_EXACT_LOGIT * finfo(float64).eps / 2
 MAX_TEMPERATURE = 1e18
 MAX_DRAFT_TOKENS = 16  # a verified chunk is K + 1 wide; past this the draft is the bottleneck anyway
+# Prompt lookup matches a few tokens; JAX compares n shifted copies of the token buffer, unrolled
+# in its compiled loop, so a huge n would compile without end (and one past the buffer fails).
+MAX_NGRAM = 64
 MODES = ("naive", "cached", "speculative")
 
 
@@ -68,6 +71,7 @@ COMMAND_LINE = Names(
         ("stop_ids", "stop id"),
         ("draft_tokens", "--draft-tokens"),
         ("ngram", "--ngram"),
+        ("draft", "--draft"),
         ("mode", "--mode"),
         ("framework", "--framework"),
         ("dtype", "--dtype"),
@@ -173,7 +177,9 @@ def check_generation(generation: GenerationConfig, vocab_size: int, names: Names
             f"[{MIN_TEMPERATURE:.3g}, {MAX_TEMPERATURE:g}]: logits divided by less lose their exactness in "
             "float64, and the ports their agreement)"
         )
-    check_int(names.label("top_k"), generation.top_k, 0, names.api)
+    top_k = check_int(names.label("top_k"), generation.top_k, 0, names.api)
+    if top_k > MAX_SIZE:  # past the vocabulary it means every token, as 0 does
+        raise UserError(f"{names.show('top_k', str(top_k))} is above {MAX_SIZE}")
     top_p = generation.top_p
     if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
         raise UserError(f"{names.show('top_p', repr(top_p))} must be in (0, 1] (1 means no nucleus filter)")
@@ -199,8 +205,26 @@ def check_draft(mode: str, draft: str | None, draft_tokens: object, ngram: objec
         if names.api:
             raise UserError(f"mode={mode!r} needs draft= a smaller model's weights file, or draft='ngram'")
         raise UserError("--mode speculative needs --draft FILE (a smaller model) or --draft ngram")
+    check_draft_source(draft, names)
     check_range("draft_tokens", draft_tokens, 1, names, MAX_DRAFT_TOKENS)
-    check_range("ngram", ngram, 1, names)
+    check_range("ngram", ngram, 1, names, MAX_NGRAM)
+
+
+def check_draft_source(draft: str, names: Names = COMMAND_LINE) -> None:
+    """Before a draft file is opened: '' as a path would be the current folder."""
+    if draft.strip() == "":
+        raise UserError(f"{names.show('draft', repr(draft))} is empty: give a smaller model's weights file or 'ngram'")
+
+
+def check_ngram(ngram: int, prompt_len: int, new_tokens: int, names: Names = COMMAND_LINE) -> None:
+    """Prompt lookup's n-gram within the tokens a run holds (the prompt and the new tokens): a
+    longer one could never match, and JAX's compiled lookup slices the buffer by it."""
+    held = prompt_len + new_tokens
+    if ngram > held:
+        raise UserError(
+            f"{names.show('ngram', str(ngram))} is above prompt length {prompt_len} + new tokens {new_tokens} = "
+            f"{held}, the tokens the run holds"
+        )
 
 
 def check_needed(prompt_len: int, new_tokens: int, draft_tokens: int, models: list[tuple[str, ModelConfig]]) -> None:

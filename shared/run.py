@@ -32,8 +32,10 @@ from kvports.shared.checks import (
     check_choice,
     check_draft,
     check_draft_model,
+    check_draft_source,
     check_generation,
     check_needed,
+    check_ngram,
     check_prompts,
 )
 from kvports.shared.config import DTYPES, ModelConfig
@@ -165,6 +167,7 @@ def check_inputs(
         check_draft(inputs.mode, source, *draft_fields(inputs.draft), names)
         assert inputs.draft is not None
         draft_tokens = inputs.draft.tokens
+        check_ngram(inputs.draft.ngram, max(map(len, rows)), generation.max_new_tokens, names)
         models = [("the model", config)]
         if draft is not None:
             check_draft_model(config, draft)
@@ -180,11 +183,12 @@ def draft_fields(draft: Draft | None) -> tuple[object, object]:
     return (4, 2) if draft is None else (draft.tokens, draft.ngram)
 
 
-def draft_file(inputs: RunInputs, modes: Sequence[str] | None = None) -> str | None:
+def draft_file(inputs: RunInputs, names: Names = COMMAND_LINE, modes: Sequence[str] | None = None) -> str | None:
     """The draft model's weights file a run needs read (speculative with a file), or None."""
     speculative = "speculative" in (modes if modes is not None else [inputs.mode])
     if not speculative or inputs.draft is None or inputs.draft.source == "ngram":
         return None
+    check_draft_source(inputs.draft.source, names)
     return inputs.draft.source
 
 
@@ -193,7 +197,7 @@ def check_and_prepare(
 ) -> np.ndarray:
     """`check_inputs` for a model already loaded (the Python API): a draft file is read, checked
     and loaded on first use, then kept on `loaded` for the calls after."""
-    source = draft_file(inputs)
+    source = draft_file(inputs, names)
     if source is None or source in loaded.drafts:
         draft = None if source is None else loaded.drafts[source][0]
         return check_inputs(inputs, loaded.config, prompts, names, draft=draft)

@@ -19,6 +19,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 
+from kvports.shared import ports  # noqa: E402
 from kvports.shared.ports import PORTS  # noqa: E402
 from kvports.shared.weights import load_weights  # noqa: E402
 from tests.helpers import port_or_skip  # noqa: E402
@@ -38,3 +39,14 @@ def reference():
 @pytest.fixture(scope="session")
 def seed_weights():
     return load_weights()
+
+
+@pytest.fixture
+def no_port_may_load(monkeypatch):
+    """A bad input must be refused before any framework is imported or run."""
+
+    def refuse(name):
+        raise AssertionError(f"port {name} was loaded before the input was checked")
+
+    monkeypatch.setattr(ports, "load_port", refuse)
+    monkeypatch.setattr(ports, "available_port", refuse)

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from kvports.shared import ports
 from kvports.shared.arguments import non_negative_int, positive_int
 from kvports.shared.config import MAX_SIZE, ModelConfig
 from kvports.shared.errors import UserError
@@ -40,17 +39,6 @@ from tests.helpers import assert_one_error_line, llama_config, llama_tensors, po
 
 SEED_BYTES = DEFAULT_WEIGHTS.read_bytes()
 GIB = 2**30
-
-
-@pytest.fixture
-def no_port_may_load(monkeypatch):
-    """A bad input must be refused before any framework is imported or run."""
-
-    def refuse(name):
-        raise AssertionError(f"port {name} was loaded before the input was checked")
-
-    monkeypatch.setattr(ports, "load_port", refuse)
-    monkeypatch.setattr(ports, "available_port", refuse)
 
 
 @pytest.fixture
@@ -724,7 +712,6 @@ def test_to_hf_replaces_the_whole_folder_or_nothing(tmp_path, capsys, monkeypatc
         ["generate", "--framework", "torch", "--mode", "cached", "--dtype", "float16"],
         ["generate", "--mode", "cached"],
         ["frobnicate"],
-        [],
     ],
 )
 def test_a_malformed_command_line_is_one_error_line_pointing_to_help(capsys, argv):

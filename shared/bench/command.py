@@ -27,6 +27,7 @@ from kvports.shared.checks import (
     check_bench_run,
     check_draft,
     check_needed,
+    check_ngram,
 )
 from kvports.shared.config import ModelConfig
 from kvports.shared.devices import check_gpu_reachable, device_problem
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         generation = GenerationConfig(args.new_tokens)
         inputs = RunInputs(frameworks[0], "speculative", generation, args.weights, args.dtype, args.device, draft)
         check_draft("speculative", args.draft, args.draft_tokens, args.ngram, COMMAND_LINE)
+        check_ngram(args.ngram, args.prompt_len, args.new_tokens)
         check_needed(args.prompt_len, args.new_tokens, args.draft_tokens, [("the model", config)])
         draft_weights = read_draft(inputs, config, prompts)  # at --dtype
     roofline = args.roofline or preset == "gpt2-small"

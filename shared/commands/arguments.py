@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from kvports.shared.checks import (
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
     SEED_PROMPT,
+    check_draft_source,
     check_stop_flags,
     check_text_flags,
     parse_prompt,
@@ -81,14 +83,19 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         "(logits divided by less lose float64's exactness)",
     )
     group.add_argument(
-        "--top-k", type=non_negative_int, default=0, metavar="K", help="sample from the K likeliest tokens (0: all)"
+        "--top-k",
+        type=non_negative_int,
+        default=0,
+        metavar="K",
+        help="sample from the K likeliest tokens (0: all); greedy (temperature 0) ignores it, with a warning",
     )
     group.add_argument(
         "--top-p",
         type=number,
         default=1.0,
         metavar="P",
-        help="sample from the fewest likeliest tokens whose probability reaches P (1: all)",
+        help="sample from the fewest likeliest tokens whose probability reaches P (1: all); greedy (temperature 0) "
+        "ignores it, with a warning",
     )
     group.add_argument(
         "--seed", type=seed, default=0, help="the draws' seed: the same seed, the same tokens everywhere"
@@ -125,6 +132,7 @@ def read_inputs(
     wanted = None if draft is None or draft.source == "ngram" else draft.source
     if wanted is None or "speculative" not in (modes if modes is not None else [mode]):
         return read_checked(args, framework, mode, modes, None)
+    check_draft_source(wanted)
     with open_weights(Path(wanted)) as file:  # its header is checked with the rest, before any tensor is read
         given = read_checked(args, framework, mode, modes, file.config)
         return dataclasses.replace(given, draft=(file.config, file.read(args.dtype)))
@@ -145,6 +153,20 @@ def read_checked(
     assert checked is not None
     inputs, tokenizer, prompts = checked
     return CommandInputs(inputs, config, tensors, prompts, tokenizer, None)
+
+
+def warn_unused(args: argparse.Namespace, speculative: bool) -> None:
+    """Flags given that change nothing in this run: one `warning:` line on stderr, and the run goes on
+    (exit 0). speculative: whether the run has a speculative mode, the one --draft serves."""
+    unused = []
+    if args.temperature == 0:
+        flags = [flag for flag, given in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1)) if given]
+        if flags:
+            unused.append(f"{' and '.join(flags)} {'does' if len(flags) == 1 else 'do'} nothing without --temperature")
+    if args.draft is not None and not speculative:
+        unused.append("--draft does nothing without --mode speculative")
+    if unused:
+        print(f"warning: {'; '.join(unused)}", file=sys.stderr)
 
 
 def draft_of(args: argparse.Namespace) -> run.Draft | None:

@@ -34,7 +34,7 @@ from kvports.shared.bench.presets import PRESETS
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.devices import add_device_argument
 from kvports.shared.errors import UserError, echo_path
-from kvports.shared.limits import check_bytes
+from kvports.shared.limits import check_bytes, check_count
 from kvports.shared.ports import PORTS, REFERENCE
 from kvports.shared.progress import make_progress
 from kvports.shared.run import load_model
@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
 def bench_inputs(args: argparse.Namespace) -> BatchingBench:
     """--bench's flags as the batching bench's inputs."""
+    check_count("--count", args.count)  # as bench --requests bounds its own
     return BatchingBench(
         tuple(choices(args.frameworks, PORTS, "frameworks")),
         tuple(choices(args.workloads, WORKLOADS, "workloads")),

@@ -24,6 +24,7 @@ from kvports.shared.commands.arguments import (
     add_input_arguments,
     add_text_arguments,
     read_inputs,
+    warn_unused,
 )
 from kvports.shared.commands.generate import describe_generation
 from kvports.shared.compare import NEAR_TIE, comparable_steps, compare_tokens, logit_difference
@@ -33,6 +34,7 @@ from kvports.shared.devices import add_device_argument, check_gpu_reachable, dev
 from kvports.shared.errors import UserError
 from kvports.shared.families import describe
 from kvports.shared.generation import PAD, GenerationConfig, row_tokens
+from kvports.shared.limits import check_count
 from kvports.shared.progress import make_progress
 from kvports.shared.run import LoadedModel, RunInputs, draft_model, run_port, timed
 from kvports.shared.terminal import console_for
@@ -105,7 +107,9 @@ def teacher_forced_logits(
 def run(args: argparse.Namespace) -> int:
     speculative = args.draft is not None  # a speculative row per framework, beside naive and cached
     modes = ("naive", "cached") + (("speculative",) if speculative else ())
+    check_count("--repeats", args.repeats)  # as the bench bounds its own
     given = read_inputs(args, ports.REFERENCE, "naive", modes)
+    warn_unused(args, speculative)
     config, tensors, prompts, generation = given.config, given.tensors, given.prompts, given.inputs.generation
     P = prompts.shape[1]
     usable, reasons = usable_ports(args.device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from typing import Any
 
 import numpy as np
@@ -18,11 +19,12 @@ from kvports.shared.commands.arguments import (
     add_input_arguments,
     add_text_arguments,
     read_inputs,
+    warn_unused,
 )
 from kvports.shared.devices import add_device_argument
 from kvports.shared.families import describe
 from kvports.shared.generation import PAD, GenerationConfig
-from kvports.shared.run import generate, load_model
+from kvports.shared.run import Generation, generate, load_model
 
 HELP = "generate with one framework and mode: greedy or sampled, stop tokens, streaming"
 
@@ -73,14 +75,18 @@ class Stream:
 
 def run(args: argparse.Namespace) -> int:
     given = read_inputs(args, args.framework, args.mode)
+    warn_unused(args, args.mode == "speculative")
     loaded = load_model(args.framework, given.config, given.tensors, args.dtype, args.device)
     if given.draft is not None:
         loaded.add_draft(args.draft, *given.draft)
     stream = Stream(given.prompts.shape[0], given.tokenizer, args.json) if args.stream else None
-    result = generate(loaded, given.prompts, given.inputs, on_token=stream, tokenizer=given.tokenizer)
+    # Always a listener: the run layer times the first token only as it reaches one.
+    heard = stream if stream is not None else lambda token: None
+    result = generate(loaded, given.prompts, given.inputs, on_token=heard, tokenizer=given.tokenizer)
     if stream is not None:
         stream.close()
     generation = given.inputs.generation
+    speed = speed_of(result)
     if args.json:
         output: dict[str, Any] = {
             "framework": args.framework,
@@ -92,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             "tokens": result.tokens,
             "finish_reason": result.finish_reason,
             "seconds": result.seconds,
+            **speed,
         }
         if result.speculative is not None:
             output["speculative"] = result.speculative
@@ -117,7 +124,18 @@ def run(args: argparse.Namespace) -> int:
             f"{summary['proposed']} proposals accepted ({summary['acceptance_rate']:.0%}), "
             f"{summary['target_forwards']} target forwards, {summary['target_forwards_per_token']:.2f} per token"
         )
+    print(
+        f"time to first token {speed['first_token_seconds']:.3f} s, {speed['tokens_per_second']:.1f} tokens/s",
+        file=sys.stderr,
+    )
     return 0
+
+
+def speed_of(result: Generation) -> dict[str, float]:
+    """Time to the first token, and the tokens every row generated per second of the whole run."""
+    assert result.first_token_seconds is not None  # run() always listens
+    made = sum(len(row) for row in result.generated)
+    return {"first_token_seconds": result.first_token_seconds, "tokens_per_second": made / result.seconds}
 
 
 def answers(tokenizer: Any, generated: list[list[int]]) -> list[str]:
