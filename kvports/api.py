@@ -67,6 +67,7 @@ class Model:
         temperature, top_k, top_p, seed and stop_ids (None: the model's eos ids; []: none).
         mode: "naive", "cached" or "speculative" (with draft: a weights file or "ngram").
         on_token(token [B]) as each token reaches the host."""
+        check_arguments(stop_ids=stop_ids, draft=draft, return_logits=return_logits, on_token=on_token)
         if generation is None or (isinstance(generation, int) and not isinstance(generation, bool)):
             new_tokens = new_tokens if generation is None else generation
             stops = self.config.eos_token_ids if stop_ids is None else tuple(stop_ids)
@@ -79,11 +80,35 @@ class Model:
         return run.generate(self.loaded, batch, inputs, return_logits, on_token)
 
 
+def check_arguments(**given: object) -> None:
+    """The types of generate()'s and load()'s own arguments, named as the caller wrote them, before
+    any is used: a string where ids belong would be read character by character, 123 as a path
+    would be a TypeError from deep inside."""
+    for name, value in given.items():
+        if value is None:
+            continue
+        if name == "stop_ids" and (
+            isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray, set, frozenset))
+        ):
+            raise UserError(f"stop_ids={echo(value)} is not a list of token ids")
+        if name in ("weights", "draft") and not isinstance(value, (str, os.PathLike)):
+            raise UserError(f"{name}={echo(value)} is not a path" + (" or 'ngram'" if name == "draft" else ""))
+        if name == "model" and not isinstance(value, str):
+            raise UserError(f"model={echo(value)} is not a model's name")
+        if name == "return_logits" and not isinstance(value, (bool, np.bool_)):
+            raise UserError(f"return_logits={echo(value)} is not True or False")
+        if name == "on_token" and not callable(value):
+            raise UserError(f"on_token={echo(value)} is not callable")
+        if name == "prompts" and not isinstance(value, (str, Sequence, np.ndarray)):
+            raise UserError(f"prompts={echo(value)} is not a prompt: ids, a batch of them, or '1,2,3'")
+
+
 def prompt_rows(prompts: Prompts) -> list[list[object]]:
     """Prompts as rows of ids: one row, a batch, "1,2,3" texts (read as the command line reads
     --prompt), an array, or None for the seed's prompt."""
     if prompts is None:
         return [list(SEED_PROMPT)]
+    check_arguments(prompts=prompts)
     if isinstance(prompts, str):
         return [list(parse_prompt(prompts))]
     if isinstance(prompts, np.ndarray):
@@ -108,6 +133,7 @@ def load(
     (None: the seed's model), or a fetched model by name (`model="smollm2"`), in float32 or
     float64, on the "cpu" or a "gpu", checked as `kvports generate` checks them."""
     run.check_names(framework, dtype, device, API)
+    check_arguments(weights=weights, model=model)
     if model is not None:
         from kvports.shared.fetch import model_path
 
