@@ -9,11 +9,23 @@ if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
 
+def stdout_console(width: int | None = None) -> Console:
+    """A stdout console that lets a closed pipe (`kvports compare | head -1`) end the command as
+    every command ends then (shared.cli's BrokenPipeError): rich's own handler exits with status 1."""
+    from rich.console import Console
+
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    return PipeConsole(width=width)
+
+
 def console_for(renderable: RenderableType) -> Console:
     """A stdout console at least as wide as the renderable needs (the terminal's width if wider)."""
-    from rich.console import Console
     from rich.measure import Measurement
 
-    console = Console()
+    console = stdout_console()
     needed = Measurement.get(console, console.options.update(max_width=10_000), renderable).maximum
-    return Console(width=max(console.width, needed))
+    return stdout_console(width=max(console.width, needed))

@@ -314,9 +314,9 @@ def choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
 
 
 def print_tables(result: dict[str, Any]) -> None:
-    from rich.console import Console
+    from kvports.shared.terminal import stdout_console
 
-    console = Console(width=max(160, Console().width))
+    console = stdout_console(width=max(160, stdout_console().width))
     live = [row for row in result["rows"] if row["available"]]
     mixed = new_table(
         f"continuous batching vs one at a time: {result['count']} requests, prompts {MIXED_PROMPT[0]}-"
