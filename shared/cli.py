@@ -8,6 +8,7 @@ framework was asked for, raised before any port runs.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import sys
@@ -49,12 +50,33 @@ class Parser(argparse.ArgumentParser):
         # would take anything but plain negative digits for an unknown flag.
         self._negative_number_matcher = re.compile(r"^-(\.?[0-9]|inf|nan)", re.IGNORECASE)
 
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = COMMAND_PARSERS.get(getattr(parsed, "command", None) or "", self)
+            self.error(f"unrecognized arguments: {' '.join(extras)}{suggestion(extras, command)}")
+        return parsed
+
     def error(self, message: str) -> NoReturn:
         # argparse calls error() while it handles the ArgumentError wrapping the type's exception.
         failure = sys.exc_info()[1]
         if isinstance(failure, argparse.ArgumentError) and isinstance(failure.__context__, OutOfRange):
             raise UserError(f"{failure.argument_name} {failure.message}") from None
         raise UserError(f"{message} (see {self.prog} --help)") from None
+
+
+COMMAND_PARSERS: dict[str, argparse.ArgumentParser] = {}  # each command's parser, for its flags' names
+
+
+def suggestion(extras: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """' (did you mean --new-tokens?)' for the first unknown flag near one of the command's."""
+    flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    for extra in extras:
+        if extra.startswith("--"):
+            close = difflib.get_close_matches(extra.split("=", 1)[0], flags, n=1)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,12 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         command = sub.add_parser(name, help=module.HELP)
+        COMMAND_PARSERS[name] = command
         module.add_arguments(command)
         command.set_defaults(run=module.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if not (sys.argv[1:] if argv is None else argv):
+        # Bare `kvports`: what it can do, not a line that says only that a command is missing.
+        print(build_parser().format_help(), end="", file=sys.stderr)
+        return EXIT_USAGE
     try:
         with warnings.catch_warnings():  # NumPy and JAX warn on stderr (an overflow) where torch is silent
             warnings.simplefilter("ignore")
