@@ -214,8 +214,9 @@ def add_comparisons(rows: list[dict[str, Any]], prompt_len: int) -> None:
     reference = next((row for row in live if row["framework"] == "torch" and row["variant"] is None), live[0])
     # The float32 reference a quantized peer is held to, step by step: torch cached, else the first port's row.
     ports_live = [row for row in live if row["framework"] in ports.PORTS and row["variant"] is None] or live
-    agree_reference = next((row for row in ports_live if row["framework"] == "torch" and row["mode"] == "cached"),
-                           ports_live[0])
+    agree_reference = next(
+        (row for row in ports_live if row["framework"] == "torch" and row["mode"] == "cached"), ports_live[0]
+    )
 
     def same_port(row: dict[str, Any], mode: str) -> dict[str, Any] | None:
         return next(

@@ -41,7 +41,12 @@ def print_table(result: dict, show_targets: bool = False) -> None:
     speculative = any(row["mode"] == "speculative" for row in live)
     unavailable = any(not row["available"] for row in rows)
     peers = bool(s.get("peers"))  # the leading tokens each row shares with the float32 reference
-    columns += ["agree"] * peers + ["roofline"] * roofline + ["slope"] * swept + ["accepted", "fwd/tok", "vs cached"] * speculative
+    columns += (
+        ["agree"] * peers
+        + ["roofline"] * roofline
+        + ["slope"] * swept
+        + ["accepted", "fwd/tok", "vs cached"] * speculative
+    )
     table = Table(title=title)
     for column in columns:
         table.add_column(column, justify="left" if column in ("framework", "mode") else "right", no_wrap=True)
