@@ -15,7 +15,7 @@ from kvports.shared import contract
 from kvports.shared.ports import MODULES, PORTS
 from tests.helpers import SEED_PROMPT
 
-BASELINES = ("seed_concat", "hf_transformers", "torch_compile")
+BASELINES = ("seed_concat", "hf_transformers", "torch_compile", "llama_cpp", "ctranslate2")
 
 
 def import_or_skip(module_name: str) -> types.ModuleType:

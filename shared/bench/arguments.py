@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--compile", action="store_true", help="add a torch.compile row (torch cached, compiled)")
     parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="add rows for other engines: llama.cpp on the GGUF file itself, CTranslate2 float32 and int8 "
+        "(pip install 'kvports[peers]'), their tokens compared step by step with the float32 reference's",
+    )
+    parser.add_argument(
         "--repeats", type=integer, default=3, help="timed runs per figure; figures are medians (default 3)"
     )
     parser.add_argument("--warmup", type=integer, default=1, help="untimed runs before timing (default 1)")

@@ -18,7 +18,7 @@ from kvports.shared.bench.output import print_result
 from kvports.shared.bench.plots import write_plots
 from kvports.shared.bench.presets import bench_prompts, load_bench_model
 from kvports.shared.bench.rows import run_rows
-from kvports.shared.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, RUNNERS, Runner
+from kvports.shared.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, PEER_RUNNERS, RUNNERS, Runner
 from kvports.shared.bench.targets import targets
 from kvports.shared.checks import (
     COMMAND_LINE,
@@ -74,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
     runners = [runner for runner in RUNNERS if runner.framework in frameworks]
     if args.compile:
         runners.append(COMPILED_RUNNER)
-    no_device = gpu_problems([runner for runner in runners if set(runner.modes) & set(modes)], args.device)
+    if args.peers:
+        runners.extend(PEER_RUNNERS)
+    timed = [runner for runner in runners if set(runner.modes) & set(modes) and not runner.peer]  # peers: CPU
+    no_device = gpu_problems(timed, args.device)
     sweep: list[int] = []
 
     def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
@@ -109,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         "prompt": prompts[0].tolist(),
         "draft": None if draft_weights is None and args.draft != "ngram" else str(args.draft),
         "draft_tokens": args.draft_tokens if "speculative" in modes else None,
+        "peers": args.peers,
     }
     plots: list[str] = []
 
@@ -135,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             plot_so_far,
         )
     settings["versions"] = machine_info.pop("versions")
-    settings["threads"] = threads_info()
+    settings["threads"] = threads_info(args.peers)
     machine = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),

@@ -211,7 +211,7 @@ def load_average() -> float | None:
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
-def threads_info() -> dict[str, Any]:
+def threads_info(peers: bool = False) -> dict[str, Any]:
     info: dict[str, Any] = {"cpu_count": os.cpu_count()}
     if hasattr(os, "sched_getaffinity"):
         info["usable_cpus"] = len(os.sched_getaffinity(0))
@@ -220,4 +220,17 @@ def threads_info() -> dict[str, Any]:
             info[name] = os.environ[name]
     if "torch" in sys.modules:  # only if a row loaded it: the bench itself stays NumPy-only
         info["torch"] = sys.modules["torch"].get_num_threads()
+    if peers:
+        info["peers"] = peer_threads()
     return info
+
+
+def peer_threads() -> int:
+    """The threads a peer engine is given (llama.cpp's n_threads, CTranslate2's intra_threads): the ports'
+    own count, OMP_NUM_THREADS when it is set, else every CPU this process may use."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    if "torch" in sys.modules:
+        return int(sys.modules["torch"].get_num_threads())
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

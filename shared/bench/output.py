@@ -37,6 +37,7 @@ CSV_FIELDS = (
     "acceptance_rate",
     "target_forwards_per_token",
     "tokens_agree",
+    "agree_steps",
     "reason",
 )
 

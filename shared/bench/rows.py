@@ -18,6 +18,7 @@ from kvports.shared.bench.measure import (
     decode_bytes,
     matvec_bandwidth,
     measure_row,
+    peer_threads,
 )
 from kvports.shared.bench.runners import Runner, import_runner, note
 from kvports.shared.config import ModelConfig, kv_cache_bytes
@@ -33,6 +34,7 @@ MEASURES = (
     "kv_cache_bytes",
     "roofline_ratio",
     "speedup_vs_cached",
+    "agree_steps",
 )
 
 
@@ -99,9 +101,11 @@ def run_rows(
         if module is not None and runner.label in no_device:
             module, reason = None, no_device[runner.label]
         model = None
+        # A peer is handed the weights file (llama.cpp runs the GGUF itself) and the bench's thread count.
+        options = {"source": args.weights, "threads": peer_threads(), **dict(runner.options)} if runner.peer else {}
         if module is not None:
             try:
-                model = module.load_model(config, tensors, args.dtype, device)
+                model = module.load_model(config, tensors, args.dtype, device, **options)
             except Exception as exc:  # a missing GPU, or a config this baseline cannot run
                 reason = f"{type(exc).__name__}: {exc}"
         if module is None or model is None:
@@ -130,9 +134,9 @@ def run_rows(
             try:
                 row.update(measure_row(runner, module, model, call, prompts, args, sweep, tick))
             except Exception as exc:
-                if runner.variant is None and not runner.baseline:
+                if runner.variant is None and not runner.baseline and not runner.peer:
                     raise  # a port that fails is a bug to see whole
-                # A baseline or the compiled row that cannot run this model (torch.compile failing to
+                # A baseline, a peer or the compiled row that cannot run this model (torch.compile failing to
                 # lower it, say) is a row that says why, not the end of the bench.
                 rows.append(unavailable_row(runner, mode, f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
                 continue
@@ -164,7 +168,7 @@ def run_rows(
         "decode_bytes_per_step": step_bytes,
         "matvec": {"shape": list(MATVEC_SHAPE), "dtype": "float32", "seconds": matvec} if matvec else None,
     }
-    add_comparisons(rows)
+    add_comparisons(rows, P)
     return rows, {"versions": versions, **machine}
 
 
@@ -177,8 +181,11 @@ def cache_bytes_held(
     new_tokens: int,
     itemsize: int,
     draft_tokens: int,
-) -> int:
-    """The target's cache (a speculative draft model's own cache is not counted)."""
+) -> int | None:
+    """The target's cache (a speculative draft model's own cache is not counted; a peer's is its own, not
+    counted)."""
+    if runner.peer:
+        return None
     if mode == "naive":
         return 0  # no cache: every step recomputes k and v for the whole history
     if runner.baseline:
@@ -191,7 +198,13 @@ def cache_bytes_held(
     return kv_cache_bytes(config, batch, prompt_len + new_tokens, itemsize)
 
 
-def add_comparisons(rows: list[dict[str, Any]]) -> None:
+def agree_steps(tokens: np.ndarray, reference: np.ndarray, prompt_len: int) -> int:
+    """How many leading new tokens equal the reference's in every row of the batch."""
+    same = np.all(tokens[:, prompt_len:] == reference[:, prompt_len:], axis=0)  # [N]
+    return int(same.size if same.all() else np.argmin(same))
+
+
+def add_comparisons(rows: list[dict[str, Any]], prompt_len: int) -> None:
     """Speed-ups the targets name: decode per token against seed-concat, total against the same port's naive,
     and a speculative row's total against the same port's cached."""
     live = [row for row in rows if row["available"]]
@@ -199,6 +212,11 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         return
     seed = next((row for row in live if row["framework"] == "seed-concat"), None)
     reference = next((row for row in live if row["framework"] == "torch" and row["variant"] is None), live[0])
+    # The float32 reference a quantized peer is held to, step by step: torch cached, else the first port's row.
+    ports_live = [row for row in live if row["framework"] in ports.PORTS and row["variant"] is None] or live
+    agree_reference = next(
+        (row for row in ports_live if row["framework"] == "torch" and row["mode"] == "cached"), ports_live[0]
+    )
 
     def same_port(row: dict[str, Any], mode: str) -> dict[str, Any] | None:
         return next(
@@ -223,5 +241,7 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         )
         row["tokens_agree"] = bool(np.array_equal(row["tokens"], reference["tokens"]))
         row["tokens_reference"] = f"{reference['framework']} {reference['mode']}"
+        row["agree_steps"] = agree_steps(row["tokens"], agree_reference["tokens"], prompt_len)
+        row["agree_reference"] = f"{agree_reference['framework']} {agree_reference['mode']}"
     for row in live:
         del row["tokens"]

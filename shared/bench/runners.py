@@ -1,6 +1,6 @@
 """What the bench times: the three ports (naive, cached, and with --draft speculative), two
-baselines and the optional torch.compile row, each imported only when its rows run, and the
-note the table prints beside each."""
+baselines, the optional torch.compile row and, with --peers, other engines (llama.cpp,
+CTranslate2), each imported only when its rows run, and the note the table prints beside each."""
 
 from __future__ import annotations
 
@@ -25,11 +25,13 @@ class Runner:
     modes: tuple[str, ...]
     variant: str | None = None  # "torch.compile" for the optional compiled row
     compiles: bool = False  # the first call compiles: report first call minus steady state as compile_s
+    peer: bool = False  # another engine (--peers): given the weights file and the thread count, its own cache
+    options: tuple[tuple[str, str], ...] = ()  # more keyword arguments for its load_model
 
     @property
     def gpu(self) -> bool:
-        """Runs on a GPU with --device gpu (NumPy stays on the CPU)."""
-        return self.framework not in ports.CPU_ONLY
+        """Runs on a GPU with --device gpu (NumPy and the peers stay on the CPU)."""
+        return not self.peer and self.framework not in ports.CPU_ONLY
 
     @property
     def label(self) -> str:
@@ -43,6 +45,8 @@ class Runner:
     @property
     def library(self) -> str:
         """Whose matrix-vector product measures this row's bandwidth."""
+        if self.peer:
+            return "numpy"  # no matrix-vector product of its own: the CPU's roofline is NumPy's
         return "torch" if self.baseline else self.framework
 
 
@@ -57,6 +61,29 @@ COMPILED_RUNNER = Runner(
     "torch", "kvports.baselines.torch_compile", ("cached",), variant="torch.compile", compiles=True
 )
 FRAMEWORKS = tuple(runner.framework for runner in RUNNERS)
+PEER_RUNNERS = (
+    Runner("llama.cpp", "kvports.baselines.llama_cpp", ("cached",), peer=True),
+    Runner(
+        "ctranslate2",
+        "kvports.baselines.ctranslate2",
+        ("cached",),
+        "float32",
+        peer=True,
+        options=(("compute_type", "float32"),),
+    ),
+    Runner(
+        "ctranslate2",
+        "kvports.baselines.ctranslate2",
+        ("cached",),
+        "int8",
+        peer=True,
+        options=(("compute_type", "int8"),),
+    ),
+)
+PEERS_PACKAGES = {"llama.cpp": "llama_cpp", "ctranslate2": "ctranslate2"}  # the module each peer imports
+PEERS_MISSING = (
+    "not installed (pip install 'kvports[peers]'; llama-cpp-python builds from source, about 12 minutes on 2 cores)"
+)
 
 SPECULATIVE = (
     "draft-and-verify rounds (generate_speculative, --draft, K = --draft-tokens): its tokens reach the host a "
@@ -90,14 +117,30 @@ NOTES = {
     "when it returns, so only total time per token is measured; vs cached compares total times",
 }
 COMPILED_NOTE = "torch.compile of the reference model's forward; compile_s = first call minus steady state"
+CTRANSLATE2_NOTE = (
+    "CTranslate2's Generator.generate_tokens on kvports' Hugging Face export of the same weights, converted by "
+    "TransformersConverter, intra_threads = the bench's thread count; int8 is quantized as it loads"
+)
+NOTES.update(
+    {
+        ("torch (torch.compile)", "cached"): COMPILED_NOTE,
+        ("llama.cpp", "cached"): "llama.cpp (llama-cpp-python's low-level API) on the GGUF file itself, in its own "
+        "quantization: the prompt in one llama_decode, then one per token, argmax of its logits; n_threads = the "
+        "bench's thread count; its f16 cache is its own (KV cache not counted)",
+        ("ctranslate2 (float32)", "cached"): CTRANSLATE2_NOTE,
+        ("ctranslate2 (int8)", "cached"): CTRANSLATE2_NOTE,
+    }
+)
 
 
 def note(runner: Runner, mode: str) -> str | None:
-    return NOTES.get((runner.framework, mode)) if runner.variant is None else COMPILED_NOTE
+    return NOTES.get((runner.label, mode))
 
 
 def import_runner(runner: Runner) -> tuple[Timed | None, str | None]:
     """The runner's module, or the reason it cannot run."""
+    if runner.peer and importlib.util.find_spec(PEERS_PACKAGES[runner.framework]) is None:
+        return None, PEERS_MISSING
     try:
         if runner.module.endswith(".port") and runner.variant is None:
             return ports.load_port(runner.framework), None

@@ -40,7 +40,13 @@ def print_table(result: dict, show_targets: bool = False) -> None:
     swept = any(row["sweep"] for row in live)
     speculative = any(row["mode"] == "speculative" for row in live)
     unavailable = any(not row["available"] for row in rows)
-    columns += ["roofline"] * roofline + ["slope"] * swept + ["accepted", "fwd/tok", "vs cached"] * speculative
+    peers = bool(s.get("peers"))  # the leading tokens each row shares with the float32 reference
+    columns += (
+        ["agree"] * peers
+        + ["roofline"] * roofline
+        + ["slope"] * swept
+        + ["accepted", "fwd/tok", "vs cached"] * speculative
+    )
     table = Table(title=title)
     for column in columns:
         table.add_column(column, justify="left" if column in ("framework", "mode") else "right", no_wrap=True)
@@ -67,10 +73,11 @@ def print_table(result: dict, show_targets: bool = False) -> None:
             fmt(row["tokens_per_s"], ",.0f"),
             fmt(row["total_s"], ".3f"),
             fmt(row["compile_s"], ".2f"),
-            fmt_bytes(row["kv_cache_bytes"]),
+            "-" if row["kv_cache_bytes"] is None else fmt_bytes(row["kv_cache_bytes"]),
             fmt(row["decode_speedup_vs_seed_concat"], ".2f", "x"),
             fmt(row["total_speedup_vs_naive"], ".1f", "x"),
         ]
+        cells += [f"{row['agree_steps']}/{s['new_tokens']}"] * peers
         cells += [fmt(row["roofline_ratio"], ".2f", "x")] * roofline
         cells += [fmt((row["sweep"] or {}).get("slope"), ".2f")] * swept
         if speculative:
@@ -87,6 +94,11 @@ def print_table(result: dict, show_targets: bool = False) -> None:
         "ttft: time to first token (prefill); decode: median ms per decode step, p90 its 90th percentile; "
         "tok/s: batch x new tokens / total s; vs seed: seed-concat's decode ms over this row's; vs naive: "
         "the same port's naive total over this row's"
+        + (
+            f"; agree: the leading new tokens equal to {live[0]['agree_reference']}'s (a quantized engine is not "
+            "expected to match)"
+        )
+        * (peers and bool(live))
         + "; roofline: decode ms over the roofline's" * roofline
         + "; slope: fitted log-log exponent of total time against new tokens" * swept
         + (
