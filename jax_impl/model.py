@@ -369,6 +369,19 @@ OnToken = Optional[Callable[[np.ndarray], None]]
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
+class Decoding:
+    """What a generation reads at every step and never changes, by name: built once by
+    start_generation, passed whole to every step. A pytree whose arrays are traced and whose
+    settings are static (jit's cache key, as a static argument's would be)."""
+
+    pad: Optional[jax.Array]  # [B] int32: each row's left padding (None when no row is padded)
+    draws: jax.Array  # [B, N]: each row's uniform for each new token
+    stops: jax.Array  # [K] int32: the stop ids
+    generation: GenerationConfig = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
 class DecodeState:
     """What the decode loop carries from one token to the next, by name: a pytree, so the
     compiled loop carries it and the streamed loop passes it (donated) from step to step."""
@@ -381,11 +394,9 @@ class DecodeState:
     cache: Optional[KVCache]  # None: naive, the whole history again at every step
 
 
-def start_generation(
-    prompt: jax.Array, generation: GenerationConfig
-) -> Tuple[Optional[jax.Array], jax.Array, jax.Array, jax.Array]:
-    """What both loops need: each row's left padding (None when no row is padded), each
-    row's draws [B, N], the stop ids, and the token buffer [B, P + N] with the prompt in it.
+def start_generation(prompt: jax.Array, generation: GenerationConfig) -> Tuple[Decoding, jax.Array]:
+    """What both loops need: the generation's constants (each row's left padding, its draws,
+    the stop ids) and the token buffer [B, P + N] with the prompt in it.
     Run before anything is compiled: whether there is padding shapes the program."""
     B, P = prompt.shape
     padding = jnp.sum(prompt == PAD, axis=1, dtype=jnp.int32)  # [B]
@@ -393,21 +404,16 @@ def start_generation(
     draws = jnp.asarray(uniforms(generation.seed, B, generation.max_new_tokens))  # [B, N]
     stops = jnp.asarray(generation.stop_ids, dtype=jnp.int32)  # [K]
     tokens = jnp.full((B, P + generation.max_new_tokens), PAD, dtype=jnp.int32).at[:, :P].set(prompt)  # [B, P + N]
-    return pad, draws, stops, tokens
+    return Decoding(pad, draws, stops, generation), tokens
 
 
 def next_token(
-    state: DecodeState,
-    logits: jax.Array,
-    cache: Optional[KVCache],
-    draws: jax.Array,
-    stops: jax.Array,
-    generation: GenerationConfig,
+    state: DecodeState, logits: jax.Array, cache: Optional[KVCache], decoding: Decoding
 ) -> Tuple[DecodeState, jax.Array]:
     """The token [B] at state.step chosen from its logits [B, V] and written; the state one step on."""
-    column = state.tokens.shape[1] - draws.shape[1] + state.step  # P + step
-    uniform = lax.dynamic_index_in_dim(draws, state.step, axis=1, keepdims=False)  # [B]
-    token, done = choose(logits, generation, uniform, state.done, stops)  # [B], [B]
+    column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
+    uniform = lax.dynamic_index_in_dim(decoding.draws, state.step, axis=1, keepdims=False)  # [B]
+    token, done = choose(logits, decoding.generation, uniform, state.done, decoding.stops)  # [B], [B]
     tokens = lax.dynamic_update_index_in_dim(state.tokens, token, column, axis=1)  # [B, P + N]
     step_logits = state.step_logits
     if step_logits is not None:
@@ -415,49 +421,36 @@ def next_token(
     return DecodeState(state.step + 1, tokens, done, step_logits, cache), token
 
 
-def decode_one_token(
-    model: TinyModel,
-    state: DecodeState,
-    pad: Optional[jax.Array],
-    draws: jax.Array,
-    stops: jax.Array,
-    generation: GenerationConfig,
-) -> Tuple[DecodeState, jax.Array]:
+def decode_one_token(model: TinyModel, state: DecodeState, decoding: Decoding) -> Tuple[DecodeState, jax.Array]:
     """One step of either loop: the logits of the token at state.step, then next_token."""
-    column = state.tokens.shape[1] - draws.shape[1] + state.step  # P + step
+    column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
     if state.cache is None:
         # The whole fixed-shape buffer [B, P + N] again (causal masking keeps its unfilled tail from
         # reaching earlier positions): one compile serves every step.
-        logits, cache = model(jnp.maximum(state.tokens, 0), None, pad)  # [B, P + N, V]
+        logits, cache = model(jnp.maximum(state.tokens, 0), None, decoding.pad)  # [B, P + N, V]
         last = lax.dynamic_index_in_dim(logits, column - 1, axis=1, keepdims=False)  # [B, V]
     else:
         # A stopped row feeds PAD as token 0: its outputs are never used.
         token = jnp.maximum(lax.dynamic_slice_in_dim(state.tokens, column - 1, 1, axis=1), 0)  # [B, 1]
-        logits, cache = model(token, state.cache, pad)  # [B, 1, V]
+        logits, cache = model(token, state.cache, decoding.pad)  # [B, 1, V]
         last = logits[:, -1]  # [B, V]
-    return next_token(state, last, cache, draws, stops, generation)
+    return next_token(state, last, cache, decoding)
 
 
 # The model as (static, leaves), split once per generation: jit takes it so (split.py).
 def decode_n_tokens(
-    static: Static,
-    leaves: list,
-    state: DecodeState,
-    pad: Optional[jax.Array],
-    draws: jax.Array,
-    stops: jax.Array,
-    generation: GenerationConfig,
-    on_token: OnToken,
+    static: Static, leaves: list, state: DecodeState, decoding: Decoding, on_token: OnToken
 ) -> DecodeState:
     """The one loop: decode_one_token until N new tokens, or until every row has stopped;
     on_token(token [B]) after each. Without on_token, one compiled while_loop; with it, the
     same jitted step called from here, so each token reaches the host as it is made."""
     if on_token is None:
-        return _decode_n_tokens(static, leaves, state, pad, draws, stops, generation)
+        return _decode_n_tokens(static, leaves, state, decoding)
+    generation = decoding.generation
     for _ in range(int(state.step), generation.max_new_tokens):
         if generation.stop_ids and bool(jnp.all(state.done)):
             break  # every row has stopped
-        state, token = _decode_one_token(static, leaves, state, pad, draws, stops, generation)
+        state, token = _decode_one_token(static, leaves, state, decoding)
         on_token(np.asarray(token))
     return state
 
@@ -478,12 +471,12 @@ def generate_naive(
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     static, leaves = split_model(model)
-    pad, draws, stops, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation)
     B, N = prompt.shape[0], generation.max_new_tokens
     done = jnp.zeros(B, dtype=bool)  # [B]
     step_logits = jnp.zeros((B, N, model.config.vocab_size), model.emb.embedding.dtype) if return_logits else None
     state = DecodeState(jnp.zeros((), dtype=jnp.int32), tokens, done, step_logits, None)
-    return finish(decode_n_tokens(static, leaves, state, pad, draws, stops, generation, on_token))
+    return finish(decode_n_tokens(static, leaves, state, decoding, on_token))
 
 
 def generate_cached(
@@ -498,11 +491,11 @@ def generate_cached(
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     static, leaves = split_model(model)
-    pad, draws, stops, tokens = start_generation(prompt, generation)
-    state, token = _start_cached(static, leaves, prompt, tokens, pad, draws, stops, generation, return_logits, prefill)
+    decoding, tokens = start_generation(prompt, generation)
+    state, token = _start_cached(static, leaves, prompt, tokens, decoding, return_logits, prefill)
     if on_token is not None:
         on_token(np.asarray(token))
-    return finish(decode_n_tokens(static, leaves, state, pad, draws, stops, generation, on_token))
+    return finish(decode_n_tokens(static, leaves, state, decoding, on_token))
 
 
 # A forward against the cache, as its own compiled call (port.forward_chunks feeds chunks
@@ -524,64 +517,47 @@ def _forward(
     return merge_model(static, leaves)(tokens, cache, pad)  # [B, T, V], cache
 
 
-@partial(jax.jit, static_argnums=(0, 7, 8, 9))
+@partial(jax.jit, static_argnums=(0, 5, 6))
 def _start_cached(
     static: Static,
     leaves: list,
     prompt: jax.Array,
     tokens: jax.Array,
-    pad: Optional[jax.Array],
-    draws: jax.Array,
-    stops: jax.Array,
-    generation: GenerationConfig,
+    decoding: Decoding,
     return_logits: bool,
     prefill: bool,
 ) -> Tuple[DecodeState, jax.Array]:
     """The prefill, and the first token chosen from its logits: the state the loop starts from."""
     model = merge_model(static, leaves)
     B, P = prompt.shape
-    N = generation.max_new_tokens
+    N = decoding.generation.max_new_tokens
     cache = init_cache(model.config, B, P + N, model.emb.embedding.dtype)
     if prefill:
-        logits, cache = model(jnp.maximum(prompt, 0), cache, pad)  # [B, P, V]
+        logits, cache = model(jnp.maximum(prompt, 0), cache, decoding.pad)  # [B, P, V]
     else:
         for i in range(P):
-            logits, cache = model(jnp.maximum(prompt[:, i : i + 1], 0), cache, pad)  # [B, 1, V]
+            logits, cache = model(jnp.maximum(prompt[:, i : i + 1], 0), cache, decoding.pad)  # [B, 1, V]
     done = jnp.zeros(B, dtype=bool)  # [B]
     step_logits = jnp.zeros((B, N, logits.shape[-1]), logits.dtype) if return_logits else None  # [B, N, V]
     state = DecodeState(jnp.zeros((), dtype=jnp.int32), tokens, done, step_logits, cache)
-    return next_token(state, logits[:, -1], cache, draws, stops, generation)  # the prefill's logits choose it
+    return next_token(state, logits[:, -1], cache, decoding)  # the prefill's logits choose it
 
 
-@partial(jax.jit, static_argnums=(0, 6), donate_argnames="state")
+@partial(jax.jit, static_argnums=0, donate_argnames="state")
 def _decode_one_token(
-    static: Static,
-    leaves: list,
-    state: DecodeState,
-    pad: Optional[jax.Array],
-    draws: jax.Array,
-    stops: jax.Array,
-    generation: GenerationConfig,
+    static: Static, leaves: list, state: DecodeState, decoding: Decoding
 ) -> Tuple[DecodeState, jax.Array]:
     """decode_one_token, compiled: the streamed loop's step and the compiled loop's body."""
-    return decode_one_token(merge_model(static, leaves), state, pad, draws, stops, generation)
+    return decode_one_token(merge_model(static, leaves), state, decoding)
 
 
-@partial(jax.jit, static_argnums=(0, 6), donate_argnames="state")
-def _decode_n_tokens(
-    static: Static,
-    leaves: list,
-    state: DecodeState,
-    pad: Optional[jax.Array],
-    draws: jax.Array,
-    stops: jax.Array,
-    generation: GenerationConfig,
-) -> DecodeState:
+@partial(jax.jit, static_argnums=0, donate_argnames="state")
+def _decode_n_tokens(static: Static, leaves: list, state: DecodeState, decoding: Decoding) -> DecodeState:
     def running(state: DecodeState) -> jax.Array:
         # N tokens, or sooner when every row has stopped
-        return (state.step < generation.max_new_tokens) & ~jnp.all(state.done)
+        return (state.step < decoding.generation.max_new_tokens) & ~jnp.all(state.done)
 
     def step(state: DecodeState) -> DecodeState:
-        return _decode_one_token(static, leaves, state, pad, draws, stops, generation)[0]
+        return _decode_one_token(static, leaves, state, decoding)[0]
 
     return lax.while_loop(running, step, state)

@@ -132,7 +132,8 @@ def generate_speculative(
         draft.eval()
     B, P = prompt.shape
     N, K = generation.max_new_tokens, draft_tokens
-    pad, _, stops, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation)
+    pad, stops = decoding.pad, decoding.stops
     tokens = jnp.concatenate([tokens, jnp.full((B, K + 1), PAD, dtype=tokens.dtype)], axis=1)  # room for a round past N
     first, rounds = speculative_uniforms(generation.seed, B, N, K)  # [B], [B, N, 2K + 1]
     static, leaves = split_model(model)

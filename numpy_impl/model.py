@@ -329,6 +329,17 @@ def choose(
 OnToken = Optional[Callable[[np.ndarray], None]]
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """What a generation reads at every step and never changes, by name: built once by
+    start_generation, passed whole to every step."""
+
+    pad: Optional[np.ndarray]  # [B]: each row's left padding (None when no row is padded)
+    draws: np.ndarray  # [B, N]: each row's uniform for each new token
+    stops: np.ndarray  # [K]: the stop ids
+    generation: GenerationConfig
+
+
 @dataclass
 class DecodeState:
     """What the decode loop carries from one token to the next, by name."""
@@ -340,11 +351,9 @@ class DecodeState:
     cache: Optional[KVCache]  # None: naive, the whole history again at every step
 
 
-def start_generation(
-    prompt: np.ndarray, generation: GenerationConfig
-) -> Tuple[Optional[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
-    """What both loops need: each row's left padding (None when no row is padded), each
-    row's draws [B, N], the stop ids, and the token buffer [B, P + N] with the prompt in it."""
+def start_generation(prompt: np.ndarray, generation: GenerationConfig) -> Tuple[Decoding, np.ndarray]:
+    """What both loops need: the generation's constants (each row's left padding, its draws,
+    the stop ids) and the token buffer [B, P + N] with the prompt in it."""
     B, P = prompt.shape
     padding = (prompt == PAD).sum(axis=1)  # [B]
     pad = padding if padding.any() else None  # unpadded batches skip every mask they can
@@ -352,59 +361,43 @@ def start_generation(
     stops = np.asarray(generation.stop_ids, dtype=prompt.dtype)  # [K]
     tokens = np.full((B, P + generation.max_new_tokens), PAD, dtype=prompt.dtype)  # [B, P + N]
     tokens[:, :P] = prompt
-    return pad, draws, stops, tokens
+    return Decoding(pad, draws, stops, generation), tokens
 
 
 def next_token(
-    state: DecodeState,
-    logits: np.ndarray,
-    cache: Optional[KVCache],
-    draws: np.ndarray,
-    stops: np.ndarray,
-    generation: GenerationConfig,
+    state: DecodeState, logits: np.ndarray, cache: Optional[KVCache], decoding: Decoding
 ) -> Tuple[DecodeState, np.ndarray]:
     """The token [B] at state.step chosen from its logits [B, V] and written; the state one step on."""
-    column = state.tokens.shape[1] - draws.shape[1] + state.step  # P + step
-    token, done = choose(logits, generation, draws[:, state.step], state.done, stops)  # [B], [B]
+    column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
+    uniform = decoding.draws[:, state.step]  # [B]
+    token, done = choose(logits, decoding.generation, uniform, state.done, decoding.stops)  # [B], [B]
     state.tokens[:, column] = token
     if state.step_logits is not None:
         state.step_logits.append(logits)
     return DecodeState(state.step + 1, state.tokens, done, state.step_logits, cache), token
 
 
-def decode_one_token(
-    model: TinyModel,
-    state: DecodeState,
-    pad: Optional[np.ndarray],
-    draws: np.ndarray,
-    stops: np.ndarray,
-    generation: GenerationConfig,
-) -> Tuple[DecodeState, np.ndarray]:
+def decode_one_token(model: TinyModel, state: DecodeState, decoding: Decoding) -> Tuple[DecodeState, np.ndarray]:
     """One step of either loop: the logits of the token at state.step, then next_token."""
-    column = state.tokens.shape[1] - draws.shape[1] + state.step  # P + step
+    column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
     if state.cache is None:
-        logits, cache = model(np.maximum(state.tokens[:, :column], 0), pad=pad)  # [B, column, V]: the whole history
+        # The whole history again
+        logits, cache = model(np.maximum(state.tokens[:, :column], 0), pad=decoding.pad)  # [B, column, V]
     else:
         # A stopped row feeds PAD as token 0: its outputs are never used.
-        logits, cache = model(np.maximum(state.tokens[:, column - 1 : column], 0), state.cache, pad)  # [B, 1, V]
-    return next_token(state, logits[:, -1], cache, draws, stops, generation)
+        token = np.maximum(state.tokens[:, column - 1 : column], 0)  # [B, 1]
+        logits, cache = model(token, state.cache, decoding.pad)  # [B, 1, V]
+    return next_token(state, logits[:, -1], cache, decoding)
 
 
-def decode_n_tokens(
-    model: TinyModel,
-    state: DecodeState,
-    pad: Optional[np.ndarray],
-    draws: np.ndarray,
-    stops: np.ndarray,
-    generation: GenerationConfig,
-    on_token: OnToken,
-) -> DecodeState:
+def decode_n_tokens(model: TinyModel, state: DecodeState, decoding: Decoding, on_token: OnToken) -> DecodeState:
     """The one loop: decode_one_token until N new tokens, or until every row has stopped;
     on_token(token [B]) after each."""
+    generation = decoding.generation
     for _ in range(state.step, generation.max_new_tokens):
         if generation.stop_ids and state.done.all():
             break  # every row has stopped
-        state, token = decode_one_token(model, state, pad, draws, stops, generation)
+        state, token = decode_one_token(model, state, decoding)
         if on_token is not None:
             on_token(token)
     return state
@@ -426,10 +419,10 @@ def generate_naive(
     """Recompute the whole history every step: O(n^2) work per token.
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    pad, draws, stops, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation)
     done = np.zeros(prompt.shape[0], dtype=bool)  # [B]
     state = DecodeState(0, tokens, done, [] if return_logits else None, None)
-    return finish(decode_n_tokens(model, state, pad, draws, stops, generation, on_token))
+    return finish(decode_n_tokens(model, state, decoding, on_token))
 
 
 def generate_cached(
@@ -444,19 +437,19 @@ def generate_cached(
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
-    pad, draws, stops, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation)
     cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
     if prefill:
-        logits, cache = model(np.maximum(prompt, 0), cache, pad)  # [B, P, V]
+        logits, cache = model(np.maximum(prompt, 0), cache, decoding.pad)  # [B, P, V]
     else:
         for i in range(P):
-            logits, cache = model(np.maximum(prompt[:, i : i + 1], 0), cache, pad)  # [B, 1, V]
+            logits, cache = model(np.maximum(prompt[:, i : i + 1], 0), cache, decoding.pad)  # [B, 1, V]
     done = np.zeros(B, dtype=bool)  # [B]
     state = DecodeState(0, tokens, done, [] if return_logits else None, cache)
-    state, token = next_token(state, logits[:, -1], cache, draws, stops, generation)  # the prefill's logits choose it
+    state, token = next_token(state, logits[:, -1], cache, decoding)  # the prefill's logits choose it
     if on_token is not None:
         on_token(token)
-    return finish(decode_n_tokens(model, state, pad, draws, stops, generation, on_token))
+    return finish(decode_n_tokens(model, state, decoding, on_token))
 
 
 # A forward against the cache, as its own call (port.forward_chunks feeds chunks through it;

@@ -111,7 +111,8 @@ def generate_speculative(
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
     N, K = generation.max_new_tokens, draft_tokens
-    pad, _, stops, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation)
+    pad, stops = decoding.pad, decoding.stops
     tokens = np.concatenate([tokens, np.full((B, K + 1), PAD, dtype=tokens.dtype)], axis=1)  # room for a round past N
     first, rounds = speculative_uniforms(generation.seed, B, N, K)  # [B], [B, N, 2K + 1]
     # A verified chunk is K + 1 wide and partly taken back: a ring keeps K spare slots for it.

@@ -328,6 +328,17 @@ def choose(
 OnToken = Optional[Callable[[torch.Tensor], None]]
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """What a generation reads at every step and never changes, by name: built once by
+    start_generation, passed whole to every step."""
+
+    pad: Optional[torch.Tensor]  # [B]: each row's left padding (None when no row is padded)
+    draws: torch.Tensor  # [B, N]: each row's uniform for each new token
+    stops: torch.Tensor  # [K]: the stop ids
+    generation: GenerationConfig
+
+
 @dataclass
 class DecodeState:
     """What the decode loop carries from one token to the next, by name."""
@@ -339,11 +350,9 @@ class DecodeState:
     cache: Optional[KVCache]  # None: naive, the whole history again at every step
 
 
-def start_generation(
-    prompt: torch.Tensor, generation: GenerationConfig
-) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What both loops need: each row's left padding (None when no row is padded), each
-    row's draws [B, N], the stop ids, and the token buffer [B, P + N] with the prompt in it."""
+def start_generation(prompt: torch.Tensor, generation: GenerationConfig) -> Tuple[Decoding, torch.Tensor]:
+    """What both loops need: the generation's constants (each row's left padding, its draws,
+    the stop ids) and the token buffer [B, P + N] with the prompt in it."""
     B, P = prompt.shape
     padding = (prompt == PAD).sum(dim=1)  # [B]
     # The one host look before the loop: unpadded batches skip every mask they can
@@ -352,59 +361,43 @@ def start_generation(
     stops = torch.tensor(generation.stop_ids, dtype=prompt.dtype, device=prompt.device)  # [K]
     tokens = torch.full((B, P + generation.max_new_tokens), PAD, dtype=prompt.dtype, device=prompt.device)  # [B, P + N]
     tokens[:, :P] = prompt
-    return pad, draws, stops, tokens
+    return Decoding(pad, draws, stops, generation), tokens
 
 
 def next_token(
-    state: DecodeState,
-    logits: torch.Tensor,
-    cache: Optional[KVCache],
-    draws: torch.Tensor,
-    stops: torch.Tensor,
-    generation: GenerationConfig,
+    state: DecodeState, logits: torch.Tensor, cache: Optional[KVCache], decoding: Decoding
 ) -> Tuple[DecodeState, torch.Tensor]:
     """The token [B] at state.step chosen from its logits [B, V] and written; the state one step on."""
-    column = state.tokens.shape[1] - draws.shape[1] + state.step  # P + step
-    token, done = choose(logits, generation, draws[:, state.step], state.done, stops)  # [B], [B]
+    column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
+    uniform = decoding.draws[:, state.step]  # [B]
+    token, done = choose(logits, decoding.generation, uniform, state.done, decoding.stops)  # [B], [B]
     state.tokens[:, column] = token
     if state.step_logits is not None:
         state.step_logits.append(logits)
     return DecodeState(state.step + 1, state.tokens, done, state.step_logits, cache), token
 
 
-def decode_one_token(
-    model: TinyModel,
-    state: DecodeState,
-    pad: Optional[torch.Tensor],
-    draws: torch.Tensor,
-    stops: torch.Tensor,
-    generation: GenerationConfig,
-) -> Tuple[DecodeState, torch.Tensor]:
+def decode_one_token(model: TinyModel, state: DecodeState, decoding: Decoding) -> Tuple[DecodeState, torch.Tensor]:
     """One step of either loop: the logits of the token at state.step, then next_token."""
-    column = state.tokens.shape[1] - draws.shape[1] + state.step  # P + step
+    column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
     if state.cache is None:
-        logits, cache = model(state.tokens[:, :column].clamp(min=0), pad=pad)  # [B, column, V]: the whole history
+        # The whole history again
+        logits, cache = model(state.tokens[:, :column].clamp(min=0), pad=decoding.pad)  # [B, column, V]
     else:
         # A stopped row feeds PAD as token 0: its outputs are never used.
-        logits, cache = model(state.tokens[:, column - 1 : column].clamp(min=0), state.cache, pad)  # [B, 1, V]
-    return next_token(state, logits[:, -1], cache, draws, stops, generation)
+        token = state.tokens[:, column - 1 : column].clamp(min=0)  # [B, 1]
+        logits, cache = model(token, state.cache, decoding.pad)  # [B, 1, V]
+    return next_token(state, logits[:, -1], cache, decoding)
 
 
-def decode_n_tokens(
-    model: TinyModel,
-    state: DecodeState,
-    pad: Optional[torch.Tensor],
-    draws: torch.Tensor,
-    stops: torch.Tensor,
-    generation: GenerationConfig,
-    on_token: OnToken,
-) -> DecodeState:
+def decode_n_tokens(model: TinyModel, state: DecodeState, decoding: Decoding, on_token: OnToken) -> DecodeState:
     """The one loop: decode_one_token until N new tokens, or until every row has stopped;
     on_token(token [B]) after each."""
+    generation = decoding.generation
     for _ in range(state.step, generation.max_new_tokens):
         if generation.stop_ids and bool(state.done.all()):
             break  # every row has stopped (a host look per step, only when there are stop ids)
-        state, token = decode_one_token(model, state, pad, draws, stops, generation)
+        state, token = decode_one_token(model, state, decoding)
         if on_token is not None:
             on_token(token)
     return state
@@ -426,10 +419,10 @@ def generate_naive(
     """Recompute the whole history every step: O(n^2) work per token.
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    pad, draws, stops, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation)
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)  # [B]
     state = DecodeState(0, tokens, done, [] if return_logits else None, None)
-    return finish(decode_n_tokens(model, state, pad, draws, stops, generation, on_token))
+    return finish(decode_n_tokens(model, state, decoding, on_token))
 
 
 @torch.inference_mode()
@@ -448,20 +441,20 @@ def generate_cached(
     torch.compile'd model)."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
-    pad, draws, stops, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation)
     if cache is None:
         cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
     if prefill:
-        logits, cache = model(prompt.clamp(min=0), cache, pad)  # [B, P, V]
+        logits, cache = model(prompt.clamp(min=0), cache, decoding.pad)  # [B, P, V]
     else:
         for i in range(P):
-            logits, cache = model(prompt[:, i : i + 1].clamp(min=0), cache, pad)  # [B, 1, V]
+            logits, cache = model(prompt[:, i : i + 1].clamp(min=0), cache, decoding.pad)  # [B, 1, V]
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # [B]
     state = DecodeState(0, tokens, done, [] if return_logits else None, cache)
-    state, token = next_token(state, logits[:, -1], cache, draws, stops, generation)  # the prefill's logits choose it
+    state, token = next_token(state, logits[:, -1], cache, decoding)  # the prefill's logits choose it
     if on_token is not None:
         on_token(token)
-    return finish(decode_n_tokens(model, state, pad, draws, stops, generation, on_token))
+    return finish(decode_n_tokens(model, state, decoding, on_token))
 
 
 # A forward against the cache, as its own call (port.forward_chunks feeds chunks through it;

@@ -111,7 +111,8 @@ def generate_speculative(
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
     N, K = generation.max_new_tokens, draft_tokens
-    pad, _, stops, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation)
+    pad, stops = decoding.pad, decoding.stops
     # Room for a round past N
     tokens = torch.cat([tokens, torch.full((B, K + 1), PAD, dtype=tokens.dtype, device=tokens.device)], dim=1)
     first, rounds = speculative_uniforms(generation.seed, B, N, K)  # [B], [B, N, 2K + 1]
