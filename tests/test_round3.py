@@ -114,12 +114,13 @@ def test_generate_refuses_an_argument_of_the_wrong_type_by_name(port, case):
 
 
 def closed_pipe_status(*argv: str) -> tuple[int, str]:
-    """(exit status, stderr) of `kvports ARGV | head -c 1`: the reader leaves after one byte."""
+    """(exit status, stderr) of `kvports ARGV | true`: the reader is gone before the first write.
+    (A reader that leaves after one byte would race a command whose whole output fits the pipe's
+    buffer in one write: it could finish before the reader left.)"""
     command = [sys.executable, "-m", "kvports.shared.cli", *argv]
     writer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert writer.stdout is not None and writer.stderr is not None
-    writer.stdout.read(1)
-    writer.stdout.close()  # the pipe's reader end goes away with most of the output unread
+    writer.stdout.close()  # the pipe's only reader end goes away: every write to it fails
     err = writer.stderr.read().decode()
     return writer.wait(timeout=300), err
 
