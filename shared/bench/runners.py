@@ -98,9 +98,9 @@ STATIC_SLOTS = (
     "per-step cost is set by P + N, not the position"
 )
 NOTES = {
-    ("jax", "naive"): "per-step times are jitted forwards over the history padded to the next power of two (one "
-    "compile per length bucket, in warm-up), so they grow in steps; total_s is generate()'s "
-    "compiled loop, which recomputes the whole [B, P + N] buffer at every step",
+    ("jax", "naive"): "every step, streamed or in generate()'s compiled loop, recomputes the whole fixed [B, P + N] "
+    "buffer (one compile; the causal mask hides the unfilled tail), so its per-step cost is set by P + N, not the "
+    "position",
     ("jax", "cached"): STATIC_SLOTS
     + "; per-step times are the jitted prefill, then one compiled call per step (forward and "
     "choice of the next token); "
