@@ -101,6 +101,17 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
+    """--weights FILE and --model NAME, the model a command runs."""
+    parser.add_argument(
+        "--weights",
+        type=Path,
+        default=None,
+        help="safetensors or GGUF weights file (default: the seed's model, shipped with kvports)",
+    )
+    add_model_argument(parser)
+
+
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, metavar="NAME", help="a fetched model by name, as --weights (kvports fetch smollm2)"

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvports.shared import run
-from kvports.shared.arguments import add_model_argument, non_negative_int, number, positive_int, seed
+from kvports.shared.arguments import add_weights_arguments, non_negative_int, number, positive_int, seed
 from kvports.shared.checks import (
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
@@ -31,13 +31,7 @@ from kvports.shared.weights import open_weights
 
 
 def add_input_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--weights",
-        type=Path,
-        default=None,
-        help="safetensors or GGUF weights file (default: the seed's model, shipped with kvports)",
-    )
-    add_model_argument(parser)
+    add_weights_arguments(parser)
     parser.add_argument(
         "--prompt",
         action="append",

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvports.shared.arguments import add_model_argument, positive_int
+from kvports.shared.arguments import add_weights_arguments, positive_int
 from kvports.shared.batching.blocks import blocks_for
 from kvports.shared.batching.engine import (
     BLOCK_SIZE,
@@ -56,13 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids" (default: the model\'s eos ids)',
     )
     parser.add_argument("--framework", choices=PORTS, default=REFERENCE, help=f"default {REFERENCE}")
-    parser.add_argument(
-        "--weights",
-        type=Path,
-        default=None,
-        help="safetensors or GGUF weights file (default: the seed's model, shipped with kvports)",
-    )
-    add_model_argument(parser)
+    add_weights_arguments(parser)
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
     add_device_argument(parser)
     parser.add_argument(
