@@ -464,3 +464,26 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def running(pids: list[int], wait: float = 0.0) -> list[int]:
+    """The processes of `pids` still running (a zombie, ended but not yet reaped, is not), after
+    waiting up to `wait` seconds for them to end."""
+    import time
+
+    deadline = time.monotonic() + wait
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as stat:
+                    if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        alive.append(pid)
+            except FileNotFoundError:
+                pass
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)

@@ -144,7 +144,7 @@ def serve(
         if device == "gpu":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))  # the ranks share the cores
+            torch.set_num_threads(max(1, torch.get_num_threads() // n))  # the ranks share the cores
         store = dist.TCPStore("127.0.0.1", store_port, None, False, timeout=TIMEOUT)
         dist.init_process_group(backend, store=store, rank=rank, world_size=n, timeout=TIMEOUT)
         mesh = init_device_mesh("cuda" if device == "gpu" else "cpu", (n,))
