@@ -46,13 +46,12 @@ def pair(request):
     two.close()
 
 
-@pytest.mark.parametrize("mode", ["cached", "naive"])
 @pytest.mark.parametrize("sampling", sorted(GENERATIONS))
-def test_two_ranks_give_one_processs_tokens_and_logits(pair, mode, sampling):
+def test_two_ranks_give_one_processs_tokens_and_logits(pair, sampling):
     torch_port = port_or_skip("torch")
     one, two = pair
-    expected, expected_logits = torch_port.generate(one, PROMPTS, GENERATIONS[sampling], mode, return_logits=True)
-    tokens, logits = torch_port.generate(two, PROMPTS, GENERATIONS[sampling], mode, return_logits=True)
+    expected, expected_logits = torch_port.generate(one, PROMPTS, GENERATIONS[sampling], "cached", return_logits=True)
+    tokens, logits = torch_port.generate(two, PROMPTS, GENERATIONS[sampling], "cached", return_logits=True)
     np.testing.assert_array_equal(tokens, expected)
     np.testing.assert_allclose(logits, expected_logits, rtol=0, atol=LOGITS_ATOL)
 
@@ -86,9 +85,10 @@ def test_more_ranks_than_key_value_heads_replicate_them():
     one, two = load_pair(MQA)
     try:
         assert "key/value heads replicated" in two.layout
-        for mode in ("cached", "naive"):
-            expected, expected_logits = torch_port.generate(one, PROMPTS, 12, mode, return_logits=True)
-            tokens, logits = torch_port.generate(two, PROMPTS, 12, mode, return_logits=True)
+        # Naive too, briefly: each step's new width costs DTensor a new sharding decision per product.
+        for mode, steps in (("cached", 12), ("naive", 4)):
+            expected, expected_logits = torch_port.generate(one, PROMPTS, steps, mode, return_logits=True)
+            tokens, logits = torch_port.generate(two, PROMPTS, steps, mode, return_logits=True)
             np.testing.assert_array_equal(tokens, expected)
             np.testing.assert_allclose(logits, expected_logits, rtol=0, atol=LOGITS_ATOL)
     finally:

@@ -111,6 +111,25 @@ def shard(model: Any, mesh: Any, n: int, rank: int) -> Any:
     return model
 
 
+def load_shard(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, device: str, n: int, rank: int, store: Any
+) -> Any:
+    """This process's shard, once it has joined the group of n (store None: torchrun's environment)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kvports.torch_impl import port
+
+    if device == "gpu":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // n))  # the ranks share the cores
+    backend = "nccl" if device == "gpu" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=n, timeout=TIMEOUT)
+    mesh = init_device_mesh("cuda" if device == "gpu" else "cpu", (n,))
+    return shard(port.load_model(config, tensors, dtype, device), mesh, n, rank)
+
+
 # ---------------------------------------------------------------- a rank
 
 
@@ -136,20 +155,12 @@ def serve(
     threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
     try:
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
 
         from kvports.torch_impl import port
 
-        backend = "nccl" if device == "gpu" else "gloo"
-        if device == "gpu":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        else:
-            torch.set_num_threads(max(1, torch.get_num_threads() // n))  # the ranks share the cores
         store = dist.TCPStore("127.0.0.1", store_port, None, False, timeout=TIMEOUT)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=n, timeout=TIMEOUT)
-        mesh = init_device_mesh("cuda" if device == "gpu" else "cpu", (n,))
         tensors = {name: tensor.numpy() for name, tensor in weights.items()}
-        model = shard(port.load_model(config, tensors, dtype, device), mesh, n, rank)
+        model = load_shard(config, tensors, dtype, device, n, rank, store)
         del tensors, weights
         drafts: dict[int, Any] = {}  # replicated, whole on every rank: a draft is small
         conn.send(("done", None))
@@ -169,6 +180,7 @@ def serve(
                 draft_tensors = {name: tensor.numpy() for name, tensor in args["weights"].items()}
                 drafts[args["key"]] = port.load_model(args["config"], draft_tensors, args["dtype"], device)
             conn.send(("done", result if rank == 0 else None))
+        dist.destroy_process_group()
     except EOFError:
         pass  # the parent is gone
     except BaseException as error:  # noqa: BLE001 - whatever it is, the parent reports it and ends every rank
@@ -341,6 +353,29 @@ def load_parallel(config: ModelConfig, tensors: dict[str, np.ndarray], dtype: st
     """The model sharded over n ranks; `Any`: the port's functions take it where they take a TinyModel.
     The caller has checked n against the model (shared/checks.py): it divides the query heads and the
     FFN width, and divides the key/value heads or is a multiple of them."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return load_under_torchrun(config, tensors, dtype, device, n)
     # Into shared memory once: each rank maps the same pages instead of receiving a copy.
     weights = {name: torch.from_numpy(np.array(array)).share_memory_() for name, array in tensors.items()}
     return ParallelModel(config, dtype, device, n, weights)
+
+
+def load_under_torchrun(config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, device: str, n: int) -> Any:
+    """Under torchrun every rank runs the whole command, this process being one of them: its shard,
+    a TinyModel the port's functions run as they run any (every rank computes the same tokens).
+    Only rank 0's output shows; torchrun ends every rank when one fails."""
+    import atexit
+    import sys
+
+    import torch.distributed as dist
+
+    from kvports.shared.errors import UserError
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if world != n:
+        raise UserError(f"tensor_parallel={n} must equal torchrun's number of processes ({world})")
+    model = load_shard(config, tensors, dtype, device, n, rank, None)
+    atexit.register(dist.destroy_process_group)
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
+    return model
