@@ -129,17 +129,19 @@ def test_closing_ends_every_rank():
 
 def test_ranks_end_when_their_parent_dies():
     port_or_skip("torch")
-    # A parent that loads a sharded model, says its ranks' ids, and is killed without closing it.
+    # A parent that loads a sharded model, says its ranks' ids, and is killed mid-run, at its first token.
     script = textwrap.dedent(
         """
         import os, signal
+        import numpy as np
         from kvports.torch_impl import port
         from tests.helpers import llama_like, random_weights
         if __name__ == "__main__":
             config = llama_like(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=1, max_seq_len=16)
             model = port.load_model(config, random_weights(config), tensor_parallel=2)
             print(*model.pids, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            die = lambda token: os.kill(os.getpid(), signal.SIGKILL)
+            port.generate(model, np.array([[1, 2, 3]]), 12, "cached", on_token=die)
         """
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
