@@ -168,7 +168,7 @@ def serve(
             kind, args = request
             stream = args.pop("stream", False) and rank == 0
             on_token = (lambda token: conn.send(("token", token))) if stream else None
-            result = None
+            result: Any = None
             if kind == "generate":
                 result = port.generate(model, on_token=on_token, **args)
             elif kind == "speculative":
@@ -183,7 +183,7 @@ def serve(
         dist.destroy_process_group()
     except EOFError:
         pass  # the parent is gone
-    except BaseException as error:  # noqa: BLE001 - whatever it is, the parent reports it and ends every rank
+    except BaseException as error:  # whatever it is, the parent reports it and ends every rank
         message = str(error).strip().splitlines()
         with _quiet():
             conn.send(("error", f"{type(error).__name__}: {message[0] if message else ''}"))
@@ -377,5 +377,5 @@ def load_under_torchrun(config: ModelConfig, tensors: dict[str, np.ndarray], dty
     model = load_shard(config, tensors, dtype, device, n, rank, None)
     atexit.register(dist.destroy_process_group)
     if rank != 0:
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
+        sys.stdout = open(os.devnull, "w")  # for the rest of the process
     return model
