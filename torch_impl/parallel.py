@@ -20,6 +20,7 @@ or the interpreter exits, and each rank ends itself when its parent is gone.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -35,7 +36,6 @@ import torch
 import torch.nn as nn
 
 from kvports.shared.config import ModelConfig
-from kvports.shared.generation import GenerationConfig
 
 TIMEOUT = timedelta(minutes=30)  # gloo's and NCCL's wait for a peer; a dead peer is the parent's to notice first
 FAILURE_GRACE = 1.0  # seconds to collect every rank's report once one fails: the first may be only an echo
@@ -165,37 +165,26 @@ def serve(
         drafts: dict[int, Any] = {}  # replicated, whole on every rank: a draft is small
         conn.send(("done", None))
         while (request := conn.recv()) is not None:
-            kind, args = request
-            stream = args.pop("stream", False) and rank == 0
-            on_token = (lambda token: conn.send(("token", token))) if stream else None
             result: Any = None
-            if kind == "generate":
-                result = port.generate(model, on_token=on_token, **args)
-            elif kind == "speculative":
-                draft = None if args["draft"] is None else drafts[args["draft"]]
-                result = port.generate_speculative(model, on_token=on_token, **{**args, "draft": draft})
-            elif kind == "forward_chunks":
-                result = port.forward_chunks(model, **args)
-            elif kind == "draft":
-                draft_tensors = {name: tensor.numpy() for name, tensor in args["weights"].items()}
-                drafts[args["key"]] = port.load_model(args["config"], draft_tensors, args["dtype"], device)
+            if request[0] == "call":
+                _, function, args, stream = request
+                if function == "generate_speculative" and args[0] is not None:
+                    args = (drafts[args[0]], *args[1:])
+                # Rank 0 streams each token to the parent as it is made; the others make them in step.
+                streaming = {"on_token": (lambda token: conn.send(("token", token))) if rank == 0 else None}
+                result = getattr(port, function)(model, *args, **(streaming if stream else {}))
+            else:
+                _, key, draft_config, draft_dtype, draft_weights = request
+                draft_tensors = {name: tensor.numpy() for name, tensor in draft_weights.items()}
+                drafts[key] = port.load_model(draft_config, draft_tensors, draft_dtype, device)
             conn.send(("done", result if rank == 0 else None))
         dist.destroy_process_group()
     except EOFError:
         pass  # the parent is gone
     except BaseException as error:  # whatever it is, the parent reports it and ends every rank
         message = str(error).strip().splitlines()
-        with _quiet():
+        with contextlib.suppress(OSError):  # a parent already gone cannot be told
             conn.send(("error", f"{type(error).__name__}: {message[0] if message else ''}"))
-
-
-class _quiet:
-    # A parent that already went away cannot be told.
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], OSError)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- the parent's handle
@@ -204,7 +193,7 @@ class _quiet:
 def stop(processes: list[Any], conns: list[Connection]) -> None:
     """End every rank: ask, then terminate, then kill; each one joined."""
     for conn in conns:
-        with _quiet():
+        with contextlib.suppress(OSError):  # a rank already gone needs no asking
             conn.send(None)
     deadline = time.monotonic() + 2.0
     started = [process for process in processes if process.pid is not None]
@@ -260,11 +249,18 @@ class ParallelModel:
     def close(self) -> None:
         self._stop()
 
-    def _call(self, kind: str, args: dict[str, Any], on_token: Callable[[np.ndarray], None] | None = None) -> Any:
+    def call(self, function: str, *args: Any, on_token: Callable[[np.ndarray], None] | None = None) -> Any:
+        """port.<function>(the rank's shard, *args, on_token=...) on every rank: rank 0's result.
+        generate_speculative's draft (its first argument) is loaded whole on every rank first."""
         if not self._stop.alive:
             raise RuntimeError("this tensor-parallel model's ranks have ended; load it again")
+        if function == "generate_speculative" and args[0] is not None:
+            args = (self._load_draft(args[0]), *args[1:])
+        return self._send(("call", function, args, on_token is not None), on_token)
+
+    def _send(self, request: tuple[Any, ...], on_token: Callable[[np.ndarray], None] | None = None) -> Any:
         for conn in self._conns:
-            conn.send((kind, {**args, "stream": on_token is not None}))
+            conn.send(request)
         return self._collect(on_token)
 
     def _collect(self, on_token: Callable[[np.ndarray], None] | None) -> Any:
@@ -301,34 +297,6 @@ class ParallelModel:
             raise RuntimeError(f"tensor-parallel rank {rank} of {len(self._conns)} failed: {message}")
         return answered[0]
 
-    def generate(
-        self,
-        prompts: np.ndarray,
-        generation: int | GenerationConfig,
-        mode: str,
-        return_logits: bool = False,
-        prefill: bool = True,
-        on_token: Callable[[np.ndarray], None] | None = None,
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        args = dict(prompts=np.asarray(prompts), generation=generation, mode=mode)
-        return self._call("generate", {**args, "return_logits": return_logits, "prefill": prefill}, on_token)
-
-    def generate_speculative(
-        self,
-        draft: Any,
-        prompts: np.ndarray,
-        generation: int | GenerationConfig,
-        draft_tokens: int,
-        ngram: int = 2,
-        on_token: Callable[[np.ndarray], None] | None = None,
-    ) -> tuple[np.ndarray, dict[str, int]]:
-        key = None if draft is None else self._load_draft(draft)
-        args = dict(draft=key, prompts=np.asarray(prompts), generation=generation, draft_tokens=draft_tokens)
-        return self._call("speculative", {**args, "ngram": ngram}, on_token)
-
-    def forward_chunks(self, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
-        return self._call("forward_chunks", dict(tokens=np.asarray(tokens), chunk_sizes=list(chunk_sizes)))
-
     def _load_draft(self, draft: Any) -> int:
         """The draft whole on every rank (once per draft): a TinyModel's weights, or a ParallelModel's."""
         key = id(draft)
@@ -338,7 +306,7 @@ class ParallelModel:
             else:
                 config, dtype = draft.config, str(draft.emb.weight.dtype).removeprefix("torch.")
                 weights = {name: tensor.detach().cpu().clone() for name, tensor in draft.state_dict().items()}
-            self._call("draft", dict(key=key, config=config, dtype=dtype, weights=weights))
+            self._send(("draft", key, config, dtype, weights))
             self._drafts[key] = draft
         return key
 
