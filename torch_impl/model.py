@@ -208,11 +208,8 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         config = self.config
         B, T, D = x.shape
-        Hkv, Dh = config.kv_heads, config.head_dim
-        qkv = self.qkv(x).view(B, T, -1, Dh).transpose(1, 2)  # [B, H + 2 Hkv, T, Dh]
-        # H from the product's width, not the config: a tensor-parallel rank's qkv computes only
-        # its share of the query heads (torch_impl/parallel.py; its config counts its own Hkv).
-        H = qkv.shape[1] - 2 * Hkv
+        H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
+        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, Dh).transpose(1, 2)  # [B, H + 2 Hkv, T, Dh]
         q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # [B, H, T, Dh], [B, Hkv, T, Dh], [B, Hkv, T, Dh]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -220,7 +217,8 @@ class Block(nn.Module):
             k, v = cache.update(layer, k, v)  # [B, Hkv, S', Dh]: the cache, this chunk written in
         # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)  # [B, H, T, Dh]
-        out = out.transpose(1, 2).reshape(B, T, H * Dh)  # [B, T, D] (a rank's share: [B, T, H Dh])
+        # H Dh is D; on a tensor-parallel rank H counts only its own heads (parallel.py): D / n.
+        out = out.transpose(1, 2).reshape(B, T, H * Dh)  # [B, T, D]
         return self.proj(out)  # [B, T, D]
 
     def forward(

@@ -103,8 +103,11 @@ def shard(model: Any, mesh: Any, n: int, rank: int) -> Any:
         "blocks.*.ffn.2": RowwiseParallel(),  # -> all-reduced [B, T, D]
     }
     parallelize_module(model, mesh, plan, src_data_rank=None)  # every rank has the whole weights: no scatter
-    # The cache a rank allocates holds its own key/value heads; attention takes H from its qkv's width.
-    local = dataclasses.replace(config, n_kv_heads=len(rank_heads(config, n, rank)[1]))
+    # What the rank's attention and cache read: its own heads, and their width as d_model, so that
+    # head_dim stays the model's. The residual stream stays D wide: the norms and the embedding
+    # read their width from their weights, never from the config.
+    queries, kv = rank_heads(config, n, rank)
+    local = dataclasses.replace(config, d_model=len(queries) * Dh, n_heads=len(queries), n_kv_heads=len(kv))
     model.config = local
     for block in model.blocks:
         block.config = local
