@@ -71,6 +71,14 @@ def test_two_ranks_give_one_processs_speculative_tokens(pair, draft_kind, sampli
     assert counts == expected_counts
 
 
+def test_two_ranks_give_one_processs_logits_chunk_by_chunk(pair):
+    torch_port = port_or_skip("torch")
+    one, two = pair
+    tokens = np.random.default_rng(0).integers(0, one.config.vocab_size, size=(2, 9))  # [B, T]
+    expected = torch_port.forward_chunks(one, tokens, [4, 1, 4])
+    np.testing.assert_allclose(torch_port.forward_chunks(two, tokens, [4, 1, 4]), expected, rtol=0, atol=LOGITS_ATOL)
+
+
 def test_two_ranks_stream_each_token_as_it_is_made(pair):
     torch_port = port_or_skip("torch")
     streamed: list[np.ndarray] = []

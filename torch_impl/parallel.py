@@ -222,7 +222,6 @@ class ParallelModel:
 
         self.config, self.dtype, self.device, self.tensor_parallel = config, dtype, device, n
         self.layout = describe(config, n, "nccl" if device == "gpu" else "gloo")
-        self.weights = weights  # in shared memory: what a target's ranks load when this model is its draft
         # The rendezvous the ranks meet at, on a port the system picks: no race for a free one.
         self._store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
         context = mp.get_context("spawn")  # a fresh interpreter per rank: no forked torch threads
@@ -262,9 +261,14 @@ class ParallelModel:
         return self._send(("call", function, args, on_token is not None), on_token)
 
     def _send(self, request: tuple[Any, ...], on_token: Callable[[np.ndarray], None] | None = None) -> Any:
-        for conn in self._conns:
-            conn.send(request)
-        return self._collect(on_token)
+        try:
+            for conn in self._conns:
+                conn.send(request)
+            return self._collect(on_token)
+        except BaseException:
+            # Interrupted, or on_token raised: the ranks are mid-call, out of step with this handle.
+            self.close()
+            raise
 
     def _collect(self, on_token: Callable[[np.ndarray], None] | None) -> Any:
         """Every rank's answer, rank 0's returned; any failure ends every rank and raises its message."""
@@ -301,15 +305,12 @@ class ParallelModel:
         return answered[0]
 
     def _load_draft(self, draft: Any) -> int:
-        """The draft whole on every rank (once per draft): a TinyModel's weights, or a ParallelModel's."""
+        """The draft, a TinyModel, whole on every rank (its weights sent once)."""
         key = id(draft)
         if key not in self._drafts:
-            if isinstance(draft, ParallelModel):
-                config, dtype, weights = draft.config, draft.dtype, draft.weights
-            else:
-                config, dtype = draft.config, str(draft.emb.weight.dtype).removeprefix("torch.")
-                weights = {name: tensor.detach().cpu().clone() for name, tensor in draft.state_dict().items()}
-            self._send(("draft", key, config, dtype, weights))
+            dtype = str(draft.emb.weight.dtype).removeprefix("torch.")
+            weights = {name: tensor.detach().cpu().clone() for name, tensor in draft.state_dict().items()}
+            self._send(("draft", key, draft.config, dtype, weights))
             self._drafts[key] = draft
         return key
 
