@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
+import time
 import warnings
 from pathlib import Path
 
@@ -472,18 +474,19 @@ def write_gguf(
 def running(pids: list[int], wait: float = 0.0) -> list[int]:
     """The processes of `pids` still running (a zombie, ended but not yet reaped, is not), after
     waiting up to `wait` seconds for them to end."""
-    import time
-
     deadline = time.monotonic() + wait
     while True:
         alive = []
         for pid in pids:
             try:
-                with open(f"/proc/{pid}/stat") as stat:
-                    if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
-                        alive.append(pid)
-            except FileNotFoundError:
-                pass
+                os.kill(pid, 0)
+                if os.path.exists("/proc"):  # Linux: a zombie answers the signal
+                    with open(f"/proc/{pid}/stat") as stat:
+                        if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                            continue
+            except (ProcessLookupError, FileNotFoundError):
+                continue
+            alive.append(pid)
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(0.1)

@@ -97,7 +97,7 @@ def shard(model: Any, mesh: Any, n: int, rank: int) -> Any:
             # Plain F.linear: oneDNN's op (onednn.py) has no DTensor sharding rule.
             product.__class__ = nn.Linear
     plan = {
-        "blocks.*.qkv": ColwiseParallel(),  # [B, T, D] replicated -> this rank's heads [B, T, (H + 2 Hkv) Dh / n]
+        "blocks.*.qkv": ColwiseParallel(),  # [B, T, D] replicated -> this rank's q, k and v heads
         "blocks.*.proj": RowwiseParallel(),  # this rank's heads' outputs -> all-reduced [B, T, D]
         "blocks.*.ffn.0": ColwiseParallel(),  # -> this rank's slice of the inner width
         "blocks.*.ffn.2": RowwiseParallel(),  # -> all-reduced [B, T, D]
