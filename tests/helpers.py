@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
+import time
 import warnings
 from pathlib import Path
 
@@ -464,3 +466,27 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def running(pids: list[int], wait: float = 0.0) -> list[int]:
+    """The processes of `pids` still running (a zombie, ended but not yet reaped, is not), after
+    waiting up to `wait` seconds for them to end."""
+    deadline = time.monotonic() + wait
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                if os.path.exists("/proc"):  # Linux: a zombie answers the signal
+                    with open(f"/proc/{pid}/stat") as stat:
+                        if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                            continue
+            except (ProcessLookupError, FileNotFoundError):
+                continue
+            alive.append(pid)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)

@@ -217,7 +217,8 @@ class Block(nn.Module):
             k, v = cache.update(layer, k, v)  # [B, Hkv, S', Dh]: the cache, this chunk written in
         # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)  # [B, H, T, Dh]
-        out = out.transpose(1, 2).reshape(B, T, D)  # [B, T, D]
+        # H Dh is D; on a tensor-parallel rank H counts only its own heads (parallel.py): D / n.
+        out = out.transpose(1, 2).reshape(B, T, H * Dh)  # [B, T, D]
         return self.proj(out)  # [B, T, D]
 
     def forward(

@@ -45,8 +45,17 @@ def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
 
 
 def load_model(
-    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+    config: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    dtype: str = "float32",
+    device: str = "cpu",
+    *,
+    tensor_parallel: int = 1,
 ) -> TinyModel:
+    if tensor_parallel > 1:
+        from kvports.torch_impl.parallel import load_parallel
+
+        return load_parallel(config, tensors, dtype, device, tensor_parallel)
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     with torch.device("meta"):
         model = TinyModel(config)  # no random init: every tensor comes from the file
@@ -69,6 +78,8 @@ def generate(
     """prompts [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N] (PAD after a row
     stops) and step logits [B, steps, V]; on_token(token [B]) as each token reaches the host.
     generation: a GenerationConfig, or a number of greedy tokens."""
+    if not isinstance(model, TinyModel):  # a ParallelModel (parallel.py): its ranks make this call
+        return model.call("generate", prompts, generation, mode, return_logits, prefill, on_token=on_token)
     device = model.emb.weight.device
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(device)  # [B, P]
     to_host = None if on_token is None else (lambda token: on_token(token.cpu().numpy()))
@@ -91,6 +102,8 @@ def generate_speculative(
 ) -> tuple[np.ndarray, dict[str, int]]:
     """The target's own tokens [B, P + N] from draft-and-verify rounds, and their counts. draft:
     a model loaded with load_model (same vocabulary), or None for prompt lookup of n-grams."""
+    if not isinstance(model, TinyModel):  # a ParallelModel (parallel.py): its ranks make this call
+        return model.call("generate_speculative", draft, prompts, generation, draft_tokens, ngram, on_token=on_token)
     device = model.emb.weight.device
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(device)  # [B, P]
     to_host = None if on_token is None else (lambda token: on_token(token.cpu().numpy()))
@@ -104,6 +117,8 @@ def generate_speculative(
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
     """Feed tokens [B, T] into one cache in chunks of the given sizes; the logits [B, T, V]."""
     chunk_sizes = check_chunk_sizes(chunk_sizes, np.shape(tokens)[1])
+    if not isinstance(model, TinyModel):  # a ParallelModel (parallel.py): its ranks make this call
+        return model.call("forward_chunks", tokens, chunk_sizes)
     device = model.emb.weight.device
     tokens = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(device)  # [B, T]
     pieces, start = [], 0
@@ -118,7 +133,8 @@ def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[i
 
 
 def synchronize(model: TinyModel) -> None:
-    if model.emb.weight.device.type == "cuda":
+    # A ParallelModel's calls return once its ranks are done: nothing is left to wait for.
+    if isinstance(model, TinyModel) and model.emb.weight.device.type == "cuda":
         torch.cuda.synchronize()
 
 
