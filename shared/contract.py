@@ -37,10 +37,17 @@ class Timed(Protocol):
         ...
 
     def load_model(
-        self, config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+        self,
+        config: ModelConfig,
+        tensors: dict[str, np.ndarray],
+        dtype: str = "float32",
+        device: str = "cpu",
+        *,
+        tensor_parallel: int = 1,
     ) -> Model:
         """A model from `shared.weights.load_weights`' tensors (the seed's names, Linear weights `(out, in)`);
-        dtype `"float32"` or `"float64"`; device `"cpu"` or `"gpu"`."""
+        dtype `"float32"` or `"float64"`; device `"cpu"` or `"gpu"`; split Megatron-style across
+        `tensor_parallel` devices (checked beforehand by `checks.check_tensor_parallel`; NumPy: 1 only)."""
         ...
 
     def generate(

@@ -45,8 +45,17 @@ def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
 
 
 def load_model(
-    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+    config: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    dtype: str = "float32",
+    device: str = "cpu",
+    *,
+    tensor_parallel: int = 1,
 ) -> TinyModel:
+    if tensor_parallel > 1:
+        from kvports.torch_impl.parallel import load_parallel
+
+        return load_parallel(config, tensors, dtype, device, tensor_parallel)
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     with torch.device("meta"):
         model = TinyModel(config)  # no random init: every tensor comes from the file
