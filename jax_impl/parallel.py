@@ -89,7 +89,9 @@ def shard_major(weight: np.ndarray, groups: list[int], tensor_parallel: int) -> 
     return np.concatenate([slices[g][d] for d in range(tensor_parallel) for g in range(len(groups))], axis=0)
 
 
-def replicate_kv_heads(config: ModelConfig, tensors: dict[str, np.ndarray], tensor_parallel: int) -> dict[str, np.ndarray]:
+def replicate_kv_heads(
+    config: ModelConfig, tensors: dict[str, np.ndarray], tensor_parallel: int
+) -> dict[str, np.ndarray]:
     """Each key/value head repeated N / Hkv times, in place, so that key/value head j serves query
     heads j * H / N onward: the same keys and values each query head read before."""
     H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim

@@ -13,9 +13,10 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from kvports.shared import ports
+from kvports.shared.config import ModelConfig
 from kvports.shared.contract import Port
 from kvports.shared.errors import UserError
 
@@ -74,11 +75,11 @@ def check_device(port: Port, device: str, shown: str | None = None) -> None:
 SIMULATED_DEVICES = "--xla_force_host_platform_device_count"
 
 
-def prepare_tensor_parallel(frameworks: Sequence[str], tensor_parallel: int, device: str) -> None:
+def prepare_tensor_parallel(tensor_parallel: int, device: str) -> None:
     """JAX on the CPU splits a model across N simulated devices, which XLA makes once, when JAX
     starts: ask for them before that (XLA_FLAGS before JAX is imported, its own setting after).
     Once it has started with fewer, `check_parallel_devices` refuses N."""
-    if tensor_parallel < 2 or device != "cpu" or "jax" not in frameworks:
+    if tensor_parallel < 2 or device != "cpu":  # harmless where JAX never runs
         return
     flags = os.environ.get("XLA_FLAGS", "")
     asked = re.search(rf"{SIMULATED_DEVICES}=(\d+)", flags)
@@ -93,6 +94,18 @@ def prepare_tensor_parallel(frameworks: Sequence[str], tensor_parallel: int, dev
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:  # JAX's CPU backend has started: its device count is fixed
         pass
+
+
+def tensor_parallel_layout(config: ModelConfig, tensor_parallel: int) -> str:
+    """What N devices hold, in words: "2 devices, 2 of 4 query heads and 1 of 2 key/value heads each", or
+    "4 devices, ...: replicating 2 key/value heads across 4 devices" where N exceeds them (vLLM's rule)."""
+    from kvports.shared.checks import kv_layout
+
+    N, H, Hkv = tensor_parallel, config.n_heads, config.kv_heads
+    shown = f"{N} devices, {H // N} of {H} query heads and {config.ffn_dim // N} of {config.ffn_dim} FFN columns each"
+    if kv_layout(config, N) == "replicate":
+        return f"{shown}: replicating {Hkv} key/value heads across {N} devices"
+    return f"{shown}, {Hkv // N} of {Hkv} key/value heads"
 
 
 def parallel_devices(framework: str, device: str) -> int | None:

@@ -150,7 +150,7 @@ def load_model(
     tensor_parallel: int = 1,
 ) -> LoadedModel:
     """`tensor_parallel` checked beforehand (`check_inputs`, or `check_tensor_parallel`)."""
-    prepare_tensor_parallel([framework], tensor_parallel, device)  # before the port's import starts JAX
+    prepare_tensor_parallel(tensor_parallel, device)  # before the port's import starts JAX
     port = load_port(framework)
     check_device(port, device, names.show("device", device if not names.api else repr(device)))
     check_parallel_devices(framework, device, tensor_parallel, names.show("tensor_parallel", str(tensor_parallel)))
@@ -187,8 +187,11 @@ def check_inputs(
             check_draft_model(config, draft)
             models.append(("the draft", draft))
         check_needed(max(map(len, rows)), generation.max_new_tokens, draft_tokens, models)
-    parallel = [("the model", config)] + ([("the draft", draft)] if draft is not None and "speculative" in modes else [])
+    parallel = [("the model", config)] + (
+        [("the draft", draft)] if draft is not None and "speculative" in modes else []
+    )
     check_tensor_parallel(inputs.tensor_parallel, inputs.framework, parallel, names)
+    prepare_tensor_parallel(inputs.tensor_parallel, inputs.device)  # before anything starts JAX
     batch = pad_prompts(rows)[0]  # [B, P]
     B, P = batch.shape
     check_run(config, inputs.dtype, B, P, generation.max_new_tokens, modes, draft_tokens, draft)

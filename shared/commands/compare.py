@@ -126,18 +126,26 @@ def run(args: argparse.Namespace) -> int:
             for mode in modes:
                 progress.update(task, description=f"{name} {mode}")
                 row: dict[str, Any] = {"framework": name, "mode": mode, "device": placement(name, args.device)}
-                if port is None:
-                    rows.append({**row, "available": False, "reason": reasons[name]})
+                if port is None or (name == "numpy" and args.tensor_parallel > 1):
+                    reason = reasons[name] if port is None else "numpy has no tensor parallelism"
+                    rows.append({**row, "available": False, "reason": reason})
                     progress.advance(task)
                     continue
                 if model is None:
                     model = LoadedModel(
                         port,
-                        port.load_model(config, tensors, args.dtype, placement(name, args.device)),
+                        port.load_model(
+                            config,
+                            tensors,
+                            args.dtype,
+                            placement(name, args.device),
+                            tensor_parallel=args.tensor_parallel,
+                        ),
                         config,
                         name,
                         args.dtype,
                         placement(name, args.device),
+                        tensor_parallel=args.tensor_parallel,
                     )
                     if given.draft is not None:
                         model.add_draft(args.draft, *given.draft)
