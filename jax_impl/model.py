@@ -215,10 +215,8 @@ class FeedForward(nnx.Module):
         if self.activation == "swiglu":
             B, T, width = h.shape
             groups = h.reshape(B, T, self.shards, 2, width // (2 * self.shards))  # [B, T, shards, 2, ffn_dim / shards]
-            gate, up = (
-                groups[:, :, :, 0].reshape(B, T, -1),
-                groups[:, :, :, 1].reshape(B, T, -1),
-            )  # [B, T, ffn_dim] each
+            gate = groups[:, :, :, 0].reshape(B, T, -1)  # [B, T, ffn_dim]
+            up = groups[:, :, :, 1].reshape(B, T, -1)  # [B, T, ffn_dim]
             h = jax.nn.silu(gate) * up
         elif self.activation == "gelu_tanh":
             h = jax.nn.gelu(h, approximate=True)

@@ -187,9 +187,9 @@ def check_inputs(
             check_draft_model(config, draft)
             models.append(("the draft", draft))
         check_needed(max(map(len, rows)), generation.max_new_tokens, draft_tokens, models)
-    parallel = [("the model", config)] + (
-        [("the draft", draft)] if draft is not None and "speculative" in modes else []
-    )
+    parallel = [("the model", config)]
+    if draft is not None and "speculative" in modes:
+        parallel.append(("the draft", draft))
     check_tensor_parallel(inputs.tensor_parallel, inputs.framework, parallel, names)
     prepare_tensor_parallel(inputs.tensor_parallel, inputs.device)  # before anything starts JAX
     batch = pad_prompts(rows)[0]  # [B, P]
