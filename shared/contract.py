@@ -37,17 +37,10 @@ class Timed(Protocol):
         ...
 
     def load_model(
-        self,
-        config: ModelConfig,
-        tensors: dict[str, np.ndarray],
-        dtype: str = "float32",
-        device: str = "cpu",
-        *,
-        tensor_parallel: int = 1,
+        self, config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
     ) -> Model:
         """A model from `shared.weights.load_weights`' tensors (the seed's names, Linear weights `(out, in)`);
-        dtype `"float32"` or `"float64"`; device `"cpu"` or `"gpu"`; split Megatron-style across
-        `tensor_parallel` devices (checked beforehand by `checks.check_tensor_parallel`; NumPy: 1 only)."""
+        dtype `"float32"` or `"float64"`; device `"cpu"` or `"gpu"`."""
         ...
 
     def generate(
@@ -80,6 +73,19 @@ class Port(Timed, Protocol):
 
     def resolve_device(self, device: str) -> Any:
         """`"cpu"` or `"gpu"` -> the framework's device object; a GPU the machine lacks is an error."""
+        ...
+
+    def load_model(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, np.ndarray],
+        dtype: str = "float32",
+        device: str = "cpu",
+        *,
+        tensor_parallel: int = 1,
+    ) -> Model:
+        """`Timed.load_model`, split Megatron-style across `tensor_parallel` devices (checked beforehand
+        by `checks.check_tensor_parallel`; NumPy: 1 only)."""
         ...
 
     def generate(
