@@ -43,7 +43,6 @@ SPECS = {
     r"blocks\.\d+\.(qkv|ffn\.0)\.bias": P(AXIS),
     r"blocks\.\d+\.(proj|ffn\.2)\.weight": P(AXIS, None),  # row-parallel: the bias is added after the sum
 }
-KV_CACHE_SPEC = P(None, None, AXIS, None, None)  # [L, B, Hkv, S, Dh], split by key/value heads
 
 
 def make_mesh(platform: str, tensor_parallel: int) -> Mesh:

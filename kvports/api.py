@@ -76,7 +76,14 @@ class Model:
             raise UserError(f"generation={echo(generation)} is not a GenerationConfig")
         chosen = None if draft is None else run.Draft(os.fspath(draft), draft_tokens, ngram)
         inputs = run.RunInputs(
-            self.framework, mode, generation, None, self.dtype, self.device, chosen, self.loaded.tensor_parallel
+            self.framework,
+            mode,
+            generation,
+            None,
+            self.dtype,
+            self.device,
+            chosen,
+            tensor_parallel=self.loaded.tensor_parallel,
         )
         batch = run.check_and_prepare(self.loaded, inputs, prompt_rows(prompts), API)
         return run.generate(self.loaded, batch, inputs, return_logits, on_token)

@@ -13,7 +13,7 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from kvports.shared import ports
 from kvports.shared.config import ModelConfig
@@ -75,11 +75,11 @@ def check_device(port: Port, device: str, shown: str | None = None) -> None:
 SIMULATED_DEVICES = "--xla_force_host_platform_device_count"
 
 
-def prepare_tensor_parallel(tensor_parallel: int, device: str) -> None:
+def prepare_tensor_parallel(tensor_parallel: int, device: str, frameworks: Sequence[str]) -> None:
     """JAX on the CPU splits a model across N simulated devices, which XLA makes once, when JAX
     starts: ask for them before that (XLA_FLAGS before JAX is imported, its own setting after).
     Once it has started with fewer, `check_parallel_devices` refuses N."""
-    if tensor_parallel < 2 or device != "cpu":  # harmless where JAX never runs
+    if tensor_parallel < 2 or device != "cpu" or "jax" not in frameworks:
         return
     flags = os.environ.get("XLA_FLAGS", "")
     asked = re.search(rf"{SIMULATED_DEVICES}=(\d+)", flags)

@@ -150,7 +150,7 @@ def load_model(
     tensor_parallel: int = 1,
 ) -> LoadedModel:
     """`tensor_parallel` checked beforehand (`check_inputs`, or `check_tensor_parallel`)."""
-    prepare_tensor_parallel(tensor_parallel, device)  # before the port's import starts JAX
+    prepare_tensor_parallel(tensor_parallel, device, [framework])  # before the port's import starts JAX
     port = load_port(framework)
     check_device(port, device, names.show("device", device if not names.api else repr(device)))
     check_parallel_devices(framework, device, tensor_parallel, names.show("tensor_parallel", str(tensor_parallel)))
@@ -191,7 +191,7 @@ def check_inputs(
     if draft is not None and "speculative" in modes:
         parallel.append(("the draft", draft))
     check_tensor_parallel(inputs.tensor_parallel, inputs.framework, parallel, names)
-    prepare_tensor_parallel(inputs.tensor_parallel, inputs.device)  # before anything starts JAX
+    prepare_tensor_parallel(inputs.tensor_parallel, inputs.device, [inputs.framework])  # before anything starts JAX
     batch = pad_prompts(rows)[0]  # [B, P]
     B, P = batch.shape
     check_run(config, inputs.dtype, B, P, generation.max_new_tokens, modes, draft_tokens, draft)

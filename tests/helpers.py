@@ -476,7 +476,7 @@ TP_CASES = {  # name -> (mode, GenerationConfig fields, with a draft model)
 }
 
 
-def tensor_parallel_runs(out: str, dtype: str = "float64") -> None:
+def tensor_parallel_runs(out: str, dtype: str = "float64", cases: tuple[str, ...] = tuple(TP_CASES)) -> None:
     """Every tiny family x TP_CASES x TP_SIZES through the JAX port, saved to `out` (.npz): tokens,
     step logits, and the KV cache's and a qkv kernel's partition specs. Run in a subprocess that
     asks for 4 simulated devices (`tensor_parallel_subprocess`)."""
@@ -496,7 +496,8 @@ def tensor_parallel_runs(out: str, dtype: str = "float64") -> None:
         for n in TP_SIZES:
             model = jax_port.load_model(config, tensors, dtype, tensor_parallel=n)
             draft = jax_port.load_model(draft_config, draft_tensors, dtype, tensor_parallel=n)
-            for case, (mode, fields, with_draft) in TP_CASES.items():
+            for case in cases:
+                mode, fields, with_draft = TP_CASES[case]
                 generation = GenerationConfig(**fields)
                 key = f"{family}/{case}/{n}"
                 if mode == "speculative":
@@ -517,14 +518,16 @@ def tensor_parallel_runs(out: str, dtype: str = "float64") -> None:
     np.savez(out, **saved)
 
 
-def tensor_parallel_subprocess(out: Path, dtype: str = "float64") -> dict[str, np.ndarray]:
+def tensor_parallel_subprocess(
+    out: Path, dtype: str = "float64", cases: tuple[str, ...] = tuple(TP_CASES)
+) -> dict[str, np.ndarray]:
     """`tensor_parallel_runs` in a fresh Python with 4 simulated CPU devices; its arrays by key."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    code = f"from tests.helpers import tensor_parallel_runs; tensor_parallel_runs({str(out)!r}, {dtype!r})"
+    code = f"from tests.helpers import tensor_parallel_runs; tensor_parallel_runs({str(out)!r}, {dtype!r}, {cases!r})"
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root, timeout=900)
     with np.load(out) as runs:

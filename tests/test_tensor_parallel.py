@@ -15,7 +15,9 @@ from kvports.shared.checks import API, COMMAND_LINE, check_tensor_parallel
 from tests.helpers import (
     TINY_FAMILIES,
     TP_CASES,
+    assert_logits_close,
     assert_one_error_line,
+    assert_tokens_agree,
     llama_like,
     port_or_skip,
     run_cli,
@@ -23,6 +25,7 @@ from tests.helpers import (
 )
 
 FLOAT64_LOGITS = 1e-12  # an all-reduce sums the partial products in another order than one product
+FLOAT32_LOGITS = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,23 @@ def test_jax_split_across_n_devices_gives_one_devices_tokens_and_logits(runs, fa
     np.testing.assert_array_equal(runs[f"{split}/tokens"], runs[f"{one}/tokens"])
     if f"{one}/logits" in runs:
         np.testing.assert_allclose(runs[f"{split}/logits"], runs[f"{one}/logits"], atol=FLOAT64_LOGITS, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def runs_float32(tmp_path_factory):
+    port_or_skip("jax")
+    port_or_skip("torch")
+    return tensor_parallel_subprocess(tmp_path_factory.mktemp("tp32") / "runs.npz", "float32", ("cached_greedy",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_jax_split_in_float32_agrees_with_one_device_up_to_near_ties(runs_float32, family, n):
+    one, split = f"{family}/cached_greedy/1", f"{family}/cached_greedy/{n}"
+    reference_logits = runs_float32[f"{one}/logits"]
+    agreement = assert_tokens_agree(runs_float32[f"{one}/tokens"], reference_logits, runs_float32[f"{split}/tokens"], 4)
+    assert_logits_close(reference_logits, runs_float32[f"{split}/logits"], FLOAT32_LOGITS, agreement, f"{family} {n}")
 
 
 @pytest.mark.slow

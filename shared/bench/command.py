@@ -69,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     check_bench_counts(args.batch, args.prompt_len, args.new_tokens, args.repeats, args.warmup)
     for tensor_parallel in args.tensor_parallel:  # its range; numpy gets no split rows, so it is no refusal here
         check_tensor_parallel(tensor_parallel, "jax", [])
-    prepare_tensor_parallel(max(args.tensor_parallel), args.device)  # before gpu_problems starts JAX
+    prepare_tensor_parallel(
+        max(args.tensor_parallel), args.device, parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
+    )
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
     check_bench_outputs(args.plot, args.csv, args.json)
@@ -102,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
         check_ngram(args.ngram, args.prompt_len, args.new_tokens)
         check_needed(args.prompt_len, args.new_tokens, args.draft_tokens, [("the model", config)])
         draft_weights = read_draft(inputs, config, prompts)  # at --dtype
+        if draft_weights is not None:
+            for tensor_parallel in args.tensor_parallel:
+                check_tensor_parallel(tensor_parallel, "jax", [("the draft", draft_weights[0])])
     roofline = args.roofline or preset == "gpt2-small"
     settings: dict[str, Any] = {
         "preset": preset,

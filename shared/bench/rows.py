@@ -48,7 +48,7 @@ def parallel_runs(runners: list[Runner], sizes: tuple[int, ...]) -> list[tuple[R
     return runs
 
 
-def parallel_option(tensor_parallel: int) -> dict[str, int]:
+def parallel_option(tensor_parallel: int) -> dict[str, Any]:
     return {"tensor_parallel": tensor_parallel} if tensor_parallel > 1 else {}
 
 

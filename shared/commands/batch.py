@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         config = weights.config.validate_at(args.dtype)
         settings_of(args, None).validate(config)  # the flags, before the file: they decide what fits
         check_tensor_parallel(args.tensor_parallel, args.framework, [("the model", config)])
-        prepare_tensor_parallel(args.tensor_parallel, args.device)
+        prepare_tensor_parallel(args.tensor_parallel, args.device, [args.framework])
         tokenizer = load_tokenizer(args.tokenizer, args.weights, config)
         requests, bad = read_requests(args, config, tokenizer)
         for line in bad:
