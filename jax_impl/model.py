@@ -186,8 +186,9 @@ class FeedForward(nnx.Module):
     """Seed: Sequential(Linear(d, 4d), GELU(), Linear(4d, d)); `0` and `2` keep its names.
     SwiGLU fuses gate and up into `0` (gate first), as qkv fuses q, k and v."""
 
-    def __init__(self, config: ModelConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype: DTypeLike, rngs: nnx.Rngs, shards: int = 1):
         self.activation = config.activation
+        self.shards = shards
         gated = 2 if config.activation == "swiglu" else 1
         setattr(
             self,
@@ -212,7 +213,10 @@ class FeedForward(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         h = getattr(self, "0")(x)  # [B, T, ffn_dim] (swiglu: [B, T, 2 * ffn_dim])
         if self.activation == "swiglu":
-            gate, up = jnp.split(h, 2, axis=-1)  # [B, T, ffn_dim] each
+            B, T, width = h.shape
+            groups = h.reshape(B, T, self.shards, 2, width // (2 * self.shards))  # [B, T, shards, 2, ffn_dim / shards]
+            gate = groups[:, :, :, 0].reshape(B, T, -1)  # [B, T, ffn_dim]
+            up = groups[:, :, :, 1].reshape(B, T, -1)  # [B, T, ffn_dim]
             h = jax.nn.silu(gate) * up
         elif self.activation == "gelu_tanh":
             h = jax.nn.gelu(h, approximate=True)
@@ -222,8 +226,12 @@ class FeedForward(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
+    # JAX only: `shards` groups of columns in the fused qkv (and SwiGLU's gate and up), each a whole
+    # set of heads, so that tensor parallelism (parallel.py) gives each device one contiguous block
+    # under jit's global shapes; 1 is torch's layout, q then k then v.
+    def __init__(self, config: ModelConfig, *, dtype: DTypeLike, rngs: nnx.Rngs, shards: int = 1):
         self.config = config
+        self.shards = shards
         self.ln1, self.ln2 = make_norm(config, dtype, rngs), make_norm(config, dtype, rngs)
         self.qkv = nnx.Linear(
             config.d_model, config.qkv_dim, use_bias=config.attn_bias, dtype=dtype, param_dtype=dtype, rngs=rngs
@@ -231,7 +239,7 @@ class Block(nnx.Module):
         self.proj = nnx.Linear(
             config.d_model, config.d_model, use_bias=config.attn_bias, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.ffn = FeedForward(config, dtype=dtype, rngs=rngs)
+        self.ffn = FeedForward(config, dtype=dtype, rngs=rngs, shards=shards)
         self.dropout = nnx.Dropout(config.dropout, rngs=rngs)  # pitfall 3: active only in train mode
 
     def attention(
@@ -240,9 +248,11 @@ class Block(nnx.Module):
         # Returns (out, cache): the cache cannot be written in place, so the new one comes back.
         config = self.config
         B, T, D = x.shape
-        H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
-        qkv = self.qkv(x).reshape(B, T, H + 2 * Hkv, Dh).transpose(0, 2, 1, 3)  # [B, H + 2 Hkv, T, Dh]
-        q, k, v = jnp.split(qkv, [H, H + Hkv], axis=1)  # [B, H, T, Dh], [B, Hkv, T, Dh], [B, Hkv, T, Dh]
+        H, Hkv, Dh, n = config.n_heads, config.kv_heads, config.head_dim, self.shards
+        qkv = self.qkv(x).reshape(B, T, n, (H + 2 * Hkv) // n, Dh)  # [B, T, n, (H + 2 Hkv) / n, Dh]
+        q, k, v = jnp.split(qkv, [H // n, (H + Hkv) // n], axis=3)  # [B, T, n, H / n, Dh], [B, T, n, Hkv / n, Dh] x 2
+        # [B, H, T, Dh], [B, Hkv, T, Dh], [B, Hkv, T, Dh]
+        q, k, v = (part.reshape(B, T, -1, Dh).transpose(0, 2, 1, 3) for part in (q, k, v))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
@@ -263,13 +273,15 @@ class Block(nnx.Module):
 class TinyModel(nnx.Module):
     # nnx builds parameters eagerly, so it needs their dtype and a random source here;
     # port.load_model then overwrites every parameter with the file's.
-    def __init__(self, config: ModelConfig = ModelConfig(), *, dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, config: ModelConfig = ModelConfig(), *, dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs, shards: int = 1
+    ):
         self.config = config
         self.emb = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
         if config.positions == "learned":
             self.pos = nnx.Embed(config.max_seq_len, config.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
         # nnx.List, not a list: nnx refuses a plain list of modules as an attribute.
-        self.blocks = nnx.List([Block(config, dtype=dtype, rngs=rngs) for _ in range(config.n_layers)])
+        self.blocks = nnx.List([Block(config, dtype=dtype, rngs=rngs, shards=shards) for _ in range(config.n_layers)])
         self.ln = make_norm(config, dtype, rngs)
         if not config.tie_embeddings:
             self.head = nnx.Linear(

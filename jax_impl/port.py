@@ -98,18 +98,29 @@ def _parameter_slots(model: TinyModel) -> dict[str, tuple[nnx.Variable, bool]]:
 
 @exact
 def load_model(
-    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+    config: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    dtype: str = "float32",
+    device: str = "cpu",
+    *,
+    tensor_parallel: int = 1,
 ) -> TinyModel:
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     target = resolve_device(device)
+    placement: Callable[[str], jax.Device | jax.sharding.Sharding] = lambda name: target  # noqa: E731
+    if tensor_parallel > 1:  # split across devices: the layout and each parameter's sharding (parallel.py)
+        from kvports.jax_impl import parallel
+
+        config, tensors, placement = parallel.split_model(config, tensors, target.platform, tensor_parallel)
     with jax.default_device(target):
-        model = TinyModel(config, dtype=JAX_DTYPES[dtype], rngs=nnx.Rngs(0))  # every parameter is overwritten below
+        # every parameter is overwritten below
+        model = TinyModel(config, dtype=JAX_DTYPES[dtype], rngs=nnx.Rngs(0), shards=tensor_parallel)
     slots = _parameter_slots(model)
     assert set(slots) == set(tensors), f"names differ: {sorted(set(slots) ^ set(tensors))}"
     for name, (variable, transpose) in slots.items():
         array = tensors[name].T if transpose else tensors[name]
         assert tuple(variable.shape) == array.shape, f"{name}: file {array.shape}, model {tuple(variable.shape)}"
-        variable.set_value(jax.device_put(np.ascontiguousarray(array, dtype=np.dtype(dtype)), target))
+        variable.set_value(jax.device_put(np.ascontiguousarray(array, dtype=np.dtype(dtype)), placement(name)))
     n_params = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n_params == len(slots), f"model has {n_params} parameters, the file fills {len(slots)}"
     model.eval()  # nnx's eval() sets dropout off in place and returns None
@@ -118,6 +129,12 @@ def load_model(
 
 def _model_device(model: TinyModel) -> jax.Device:
     return next(iter(model.emb.embedding[...].devices()))
+
+
+def _inputs_sharding(model: TinyModel) -> jax.sharding.Sharding:
+    # Where a call's inputs go: the embedding's placement, one device or every device of a split
+    # model (replicated there), so jit never sees arrays committed to different devices.
+    return model.emb.embedding[...].sharding
 
 
 @exact
@@ -133,7 +150,7 @@ def generate(
     """prompts [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N] (PAD after a row
     stops) and step logits [B, steps, V]; on_token(token [B]) as each token reaches the host.
     generation: a GenerationConfig, or a number of greedy tokens."""
-    prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), _model_device(model))  # [B, P]
+    prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), _inputs_sharding(model))  # [B, P]
     to_host = None if on_token is None else (lambda token: on_token(token.astype(np.int64)))
     with jax.default_device(_model_device(model)):
         if mode == "cached":
@@ -156,7 +173,7 @@ def generate_speculative(
 ) -> tuple[np.ndarray, dict[str, int]]:
     """The target's own tokens [B, P + N] from draft-and-verify rounds, and their counts. draft:
     a model loaded with load_model (same vocabulary), or None for prompt lookup of n-grams."""
-    prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), _model_device(model))  # [B, P]
+    prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), _inputs_sharding(model))  # [B, P]
     to_host = None if on_token is None else (lambda token: on_token(token.astype(np.int64)))
     with jax.default_device(_model_device(model)):
         tokens, counts = speculative.generate_speculative(
@@ -169,7 +186,7 @@ def generate_speculative(
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
     """Feed tokens [B, T] into one cache in chunks of the given sizes; the logits [B, T, V]."""
     chunk_sizes = check_chunk_sizes(chunk_sizes, np.shape(tokens)[1])
-    tokens = jax.device_put(np.asarray(tokens, dtype=np.int32), _model_device(model))  # [B, T]
+    tokens = jax.device_put(np.asarray(tokens, dtype=np.int32), _inputs_sharding(model))  # [B, T]
     model.eval()
     with jax.default_device(_model_device(model)):
         cache = init_cache(model.config, tokens.shape[0], tokens.shape[1], model.emb.embedding.dtype)
@@ -246,7 +263,7 @@ def paged_step(
     tokens, start, block_tables, samplers, uniform = paged.static_shapes(
         pool.max_batch, pool.max_blocks, tokens, start, block_tables, samplers, uniform
     )
-    device = _model_device(model)
+    device = _inputs_sharding(model)
 
     def on_device(array: np.ndarray) -> jax.Array:
         return jax.device_put(np.asarray(array, dtype=np.int32 if array.dtype.kind == "i" else None), device)

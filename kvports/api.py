@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from kvports.shared import run
-from kvports.shared.checks import API, SEED_PROMPT, parse_prompt
+from kvports.shared.checks import API, SEED_PROMPT, check_tensor_parallel, parse_prompt
 from kvports.shared.contract import OnToken
 from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import GenerationConfig
@@ -75,7 +75,16 @@ class Model:
         elif not isinstance(generation, GenerationConfig):
             raise UserError(f"generation={echo(generation)} is not a GenerationConfig")
         chosen = None if draft is None else run.Draft(os.fspath(draft), draft_tokens, ngram)
-        inputs = run.RunInputs(self.framework, mode, generation, None, self.dtype, self.device, chosen)
+        inputs = run.RunInputs(
+            self.framework,
+            mode,
+            generation,
+            None,
+            self.dtype,
+            self.device,
+            chosen,
+            tensor_parallel=self.loaded.tensor_parallel,
+        )
         batch = run.check_and_prepare(self.loaded, inputs, prompt_rows(prompts), API)
         return run.generate(self.loaded, batch, inputs, return_logits, on_token)
 
@@ -128,11 +137,14 @@ def load(
     device: str = "cpu",
     *,
     model: str | None = None,
+    tensor_parallel: int = 1,
 ) -> Model:
     """A framework's ("torch", "jax" or "numpy") model from a weights file, safetensors or GGUF
     (None: the seed's model), or a fetched model by name (`model="smollm2"`), in float32 or
-    float64, on the "cpu" or a "gpu", checked as `kvports generate` checks them."""
+    float64, on the "cpu" or a "gpu", checked as `kvports generate` checks them; split across
+    `tensor_parallel` devices (torch and JAX; on the CPU, processes or simulated devices)."""
     run.check_names(framework, dtype, device, API)
+    check_tensor_parallel(tensor_parallel, framework, [], API)  # its range and its framework, before a file is read
     check_arguments(weights=weights, model=model)
     if model is not None:
         from kvports.shared.fetch import model_path
@@ -141,4 +153,5 @@ def load(
             raise UserError("give weights= a file or model= a fetched model's name, not both")
         weights = model_path(model)
     config, tensors, _ = run.read_model(None if weights is None else Path(os.fspath(weights)), dtype)
-    return Model(run.load_model(framework, config, tensors, dtype, device, API))
+    tensor_parallel = check_tensor_parallel(tensor_parallel, framework, [("the model", config)], API)
+    return Model(run.load_model(framework, config, tensors, dtype, device, API, tensor_parallel))

@@ -30,8 +30,14 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(
-    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+    config: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    dtype: str = "float32",
+    device: str = "cpu",
+    *,
+    tensor_parallel: int = 1,
 ) -> TinyModel:
+    assert tensor_parallel == 1, "refused by shared.checks.check_tensor_parallel: NumPy runs on one device"
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     resolve_device(device)
     model = TinyModel(config)  # placeholder weights: every tensor comes from the file

@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from kvports.shared.checks import MAX_DRAFT_TOKENS, MAX_NGRAM, MAX_SEED
+from kvports.shared.checks import MAX_DRAFT_TOKENS, MAX_NGRAM, MAX_SEED, MAX_TENSOR_PARALLEL
 from kvports.shared.errors import UserError, echo
 
 
@@ -99,6 +99,23 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"prompt lookup matches the last N tokens (default 2, at most {MAX_NGRAM} and the prompt + new tokens)",
     )
+
+
+def add_tensor_parallel_argument(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """--tensor-parallel N: the model split across N devices (the bench: N,N,..., rows for each)."""
+    parser.add_argument(
+        "--tensor-parallel",
+        type=tensor_parallel_sizes if several else positive_int,
+        default=(1,) if several else 1,
+        metavar="N,N,..." if several else "N",
+        help="split the model across N devices, Megatron-style (torch and jax; on the CPU, N processes or N "
+        f"simulated devices; at most {MAX_TENSOR_PARALLEL}; default 1)"
+        + ("; rows for each N given" if several else ""),
+    )
+
+
+def tensor_parallel_sizes(text: str) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(positive_int(part) for part in text.split(",")))
 
 
 def add_weights_arguments(parser: argparse.ArgumentParser) -> None:

@@ -44,6 +44,7 @@ MAX_DRAFT_TOKENS = 16  # a verified chunk is K + 1 wide; past this the draft is 
 # in its compiled loop, so a huge n would compile without end (and one past the buffer fails).
 MAX_NGRAM = 64
 MODES = ("naive", "cached", "speculative")
+MAX_TENSOR_PARALLEL = 64  # devices one model is split across: far past any one machine's GPUs
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ COMMAND_LINE = Names(
         ("framework", "--framework"),
         ("dtype", "--dtype"),
         ("device", "--device"),
+        ("tensor_parallel", "--tensor-parallel"),
     ),
 )
 API = Names(api=True)
@@ -208,6 +210,39 @@ def check_draft(mode: str, draft: str | None, draft_tokens: object, ngram: objec
     check_draft_source(draft, names)
     check_range("draft_tokens", draft_tokens, 1, names, MAX_DRAFT_TOKENS)
     check_range("ngram", ngram, 1, names, MAX_NGRAM)
+
+
+def check_tensor_parallel(
+    tensor_parallel: object, framework: str, models: Sequence[tuple[str, ModelConfig]], names: Names = COMMAND_LINE
+) -> int:
+    """N devices for one model (Megatron-style): 1 is one device. Every model run (`models`: the
+    model, and a draft model) must split into N whole sets of query heads and N equal slices of
+    its FFN width; its key/value heads are split the same way when N divides them, or each one
+    copied to the devices whose query heads read it when they divide N (as vLLM does)."""
+    N = check_range("tensor_parallel", tensor_parallel, 1, names, MAX_TENSOR_PARALLEL)
+    shown = names.show("tensor_parallel", str(N))
+    if N > 1 and framework == "numpy":
+        raise UserError(f"numpy has no tensor parallelism; {shown} needs torch or jax")
+    for name, config in models if N > 1 else ():
+        if config.n_heads % N or config.ffn_dim % N:
+            raise UserError(
+                f"{shown} must divide {name}'s query heads (n_heads {config.n_heads}) and its FFN width "
+                f"(ffn_dim {config.ffn_dim}): each device takes whole heads and an equal slice of the FFN"
+            )
+        if kv_layout(config, N) is None:
+            raise UserError(
+                f"{shown} and {name}'s key/value heads (n_kv_heads {config.kv_heads}) must divide one another: "
+                "the heads are split across the devices, or each copied to the devices that read it"
+            )
+    return N
+
+
+def kv_layout(config: ModelConfig, tensor_parallel: int) -> str | None:
+    """How N devices hold the key/value heads: "split" (each device its own Hkv / N), "replicate"
+    (N a multiple of Hkv: each head copied to the N / Hkv devices whose query heads read it), or None."""
+    if config.kv_heads % tensor_parallel == 0:
+        return "split"
+    return "replicate" if tensor_parallel % config.kv_heads == 0 else None
 
 
 def check_draft_source(draft: str, names: Names = COMMAND_LINE) -> None:

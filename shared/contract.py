@@ -75,6 +75,19 @@ class Port(Timed, Protocol):
         """`"cpu"` or `"gpu"` -> the framework's device object; a GPU the machine lacks is an error."""
         ...
 
+    def load_model(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, np.ndarray],
+        dtype: str = "float32",
+        device: str = "cpu",
+        *,
+        tensor_parallel: int = 1,
+    ) -> Model:
+        """`Timed.load_model`, split Megatron-style across `tensor_parallel` devices (checked beforehand
+        by `checks.check_tensor_parallel`; NumPy: 1 only)."""
+        ...
+
     def generate(
         self,
         model: Model,

@@ -10,9 +10,13 @@ can, the command is one `error:` line before anything runs.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
 
 from kvports.shared import ports
+from kvports.shared.config import ModelConfig
 from kvports.shared.contract import Port
 from kvports.shared.errors import UserError
 
@@ -65,3 +69,65 @@ def check_device(port: Port, device: str, shown: str | None = None) -> None:
     problem = device_problem(port, device)
     if problem is not None:
         raise UserError(f"{shown}: {problem}")
+
+
+# ---------------------------------------------------------------- tensor parallelism's devices
+SIMULATED_DEVICES = "--xla_force_host_platform_device_count"
+
+
+def prepare_tensor_parallel(tensor_parallel: int, device: str, frameworks: Sequence[str]) -> None:
+    """JAX on the CPU splits a model across N simulated devices, which XLA makes once, when JAX
+    starts: ask for them before that (XLA_FLAGS before JAX is imported, its own setting after).
+    Once it has started with fewer, `check_parallel_devices` refuses N."""
+    if tensor_parallel < 2 or device != "cpu" or "jax" not in frameworks:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    asked = re.search(rf"{SIMULATED_DEVICES}=(\d+)", flags)
+    count = max(tensor_parallel, int(asked.group(1)) if asked else 1)
+    if "jax" not in sys.modules:
+        rest = re.sub(rf"\s*{SIMULATED_DEVICES}=\d+", "", flags).strip()
+        os.environ["XLA_FLAGS"] = f"{rest} {SIMULATED_DEVICES}={count}".strip()
+        return
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # JAX's CPU backend has started: its device count is fixed
+        pass
+
+
+def tensor_parallel_layout(config: ModelConfig, tensor_parallel: int) -> str:
+    """What N devices hold, in words: "2 devices, 2 of 4 query heads and 1 of 2 key/value heads each", or
+    "4 devices, ...: replicating 2 key/value heads across 4 devices" where N exceeds them (vLLM's rule)."""
+    from kvports.shared.checks import kv_layout
+
+    N, H, Hkv = tensor_parallel, config.n_heads, config.kv_heads
+    shown = f"{N} devices, {H // N} of {H} query heads and {config.ffn_dim // N} of {config.ffn_dim} FFN columns each"
+    if kv_layout(config, N) == "replicate":
+        return f"{shown}: replicating {Hkv} key/value heads across {N} devices"
+    return f"{shown}, {Hkv // N} of {Hkv} key/value heads"
+
+
+def parallel_devices(framework: str, device: str) -> int | None:
+    """How many devices `framework` can split a model across on `device`; None: no bound (torch
+    on the CPU runs one process per shard)."""
+    if framework == "jax":
+        import jax
+
+        try:
+            return len(jax.devices(device))
+        except RuntimeError:
+            return 0
+    if framework == "torch" and device == "gpu":
+        import torch
+
+        return int(torch.cuda.device_count())
+    return None
+
+
+def check_parallel_devices(framework: str, device: str, tensor_parallel: int, shown: str) -> None:
+    """N devices there: `shown` names N as the caller wrote it (`--tensor-parallel 4`, `tensor_parallel=4`)."""
+    count = parallel_devices(framework, device) if tensor_parallel > 1 else None
+    if count is not None and tensor_parallel > count:
+        started = " (JAX had started with fewer before kvports could ask for more)" if framework == "jax" else ""
+        raise UserError(f"{shown} is above the {count} {device} devices here{started}")

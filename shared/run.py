@@ -37,10 +37,11 @@ from kvports.shared.checks import (
     check_needed,
     check_ngram,
     check_prompts,
+    check_tensor_parallel,
 )
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.contract import OnToken, Port, Timed
-from kvports.shared.devices import DEVICES, check_device
+from kvports.shared.devices import DEVICES, check_device, check_parallel_devices, prepare_tensor_parallel
 from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, finish_reasons, pad_prompts, row_tokens
 from kvports.shared.limits import check_bytes, check_run
@@ -71,6 +72,7 @@ class RunInputs:
     dtype: str = "float32"
     device: str = "cpu"
     draft: Draft | None = None  # speculative mode's draft
+    tensor_parallel: int = 1  # devices the model is split across (Megatron-style); 1: one device
 
 
 @dataclass
@@ -84,9 +86,11 @@ class LoadedModel:
     dtype: str
     device: str
     drafts: dict[str, tuple[ModelConfig, Any]] = field(default_factory=dict)  # source -> (config, model)
+    tensor_parallel: int = 1  # the draft is split across the same devices
 
     def add_draft(self, source: str, config: ModelConfig, tensors: Tensors) -> None:
-        self.drafts[source] = (config, self.port.load_model(config, tensors, self.dtype, self.device))
+        model = self.port.load_model(config, tensors, self.dtype, self.device, tensor_parallel=self.tensor_parallel)
+        self.drafts[source] = (config, model)
 
 
 @dataclass(frozen=True)
@@ -137,11 +141,21 @@ def load_port(framework: str) -> Port:
 
 
 def load_model(
-    framework: str, config: ModelConfig, tensors: Tensors, dtype: str, device: str, names: Names = COMMAND_LINE
+    framework: str,
+    config: ModelConfig,
+    tensors: Tensors,
+    dtype: str,
+    device: str,
+    names: Names = COMMAND_LINE,
+    tensor_parallel: int = 1,
 ) -> LoadedModel:
+    """`tensor_parallel` checked beforehand (`check_inputs`, or `check_tensor_parallel`)."""
+    prepare_tensor_parallel(tensor_parallel, device, [framework])  # before the port's import starts JAX
     port = load_port(framework)
     check_device(port, device, names.show("device", device if not names.api else repr(device)))
-    return LoadedModel(port, port.load_model(config, tensors, dtype, device), config, framework, dtype, device)
+    check_parallel_devices(framework, device, tensor_parallel, names.show("tensor_parallel", str(tensor_parallel)))
+    model = port.load_model(config, tensors, dtype, device, tensor_parallel=tensor_parallel)
+    return LoadedModel(port, model, config, framework, dtype, device, tensor_parallel=tensor_parallel)
 
 
 def check_inputs(
@@ -173,6 +187,11 @@ def check_inputs(
             check_draft_model(config, draft)
             models.append(("the draft", draft))
         check_needed(max(map(len, rows)), generation.max_new_tokens, draft_tokens, models)
+    parallel = [("the model", config)]
+    if draft is not None and "speculative" in modes:
+        parallel.append(("the draft", draft))
+    check_tensor_parallel(inputs.tensor_parallel, inputs.framework, parallel, names)
+    prepare_tensor_parallel(inputs.tensor_parallel, inputs.device, [inputs.framework])  # before anything starts JAX
     batch = pad_prompts(rows)[0]  # [B, P]
     B, P = batch.shape
     check_run(config, inputs.dtype, B, P, generation.max_new_tokens, modes, draft_tokens, draft)

@@ -490,3 +490,70 @@ def running(pids: list[int], wait: float = 0.0) -> list[int]:
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(0.1)
+
+
+# --- tensor parallelism: JAX's simulated devices exist only in a process that asked before JAX started
+
+TP_SIZES = (1, 2, 4)
+TP_CASES = {  # name -> (mode, GenerationConfig fields, with a draft model)
+    "cached_greedy": ("cached", dict(max_new_tokens=6), False),
+    "cached_sampled": ("cached", dict(max_new_tokens=6, temperature=0.9, top_k=20, seed=3), False),
+    "speculative_sampled": ("speculative", dict(max_new_tokens=6, temperature=0.9, seed=5), True),
+}
+
+
+def tensor_parallel_runs(out: str, dtype: str = "float64", cases: tuple[str, ...] = tuple(TP_CASES)) -> None:
+    """Every tiny family x TP_CASES x TP_SIZES through the JAX port, saved to `out` (.npz): tokens,
+    step logits, and the KV cache's and a qkv kernel's partition specs. Run in a subprocess that
+    asks for 4 simulated devices (`tensor_parallel_subprocess`)."""
+    import jax
+
+    from kvports.jax_impl import model as jax_model
+    from kvports.jax_impl.split import split_model
+    from kvports.shared.generation import GenerationConfig
+
+    jax_port = ports.load_port("jax")
+    prompts = np.array([[-1, 5, 9, 2], [7, 3, 11, 4]])  # [2, 4]: a left-padded row (PAD = -1) and a full one
+    saved: dict[str, np.ndarray] = {}
+    for family, config in TINY_FAMILIES.items():
+        tensors = {name: array.astype(dtype) for name, array in random_weights(config).items()}
+        draft_config = dataclasses.replace(config, n_layers=1)
+        draft_tensors = {name: array.astype(dtype) for name, array in random_weights(draft_config, seed=1).items()}
+        for n in TP_SIZES:
+            model = jax_port.load_model(config, tensors, dtype, tensor_parallel=n)
+            draft = jax_port.load_model(draft_config, draft_tensors, dtype, tensor_parallel=n)
+            for case in cases:
+                mode, fields, with_draft = TP_CASES[case]
+                generation = GenerationConfig(**fields)
+                key = f"{family}/{case}/{n}"
+                if mode == "speculative":
+                    saved[f"{key}/tokens"] = jax_port.generate_speculative(
+                        model, draft if with_draft else None, prompts, generation, 3
+                    )[0]
+                else:
+                    saved[f"{key}/tokens"], saved[f"{key}/logits"] = jax_port.generate(
+                        model, prompts, generation, mode, True
+                    )
+            with jax.enable_x64(True):
+                prompt = jax.device_put(np.asarray(prompts, np.int32), model.emb.embedding[...].sharding)
+                decoding, tokens = jax_model.start_generation(prompt, GenerationConfig(2))
+                state, _ = jax_model._start_cached(*split_model(model), prompt, tokens, decoding, False, True)
+            for name, array in (("cache", state.cache.keys), ("qkv", model.blocks[0].qkv.kernel[...])):
+                spec = getattr(array.sharding, "spec", ())
+                saved[f"{key.rsplit('/', 2)[0]}/{n}/{name}_spec"] = np.array(repr(tuple(spec)))
+    np.savez(out, **saved)
+
+
+def tensor_parallel_subprocess(
+    out: Path, dtype: str = "float64", cases: tuple[str, ...] = tuple(TP_CASES)
+) -> dict[str, np.ndarray]:
+    """`tensor_parallel_runs` in a fresh Python with 4 simulated CPU devices; its arrays by key."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    code = f"from tests.helpers import tensor_parallel_runs; tensor_parallel_runs({str(out)!r}, {dtype!r}, {cases!r})"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root, timeout=900)
+    with np.load(out) as runs:
+        return {key: runs[key] for key in runs.files}

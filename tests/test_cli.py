@@ -275,3 +275,16 @@ def test_generate_checks_each_input_once(capsys, monkeypatch, tmp_path):
     code, _, err = run_cli(capsys, *argv)
     assert code == 0, err
     assert calls == dict.fromkeys(names, 1)
+
+
+@pytest.mark.parametrize("command", ["generate", "compare", "bench", "batch"])
+def test_every_run_command_takes_tensor_parallel_and_refuses_zero_in_one_line(capsys, no_port_may_load, command):
+    err = assert_one_error_line(*run_cli(capsys, command, "--tensor-parallel", "0"))
+    assert err == "error: --tensor-parallel 0 is below 1\n"
+
+
+def test_tensor_parallel_one_is_todays_generate(capsys):
+    argv = ["generate", "--framework", "numpy", "--mode", "cached", "--new-tokens", "8", "--json"]
+    code, out, _ = run_cli(capsys, *argv, "--tensor-parallel", "1")
+    output = json.loads(out)
+    assert (code, output["tensor_parallel"], output["tokens"][0][5:]) == (0, 1, GOLDEN[:8])

@@ -104,10 +104,16 @@ def test_a_call_a_caller_could_not_make_is_reported(signature, problem):
 
 def test_a_different_default_is_reported():
     port = conforming_port()
-    port.load_model = with_signature("(config, tensors, dtype='float64', device='cpu')")
+    port.load_model = with_signature("(config, tensors, dtype='float64', device='cpu', *, tensor_parallel=1)")
     assert contract.mismatches(port, contract.Port) == [
         "fake.load_model: dtype must default to 'float32' (found 'float64')"
     ]
+
+
+def test_a_port_that_cannot_split_its_model_is_reported():
+    port = conforming_port()
+    port.load_model = with_signature("(config, tensors, dtype='float32', device='cpu')")
+    assert contract.mismatches(port, contract.Port) == ["fake.load_model: has no keyword parameter 'tensor_parallel'"]
 
 
 def test_an_extra_parameter_with_a_default_and_a_keyword_only_on_token_conform():

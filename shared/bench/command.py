@@ -28,9 +28,10 @@ from kvports.shared.checks import (
     check_draft,
     check_needed,
     check_ngram,
+    check_tensor_parallel,
 )
 from kvports.shared.config import ModelConfig
-from kvports.shared.devices import check_gpu_reachable, device_problem
+from kvports.shared.devices import check_gpu_reachable, device_problem, prepare_tensor_parallel
 from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.progress import make_progress
@@ -66,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
     if args.requests is not None:
         return run_batching(args)
     check_bench_counts(args.batch, args.prompt_len, args.new_tokens, args.repeats, args.warmup)
+    for tensor_parallel in args.tensor_parallel:  # its range; numpy gets no split rows, so it is no refusal here
+        check_tensor_parallel(tensor_parallel, "jax", [])
+    prepare_tensor_parallel(
+        max(args.tensor_parallel), args.device, parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
+    )
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
     check_bench_outputs(args.plot, args.csv, args.json)
@@ -84,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         sweep.extend(parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None))
         longest = max([args.new_tokens, *sweep])
         check_bench_run(config, modes, longest, args.dtype, args.batch, args.prompt_len, args.new_tokens)
+        for tensor_parallel in args.tensor_parallel:
+            check_tensor_parallel(tensor_parallel, "jax", [("the model", config)])
 
     preset, config, tensors = load_bench_model(args.preset, args.weights, args.dtype, check)
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens)  # [B, P]
@@ -96,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
         check_ngram(args.ngram, args.prompt_len, args.new_tokens)
         check_needed(args.prompt_len, args.new_tokens, args.draft_tokens, [("the model", config)])
         draft_weights = read_draft(inputs, config, prompts)  # at --dtype
+        if draft_weights is not None:
+            for tensor_parallel in args.tensor_parallel:
+                check_tensor_parallel(tensor_parallel, "jax", [("the draft", draft_weights[0])])
     roofline = args.roofline or preset == "gpt2-small"
     settings: dict[str, Any] = {
         "preset": preset,
@@ -106,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         "new_tokens": args.new_tokens,
         "dtype": args.dtype,
         "device": args.device,
+        "tensor_parallel": list(args.tensor_parallel),
         "repeats": args.repeats,
         "warmup": args.warmup,
         "sweep": sweep,

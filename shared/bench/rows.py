@@ -38,6 +38,29 @@ MEASURES = (
 )
 
 
+def parallel_runs(runners: list[Runner], sizes: tuple[int, ...]) -> list[tuple[Runner, int]]:
+    """Every runner at N = 1; the ports that split a model (torch, jax) again at each N > 1 asked for."""
+    runs = []
+    for runner in runners:
+        runs.append((runner, 1))
+        if runner.framework in ("torch", "jax") and runner.variant is None and not runner.baseline and not runner.peer:
+            runs.extend((runner, n) for n in sizes if n > 1)
+    return runs
+
+
+def parallel_option(tensor_parallel: int) -> dict[str, Any]:
+    return {"tensor_parallel": tensor_parallel} if tensor_parallel > 1 else {}
+
+
+def parallel_note(tensor_parallel: int, device: str) -> str:
+    if device == "cpu":
+        return (
+            f"split across {tensor_parallel} devices; on the CPU these share its cores (JAX's simulated devices, "
+            "torch's processes), so the row measures the split's communication overhead, not a speed-up"
+        )
+    return f"split across {tensor_parallel} GPUs (Megatron-style, all-reduce after each row-parallel product)"
+
+
 def unavailable_row(runner: Runner, mode: str, reason: str | None) -> dict[str, Any]:
     # Every field a row has, empty: a reader of the JSON need not special-case it.
     return {
@@ -92,7 +115,7 @@ def run_rows(
         bandwidth["numpy"] = matvec_bandwidth(matvec["numpy"])
         bandwidth_device["numpy"] = "cpu"
     versions: dict[str, str] = {"numpy": np.__version__}
-    for runner in runners:
+    for runner, tensor_parallel in parallel_runs(runners, getattr(args, "tensor_parallel", (1,))):
         runner_modes = [mode for mode in runner.modes if mode in modes]
         if not runner_modes:
             continue
@@ -105,6 +128,8 @@ def run_rows(
         options = {"source": args.weights, "threads": peer_threads(), **dict(runner.options)} if runner.peer else {}
         if module is not None:
             try:
+                if tensor_parallel > 1:
+                    options["tensor_parallel"] = tensor_parallel
                 model = module.load_model(config, tensors, args.dtype, device, **options)
             except Exception as exc:  # a missing GPU, or a config this baseline cannot run
                 reason = f"{type(exc).__name__}: {exc}"
@@ -126,10 +151,15 @@ def run_rows(
                 "available": True,
                 "device": device,
                 "dtype": args.dtype,
+                "tensor_parallel": tensor_parallel,
             }
             call = RowCall(mode)
             if mode == "speculative":
-                draft = None if draft_weights is None else module.load_model(*draft_weights, args.dtype, device)
+                draft = (
+                    None
+                    if draft_weights is None
+                    else module.load_model(*draft_weights, args.dtype, device, **parallel_option(tensor_parallel))
+                )
                 call = RowCall(mode, draft, Draft(str(args.draft), args.draft_tokens, args.ngram))
             try:
                 row.update(measure_row(runner, module, model, call, prompts, args, sweep, tick))
@@ -141,7 +171,7 @@ def run_rows(
                 rows.append(unavailable_row(runner, mode, f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
                 continue
             row["kv_cache_bytes"] = cache_bytes_held(runner, mode, config, B, P, N, itemsize, args.draft_tokens)
-            row["note"] = note(runner, mode)
+            row["note"] = note(runner, mode) if tensor_parallel == 1 else parallel_note(tensor_parallel, device)
             rows.append(row)
         del model
         gc.collect()  # gpt2-small: free one framework's copy of the weights before the next loads

@@ -55,6 +55,8 @@ def print_table(result: dict, show_targets: bool = False) -> None:
     notes: list[str] = []
     for row in rows:
         name = row["framework"] if row["variant"] is None else f"{row['framework']} ({row['variant']})"
+        if row.get("tensor_parallel", 1) > 1:
+            name += f" tp={row['tensor_parallel']}"
         if not row["available"]:
             table.add_row(name, row["mode"], *["-"] * (len(columns) - 2), f"unavailable: {row['reason']}")
             continue

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvports.shared.arguments import add_weights_arguments, positive_int
+from kvports.shared.arguments import add_tensor_parallel_argument, add_weights_arguments, positive_int
 from kvports.shared.batching.blocks import blocks_for
 from kvports.shared.batching.engine import (
     BLOCK_SIZE,
@@ -31,8 +31,9 @@ from kvports.shared.batching.requests import BadLine, Request, parse_requests, s
 from kvports.shared.batching.scheduler import Sequence
 from kvports.shared.bench.batching import WORKLOADS, BatchingBench, choices, run_bench
 from kvports.shared.bench.presets import PRESETS
+from kvports.shared.checks import check_tensor_parallel
 from kvports.shared.config import DTYPES, ModelConfig
-from kvports.shared.devices import add_device_argument
+from kvports.shared.devices import add_device_argument, prepare_tensor_parallel
 from kvports.shared.errors import UserError, echo_path
 from kvports.shared.limits import check_bytes, check_count
 from kvports.shared.ports import PORTS, REFERENCE
@@ -59,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_weights_arguments(parser)
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
     add_device_argument(parser)
+    add_tensor_parallel_argument(parser)
     parser.add_argument(
         "--tokenizer",
         type=Path,
@@ -132,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
         config = weights.config.validate_at(args.dtype)
         settings_of(args, None).validate(config)  # the flags, before the file: they decide what fits
+        check_tensor_parallel(args.tensor_parallel, args.framework, [("the model", config)])
+        prepare_tensor_parallel(args.tensor_parallel, args.device, [args.framework])
         tokenizer = load_tokenizer(args.tokenizer, args.weights, config)
         requests, bad = read_requests(args, config, tokenizer)
         for line in bad:
@@ -141,9 +145,10 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_of(args, max(request.max_length for request in requests)).validate(config)
         check_bytes(run_bytes(config, args.dtype, settings), f"a batch of {len(requests)} requests in {args.dtype}")
         tensors = weights.read(args.dtype)
-    loaded = load_model(args.framework, config, tensors, args.dtype, args.device)
+    loaded = load_model(args.framework, config, tensors, args.dtype, args.device, tensor_parallel=args.tensor_parallel)
     summary = run_requests(loaded.port, loaded.model, config, settings, requests, tokenizer)
     summary.update(framework=args.framework, dtype=args.dtype, device=args.device, bad_lines=len(bad))
+    summary.update(tensor_parallel=args.tensor_parallel)
     print(json.dumps({"summary": summary}), flush=True)
     return EXIT_BAD_LINES if bad else 0
 

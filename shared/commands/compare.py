@@ -30,7 +30,14 @@ from kvports.shared.commands.generate import describe_generation
 from kvports.shared.compare import NEAR_TIE, comparable_steps, compare_tokens, logit_difference
 from kvports.shared.config import ModelConfig
 from kvports.shared.contract import Port
-from kvports.shared.devices import add_device_argument, check_gpu_reachable, device_problem, placement
+from kvports.shared.devices import (
+    add_device_argument,
+    check_gpu_reachable,
+    check_parallel_devices,
+    device_problem,
+    placement,
+    prepare_tensor_parallel,
+)
 from kvports.shared.errors import UserError
 from kvports.shared.families import describe
 from kvports.shared.generation import PAD, GenerationConfig, row_tokens
@@ -112,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     warn_unused(args, speculative)
     config, tensors, prompts, generation = given.config, given.tensors, given.prompts, given.inputs.generation
     P = prompts.shape[1]
+    prepare_tensor_parallel(args.tensor_parallel, args.device, ports.PORTS)  # before usable_ports starts JAX
     usable, reasons = usable_ports(args.device)
     reference = next(name for name in [ports.REFERENCE, *ports.PORTS] if usable[name] is not None)
     order = [reference] + [name for name in ports.PORTS if name != reference]
@@ -126,18 +134,28 @@ def run(args: argparse.Namespace) -> int:
             for mode in modes:
                 progress.update(task, description=f"{name} {mode}")
                 row: dict[str, Any] = {"framework": name, "mode": mode, "device": placement(name, args.device)}
-                if port is None:
-                    rows.append({**row, "available": False, "reason": reasons[name]})
+                if port is None or (name == "numpy" and args.tensor_parallel > 1):
+                    reason = reasons[name] if port is None else "numpy has no tensor parallelism"
+                    rows.append({**row, "available": False, "reason": reason})
                     progress.advance(task)
                     continue
                 if model is None:
+                    shown = f"--tensor-parallel {args.tensor_parallel}"
+                    check_parallel_devices(name, placement(name, args.device), args.tensor_parallel, shown)
                     model = LoadedModel(
                         port,
-                        port.load_model(config, tensors, args.dtype, placement(name, args.device)),
+                        port.load_model(
+                            config,
+                            tensors,
+                            args.dtype,
+                            placement(name, args.device),
+                            tensor_parallel=args.tensor_parallel,
+                        ),
                         config,
                         name,
                         args.dtype,
                         placement(name, args.device),
+                        tensor_parallel=args.tensor_parallel,
                     )
                     if given.draft is not None:
                         model.add_draft(args.draft, *given.draft)

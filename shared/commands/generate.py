@@ -21,7 +21,7 @@ from kvports.shared.commands.arguments import (
     read_inputs,
     warn_unused,
 )
-from kvports.shared.devices import add_device_argument
+from kvports.shared.devices import add_device_argument, tensor_parallel_layout
 from kvports.shared.families import describe
 from kvports.shared.generation import PAD, GenerationConfig
 from kvports.shared.run import Generation, generate, load_model
@@ -76,7 +76,9 @@ class Stream:
 def run(args: argparse.Namespace) -> int:
     given = read_inputs(args, args.framework, args.mode)
     warn_unused(args, args.mode == "speculative")
-    loaded = load_model(args.framework, given.config, given.tensors, args.dtype, args.device)
+    loaded = load_model(
+        args.framework, given.config, given.tensors, args.dtype, args.device, tensor_parallel=args.tensor_parallel
+    )
     if given.draft is not None:
         loaded.add_draft(args.draft, *given.draft)
     stream = Stream(given.prompts.shape[0], given.tokenizer, args.json) if args.stream else None
@@ -96,12 +98,15 @@ def run(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "device": args.device,
             "family": given.config.family,
+            "tensor_parallel": args.tensor_parallel,
             "generation": dataclasses.asdict(generation),
             "tokens": result.tokens,
             "finish_reason": result.finish_reason,
             "seconds": result.seconds,
             **speed,
         }
+        if args.tensor_parallel > 1:
+            output["tensor_parallel_layout"] = tensor_parallel_layout(given.config, args.tensor_parallel)
         if result.speculative is not None:
             output["speculative"] = result.speculative
         if result.text is not None:
@@ -113,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         f"{args.framework} {args.mode} {args.dtype} on the {args.device}, {describe(given.config)}, "
         f"{describe_generation(generation)}, {args.new_tokens} new tokens at most, in {result.seconds:.3f} s"
     )
+    if args.tensor_parallel > 1:
+        print(f"  tensor parallel: {tensor_parallel_layout(given.config, args.tensor_parallel)}")
     for index, (row, generated) in enumerate(zip(result.tokens, result.generated, strict=True)):
         print(f"  prompt    {' '.join(map(str, row[: len(row) - len(generated)]))}")
         print(f"  generated {' '.join(map(str, generated))}  ({result.finish_reason[index]})")
