@@ -15,7 +15,14 @@ from typing import Any
 import numpy as np
 
 from kvports.shared import run
-from kvports.shared.arguments import add_weights_arguments, non_negative_int, number, positive_int, seed
+from kvports.shared.arguments import (
+    add_threads_argument,
+    add_weights_arguments,
+    non_negative_int,
+    number,
+    positive_int,
+    seed,
+)
 from kvports.shared.checks import (
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
@@ -45,6 +52,7 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_threads_argument(parser)
 
 
 def add_text_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,7 +146,15 @@ def read_checked(
     def check(config: ModelConfig) -> tuple[run.RunInputs, Any, np.ndarray]:
         tokenizer = text_tokenizer(args, config)
         inputs = run.RunInputs(
-            framework, mode, generation_of(args, config), args.weights, args.dtype, args.device, draft_of(args)
+            framework,
+            mode,
+            generation_of(args, config),
+            args.weights,
+            args.dtype,
+            args.device,
+            draft_of(args),
+            threads=args.threads,
+            logprobs=getattr(args, "logprobs", 0),
         )
         rows = prompt_rows(args, tokenizer)
         return inputs, tokenizer, run.check_inputs(inputs, config, rows, modes=modes, draft=draft)
