@@ -6,7 +6,13 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvports.shared.arguments import add_model_argument, add_speculative_arguments, integer, parse_integer
+from kvports.shared.arguments import (
+    add_model_argument,
+    add_speculative_arguments,
+    add_threads_argument,
+    integer,
+    parse_integer,
+)
 from kvports.shared.batching.engine import BatchSettings
 from kvports.shared.bench.batching import WORKLOADS, BatchingBench
 from kvports.shared.bench.presets import PRESETS
@@ -89,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--targets", action="store_true", help="also print the development speed targets, met or missed"
     )
     add_speculative_arguments(parser)
+    add_threads_argument(parser)
     batching = parser.add_argument_group("continuous batching (docs/BATCHING.md)")
     batching.add_argument(
         "--requests",
@@ -101,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # What --requests keeps from the bench's flags; every other one must stay at its default.
-BATCHING_FLAGS = ("preset", "weights", "frameworks", "dtype", "device", "json", "requests")
+BATCHING_FLAGS = ("preset", "weights", "frameworks", "dtype", "device", "json", "requests", "threads")
 
 
 def batching_inputs(
@@ -134,6 +141,7 @@ def batching_inputs(
         args.dtype,
         args.device,
         args.json,
+        args.threads,
     )
 
 

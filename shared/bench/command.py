@@ -35,6 +35,7 @@ from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.progress import make_progress
 from kvports.shared.run import Draft, RunInputs, read_draft
+from kvports.shared.threads import check_threads, use_threads
 
 
 def gpu_problems(runners: list[Runner], device: str) -> dict[str, str]:
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.requests is not None:
         return run_batching(args)
     check_bench_counts(args.batch, args.prompt_len, args.new_tokens, args.repeats, args.warmup)
+    check_threads(args.threads)
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
     check_bench_outputs(args.plot, args.csv, args.json)
@@ -122,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
             args.plot.mkdir(exist_ok=True)
             plots[:] = [str(path) for path in write_plots({"settings": settings, "rows": rows}, args.plot)]
 
+    use_threads(args.threads)
     start, load_before = time.perf_counter(), load_average()
     with make_progress(args.json or str(args.csv) == "-") as progress:
         rows, machine_info = run_rows(
@@ -139,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             plot_so_far,
         )
     settings["versions"] = machine_info.pop("versions")
-    settings["threads"] = threads_info(args.peers)
+    settings["threads"] = {"--threads": "default" if args.threads is None else args.threads, **threads_info(args.peers)}
     machine = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),

@@ -23,6 +23,7 @@ from kvports.shared.bench.measure import (
 from kvports.shared.bench.runners import Runner, import_runner, note
 from kvports.shared.config import ModelConfig, kv_cache_bytes
 from kvports.shared.run import Draft
+from kvports.shared.threads import settle_threads
 
 MEASURES = (
     "ttft_ms",
@@ -98,6 +99,7 @@ def run_rows(
             continue
         device = args.device if runner.gpu else "cpu"
         module, reason = import_runner(runner)
+        settle_threads()  # torch's pools exist once it is imported
         if module is not None and runner.label in no_device:
             module, reason = None, no_device[runner.label]
         model = None

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvports.shared.arguments import add_weights_arguments, positive_int
+from kvports.shared.arguments import add_threads_argument, add_weights_arguments, positive_int
 from kvports.shared.batching.blocks import blocks_for
 from kvports.shared.batching.engine import (
     BLOCK_SIZE,
@@ -38,6 +38,7 @@ from kvports.shared.limits import check_bytes, check_count
 from kvports.shared.ports import PORTS, REFERENCE
 from kvports.shared.progress import make_progress
 from kvports.shared.run import load_model
+from kvports.shared.threads import check_threads, use_threads
 from kvports.shared.weights import DEFAULT_WEIGHTS, open_weights
 
 HELP = "run a JSONL file of requests with continuous batching over a paged KV cache (or --bench it)"
@@ -92,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"a prefill step's [batch x tokens] budget, padding included (default {MAX_STEP_TOKENS})",
     )
     parser.add_argument("--no-prefix-cache", action="store_true", help="recompute shared prompt prefixes")
+    add_threads_argument(parser)
     bench = parser.add_argument_group("benchmark (--bench: no --requests; see docs/BATCHING.md)")
     bench.add_argument(
         "--bench",
@@ -129,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         return run_bench(bench_inputs(args))
     if args.requests is None:
         raise UserError("give --requests FILE.jsonl (or --bench)")
+    check_threads(args.threads)
     with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
         config = weights.config.validate_at(args.dtype)
         settings_of(args, None).validate(config)  # the flags, before the file: they decide what fits
@@ -141,9 +144,12 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_of(args, max(request.max_length for request in requests)).validate(config)
         check_bytes(run_bytes(config, args.dtype, settings), f"a batch of {len(requests)} requests in {args.dtype}")
         tensors = weights.read(args.dtype)
+    use_threads(args.threads)
     loaded = load_model(args.framework, config, tensors, args.dtype, args.device)
     summary = run_requests(loaded.port, loaded.model, config, settings, requests, tokenizer)
-    summary.update(framework=args.framework, dtype=args.dtype, device=args.device, bad_lines=len(bad))
+    summary.update(
+        framework=args.framework, dtype=args.dtype, device=args.device, threads=args.threads, bad_lines=len(bad)
+    )
     print(json.dumps({"summary": summary}), flush=True)
     return EXIT_BAD_LINES if bad else 0
 
@@ -161,6 +167,7 @@ def bench_inputs(args: argparse.Namespace) -> BatchingBench:
         args.dtype,
         args.device,
         args.json,
+        args.threads,
     )
 
 
