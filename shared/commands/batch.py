@@ -27,7 +27,7 @@ from kvports.shared.batching.engine import (
     Engine,
     run_bytes,
 )
-from kvports.shared.batching.requests import BadLine, Request, parse_requests, split_lines
+from kvports.shared.batching.requests import BadLine, Chat, Request, parse_requests, split_lines
 from kvports.shared.batching.scheduler import Sequence
 from kvports.shared.bench.batching import WORKLOADS, BatchingBench, choices, run_bench
 from kvports.shared.bench.presets import PRESETS
@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--requests",
         type=Path,
         metavar="FILE",
-        help='JSONL, one request a line: {"prompt": [ids]} or {"text": "..."}, and optionally "id", '
+        help='JSONL, one request a line: {"prompt": [ids]}, {"text": "..."} or {"messages": [{"role", "content"}]} '
+        '(a GGUF file\'s chat template), and optionally "id", '
         '"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids" (default: the model\'s eos ids)',
     )
     parser.add_argument("--framework", choices=PORTS, default=REFERENCE, help=f"default {REFERENCE}")
@@ -205,7 +206,18 @@ def read_requests(args: argparse.Namespace, config: ModelConfig, tokenizer: Any)
     encode = None if tokenizer is None else (lambda text: tokenizer.encode(text).ids)
     # A request the pool could never hold is a bad line, not a run that waits forever.
     pool_tokens = None if args.num_blocks is None else args.num_blocks * args.block_size
-    return parse_requests(lines, config, args.new_tokens, encode, pool_tokens)
+    return parse_requests(lines, config, args.new_tokens, encode, pool_tokens, chat_of(args.weights, tokenizer))
+
+
+def chat_of(weights: Path | None, tokenizer: Any) -> Chat | None:
+    """ "messages" lines' encoder: a GGUF weights file's chat template with the tokenizer; None without either."""
+    from kvports.shared.gguf.reader import is_gguf
+
+    if weights is None or tokenizer is None or not is_gguf(weights):
+        return None
+    from kvports.shared.chat import chat_encoder
+
+    return chat_encoder(weights, tokenizer)
 
 
 def run_requests(

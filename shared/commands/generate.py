@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             "mode": args.mode,
             "dtype": args.dtype,
             "device": args.device,
+            "threads": given.inputs.threads,
             "family": given.config.family,
             "generation": dataclasses.asdict(generation),
             "tokens": result.tokens,
