@@ -135,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
     check_threads(args.threads)
     with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
         config = weights.config.validate_at(args.dtype)
-        settings_of(args, None).validate(config)  # the flags, before the file: they decide what fits
+        # The flags, before the file: they decide what fits. The default pool is sized below, for the
+        # requests' own lengths: a model's long context must not refuse a file of short requests.
+        settings_of(args, 1).validate(config)
         tokenizer = load_tokenizer(args.tokenizer, args.weights, config)
         requests, bad = read_requests(args, config, tokenizer)
         for line in bad:
