@@ -289,3 +289,33 @@ def test_a_context_too_long_for_the_default_pool_names_the_flag_that_sets_it(cap
     argv = ["batch", "--weights", weights, "--requests", requests, "--framework", "numpy"]
     err = assert_one_error_line(*run_cli(capsys, *argv))
     assert "set a smaller pool with --num-blocks (by default --max-batch 32 sequences of" in err
+
+
+# ---------------------------------------------------------------- another model's --weights
+
+
+@pytest.mark.parametrize("command", ["generate", "compare"])
+def test_the_seeds_default_prompt_outside_another_vocabulary_says_to_give_a_prompt(
+    capsys, no_port_may_load, tmp_path, command
+):
+    from kvports.shared.weights import gpt2_init_weights, save_weights
+    from tests.helpers import TINY_FAMILIES
+
+    config = TINY_FAMILIES["gpt2"]  # a vocabulary of 64
+    weights = tmp_path / "tiny.safetensors"
+    save_weights(weights, gpt2_init_weights(config), config)
+    argv = [command, "--weights", weights] + (["--framework", "numpy", "--mode", "cached"] * (command == "generate"))
+    err = assert_one_error_line(*run_cli(capsys, *argv))
+    assert err.endswith(f"outside this model's vocabulary [0, {config.vocab_size}): give --prompt IDS or --text TEXT\n")
+
+
+@pytest.mark.parametrize("given", ["folder", "its model.safetensors"])
+def test_a_hugging_face_checkpoint_as_weights_says_to_convert_it(capsys, no_port_may_load, tmp_path, given):
+    from tests.helpers import llama_config, llama_tensors, write_hf_dir
+
+    config = llama_config()
+    folder = write_hf_dir(tmp_path / "hf", config, llama_tensors(config))
+    path = folder if given == "folder" else folder / "model.safetensors"
+    argv = ["generate", "--framework", "numpy", "--mode", "cached", "--weights", path]
+    err = assert_one_error_line(*run_cli(capsys, *argv))
+    assert f"convert it once with kvports convert --from-hf '{folder}' --out model.safetensors" in err

@@ -33,6 +33,7 @@ from kvports.shared.checks import (
     parse_prompt,
 )
 from kvports.shared.config import DTYPES, ModelConfig
+from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.weights import open_weights
 
@@ -157,6 +158,7 @@ def read_checked(
             logprobs=getattr(args, "logprobs", 0),
         )
         rows = prompt_rows(args, tokenizer)
+        check_default_prompt(args, config)
         return inputs, tokenizer, run.check_inputs(inputs, config, rows, modes=modes, draft=draft)
 
     config, tensors, checked = run.read_model(args.weights, args.dtype, check)
@@ -228,3 +230,13 @@ def prompt_rows(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
         return encode(tokenizer, args.text)
     texts = args.prompt if args.prompt else [",".join(map(str, SEED_PROMPT))]
     return [parse_prompt(text) for text in texts]
+
+
+def check_default_prompt(args: argparse.Namespace, config: ModelConfig) -> None:
+    """The seed's prompt, the default, is the seed's ids: another model's vocabulary may not hold them."""
+    given = args.prompt or getattr(args, "text", None) is not None or chat_given(args)
+    if not given and max(SEED_PROMPT) >= config.vocab_size:
+        raise UserError(
+            f"the default prompt is the seed model's ids {','.join(map(str, SEED_PROMPT))}, outside this model's "
+            f"vocabulary [0, {config.vocab_size}): give --prompt IDS or --text TEXT"
+        )
