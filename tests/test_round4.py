@@ -319,3 +319,54 @@ def test_a_hugging_face_checkpoint_as_weights_says_to_convert_it(capsys, no_port
     argv = ["generate", "--framework", "numpy", "--mode", "cached", "--weights", path]
     err = assert_one_error_line(*run_cli(capsys, *argv))
     assert f"convert it once with kvports convert --from-hf '{folder}' --out model.safetensors" in err
+
+
+# ---------------------------------------------------------------- --prompt-file and --text-file
+
+
+def test_a_prompt_file_gives_the_tokens_of_the_same_prompts_as_flags(capsys, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1,2,3\n\n4 5 6 7\r\n")  # a blank line skipped, ids by commas or spaces, CRLF
+    common = ["generate", "--framework", "numpy", "--mode", "cached", "--new-tokens", "3", "--json"]
+    outputs = [
+        run_cli(capsys, *common, *extra)[1]
+        for extra in (["--prompt-file", prompts], ["--prompt", "1,2,3", "--prompt", "4,5,6,7"])
+    ]
+    assert json.loads(outputs[0])["tokens"] == json.loads(outputs[1])["tokens"]
+
+
+def test_each_bad_line_of_a_prompt_file_is_its_own_error_line(capsys, no_port_may_load, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1,2,3\nx 1\n4\n1,-\n")
+    code, out, err = run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached", "--prompt-file", prompts)
+    assert (code, out) == (2, "")
+    assert err == (
+        "error: --prompt-file line 2: prompt token 'x' is not an integer\n"
+        "error: --prompt-file line 4: prompt token '-' is not an integer\n"
+    )
+
+
+def test_a_text_file_from_stdin_is_one_prompt_a_line(capsys, chat_model, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello world\nhi\n")))
+    common = ["generate", "--framework", "numpy", "--mode", "cached", "--weights", chat_model, "--json"]
+    code, out, err = run_cli(capsys, *common, "--text-file", "-", "--new-tokens", "2")
+    assert code == 0, err
+    code, expected, err = run_cli(capsys, *common, "--text", "hello world", "--text", "hi", "--new-tokens", "2")
+    assert json.loads(out)["tokens"] == json.loads(expected)["tokens"]
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b"\n\n", "has no line to run"),
+        (b"\xff\xfe", "is not UTF-8 text"),
+        (b"1," * (2**23 + 1), "holds more than 16.0 MiB, the most --prompt-file reads"),
+    ],
+)
+def test_a_prompt_file_that_cannot_be_read_is_one_error_line(capsys, no_port_may_load, tmp_path, content, words):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(content)
+    argv = ["generate", "--framework", "numpy", "--mode", "cached", "--prompt-file", prompts]
+    assert words in assert_one_error_line(*run_cli(capsys, *argv))
