@@ -370,3 +370,48 @@ def test_a_prompt_file_that_cannot_be_read_is_one_error_line(capsys, no_port_may
     prompts.write_bytes(content)
     argv = ["generate", "--framework", "numpy", "--mode", "cached", "--prompt-file", prompts]
     assert words in assert_one_error_line(*run_cli(capsys, *argv))
+
+
+# ---------------------------------------------------------------- bench: a disturbed bandwidth probe
+
+
+def bench_with_probes(capsys, monkeypatch, seconds: list[float], *extra: str) -> tuple[dict, list[int]]:
+    """`kvports bench` of NumPy with its bandwidth probe timed at `seconds`, one figure per probe."""
+    from kvports.shared.ports import load_port
+
+    numpy_port = load_port("numpy")
+    calls: list[int] = []
+
+    def probe(rows, cols, repeats, device="cpu"):
+        calls.append(repeats)
+        return [seconds[len(calls) - 1]] * repeats
+
+    monkeypatch.setattr(numpy_port, "matvec_seconds", probe)
+    argv = ["bench", "--frameworks", "numpy", "--modes", "cached", "--new-tokens", "4", "--repeats", "1"]
+    code, out, err = run_cli(capsys, *argv, "--roofline", *extra)
+    assert code == 0, err
+    return (json.loads(out) if "--json" in extra else {"table": out}), calls
+
+
+def test_a_roofline_below_1_measures_the_bandwidth_again_and_keeps_the_better_probe(capsys, monkeypatch):
+    result, calls = bench_with_probes(capsys, monkeypatch, [1e3, 1e-6], "--json")  # first probe: 256 KB/s
+    assert len(calls) == 2 and result["machine"]["bandwidth_probes"] == 2
+    assert result["machine"]["matvec"]["seconds"]["numpy"] == [1e-6] * calls[1]
+    row = result["rows"][0]
+    assert row["roofline_ratio"] > 1 and not row["roofline_disturbed"]
+
+
+def test_a_roofline_still_below_1_is_flagged_in_the_table(capsys, monkeypatch):
+    result, calls = bench_with_probes(capsys, monkeypatch, [1e3, 1e3])
+    assert len(calls) == 2
+    table = " ".join(result["table"].split())
+    assert "x !" in table and "! roofline below 1: decode ran faster than the bandwidth probe allows" in table
+
+
+def test_load_average_of_the_batching_bench_is_rounded(monkeypatch):
+    import os
+
+    from kvports.shared.bench.batching import machine
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.57373046875, 1.0, 1.0))
+    assert machine(None)["load_average"] == [None, 4.57]
