@@ -91,7 +91,8 @@ def chat_messages(chat: Sequence[str] | None, chat_file: os.PathLike | None) -> 
 # stays clear of jinja2 and of this module's file reading.
 def gguf_chat_prompt(path: os.PathLike, messages: list[dict[str, str]]) -> str:
     """The messages as the file's own chat template renders them, with the generation prompt."""
-    return render_chat(*gguf_template(path), messages)
+    template, special = gguf_template(path)
+    return render_chat(template, messages, special)
 
 
 def gguf_template(path: os.PathLike) -> tuple[str, dict[str, str]]:

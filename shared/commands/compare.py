@@ -337,7 +337,7 @@ def print_table(
         ("mean\n|diff|", "right"),
         ("seconds", "right"),
         ("vs\nnaive", "right"),
-        *[("vs\ncached", "right"), ("accepted", "right")] * speculative,
+        *[("vs\ncached", "right"), ("draft\nkept", "right")] * speculative,
     ):
         table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for row in rows:
@@ -408,7 +408,7 @@ def footnotes(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]
     if any(row["mode"] == "speculative" for row in live):
         notes.append(
             "speculative: its tokens against the reference's (greedy: they must be equal); vs cached: the same "
-            "framework's cached seconds over its own; accepted: the draft's proposals the target kept"
+            "framework's cached seconds over its own; draft kept: the draft's proposals the target accepted"
         )
     for row in rows:
         if not row["available"] and row["reason"] != "not installed" and row["mode"] == "naive":
