@@ -25,6 +25,7 @@ from kvports.shared.contract import OnToken
 from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.run import Generation
+from kvports.shared.threads import check_threads, use_threads
 
 __all__ = ["Generation", "GenerationConfig", "Model", "UserError", "load"]
 
@@ -60,13 +61,15 @@ class Model:
         ngram: int = 2,
         return_logits: bool = False,
         on_token: OnToken | None = None,
+        logprobs: int = 0,
     ) -> Generation:
         """Generate from `prompts`: one prompt (ids, or "1,2,3" as the command line writes it) or a
         batch of them (rows may differ in length); None: the seed's prompt. `generation`: a
         GenerationConfig (its stop_ids are used as given), a number of new tokens, or else the keywords new_tokens,
         temperature, top_k, top_p, seed and stop_ids (None: the model's eos ids; []: none).
         mode: "naive", "cached" or "speculative" (with draft: a weights file or "ngram").
-        on_token(token [B]) as each token reaches the host."""
+        on_token(token [B]) as each token reaches the host. logprobs=K (naive and cached, K <= 20):
+        each new token's log-probability and its step's K likeliest, as `.logprobs`."""
         check_arguments(stop_ids=stop_ids, draft=draft, return_logits=return_logits, on_token=on_token)
         if generation is None or (isinstance(generation, int) and not isinstance(generation, bool)):
             new_tokens = new_tokens if generation is None else generation
@@ -75,7 +78,9 @@ class Model:
         elif not isinstance(generation, GenerationConfig):
             raise UserError(f"generation={echo(generation)} is not a GenerationConfig")
         chosen = None if draft is None else run.Draft(os.fspath(draft), draft_tokens, ngram)
-        inputs = run.RunInputs(self.framework, mode, generation, None, self.dtype, self.device, chosen)
+        inputs = run.RunInputs(
+            self.framework, mode, generation, None, self.dtype, self.device, chosen, logprobs=logprobs
+        )
         batch = run.check_and_prepare(self.loaded, inputs, prompt_rows(prompts), API)
         return run.generate(self.loaded, batch, inputs, return_logits, on_token)
 
@@ -128,12 +133,14 @@ def load(
     device: str = "cpu",
     *,
     model: str | None = None,
+    threads: int | None = None,
 ) -> Model:
     """A framework's ("torch", "jax" or "numpy") model from a weights file, safetensors or GGUF
     (None: the seed's model), or a fetched model by name (`model="smollm2"`), in float32 or
     float64, on the "cpu" or a "gpu", checked as `kvports generate` checks them."""
     run.check_names(framework, dtype, device, API)
     check_arguments(weights=weights, model=model)
+    check_threads(threads, API)  # threads=N: every framework's thread count, set before it starts (shared.threads)
     if model is not None:
         from kvports.shared.fetch import model_path
 
@@ -141,4 +148,5 @@ def load(
             raise UserError("give weights= a file or model= a fetched model's name, not both")
         weights = model_path(model)
     config, tensors, _ = run.read_model(None if weights is None else Path(os.fspath(weights)), dtype)
+    use_threads(threads)
     return Model(run.load_model(framework, config, tensors, dtype, device, API))

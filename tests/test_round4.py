@@ -417,3 +417,22 @@ def test_load_average_of_the_batching_bench_is_rounded(monkeypatch):
 
     monkeypatch.setattr(os, "getloadavg", lambda: (4.57373046875, 1.0, 1.0))
     assert machine(None)["load_average"] == [None, 4.57]
+
+
+# ---------------------------------------------------------------- the Python API
+
+
+def test_the_api_names_its_own_threads_argument(no_port_may_load):
+    import kvports
+
+    with pytest.raises(kvports.UserError, match=r"^threads=0 is below 1$"):
+        kvports.load("numpy", threads=0)
+
+
+def test_the_api_returns_logprobs(port):
+    import kvports
+
+    result = kvports.load(port.NAME).generate(SEED, new_tokens=3, logprobs=2)
+    assert [step["token"] for step in result.logprobs[0]] == result.generated[0]
+    with pytest.raises(kvports.UserError, match=r"^logprobs=21 is above 20$"):
+        kvports.load(port.NAME).generate(SEED, new_tokens=3, logprobs=21)
