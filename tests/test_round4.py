@@ -263,36 +263,6 @@ def test_messages_without_a_gguf_file_say_what_they_need(capsys, tmp_path):
     )
 
 
-@pytest.fixture
-def long_context(tmp_path):
-    """A tiny Llama with a context of 2**26 tokens: the default pool of 32 such sequences would be 2**31 slots."""
-    from kvports.shared.weights import gpt2_init_weights, save_weights
-    from tests.helpers import TINY_FAMILIES
-
-    config = dataclasses.replace(TINY_FAMILIES["llama"], max_seq_len=2**26)
-    weights = tmp_path / "long.safetensors"
-    save_weights(weights, gpt2_init_weights(config), config)
-    return weights
-
-
-def test_the_default_pool_is_sized_for_the_requests_not_the_models_context(capsys, tmp_path, long_context):
-    weights = long_context
-    requests = tmp_path / "requests.jsonl"
-    requests.write_text('{"prompt": [1, 2, 100000]}\n')  # read and refused: the pool did not refuse the file
-    code, out, err = run_cli(capsys, "batch", "--weights", weights, "--requests", requests, "--framework", "numpy")
-    assert code == 2
-    assert err.splitlines()[0].startswith("error: line 1: prompt token 100000 is outside"), err
-
-
-def test_a_context_too_long_for_the_default_pool_names_the_flag_that_sets_it(capsys, tmp_path, long_context):
-    weights = long_context
-    requests = tmp_path / "requests.jsonl"
-    requests.write_text(json.dumps({"prompt": [1, 2], "max_new_tokens": 2**25}) + "\n")
-    argv = ["batch", "--weights", weights, "--requests", requests, "--framework", "numpy"]
-    err = assert_one_error_line(*run_cli(capsys, *argv))
-    assert "set a smaller pool with --num-blocks (by default --max-batch 32 sequences of" in err
-
-
 # ---------------------------------------------------------------- another model's --weights
 
 
