@@ -406,3 +406,33 @@ def test_the_api_returns_logprobs(port):
     assert [step["token"] for step in result.logprobs[0]] == result.generated[0]
     with pytest.raises(kvports.UserError, match=r"^logprobs=21 is above 20$"):
         kvports.load(port.NAME).generate(SEED, new_tokens=3, logprobs=21)
+
+
+def test_the_batching_benchs_bar_counts_a_run_once_it_has_finished(capsys, monkeypatch):
+    from kvports.shared.bench import batching
+    from kvports.shared.weights import DEFAULT_WEIGHTS
+
+    seen: list[tuple[str, int]] = []
+
+    class Bar:  # records what the bar shows as each run starts, and at the end
+        total = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def add_task(self, description, total):
+            self.total = total
+            return 0
+
+        def update(self, task, completed, description=""):
+            seen.append((description, completed))
+
+    monkeypatch.setattr(batching, "make_progress", lambda quiet: Bar())
+    argv = ["batch", "--bench", "--frameworks", "numpy", "--weights", DEFAULT_WEIGHTS, "--count", "1", "--json"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert [completed for _, completed in seen] == [0, 1, 2, 3, 4]  # two runs per workload, both workloads
+    assert seen[1][0] == "numpy mixed: sequential"  # the second half of the mixed workload has its own step
