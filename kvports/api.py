@@ -25,6 +25,7 @@ from kvports.shared.contract import OnToken
 from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.run import Generation
+from kvports.shared.threads import check_threads, use_threads
 
 __all__ = ["Generation", "GenerationConfig", "Model", "UserError", "load"]
 
@@ -60,13 +61,15 @@ class Model:
         ngram: int = 2,
         return_logits: bool = False,
         on_token: OnToken | None = None,
+        logprobs: int = 0,
     ) -> Generation:
         """Generate from `prompts`: one prompt (ids, or "1,2,3" as the command line writes it) or a
         batch of them (rows may differ in length); None: the seed's prompt. `generation`: a
         GenerationConfig (its stop_ids are used as given), a number of new tokens, or else the keywords new_tokens,
         temperature, top_k, top_p, seed and stop_ids (None: the model's eos ids; []: none).
         mode: "naive", "cached" or "speculative" (with draft: a weights file or "ngram").
-        on_token(token [B]) as each token reaches the host."""
+        on_token(token [B]) as each token reaches the host. logprobs=K (naive and cached, K <= 20):
+        each new token's log-probability and its step's K likeliest, as `.logprobs`."""
         check_arguments(stop_ids=stop_ids, draft=draft, return_logits=return_logits, on_token=on_token)
         if generation is None or (isinstance(generation, int) and not isinstance(generation, bool)):
             new_tokens = new_tokens if generation is None else generation
@@ -84,6 +87,7 @@ class Model:
             self.device,
             chosen,
             tensor_parallel=self.loaded.tensor_parallel,
+            logprobs=logprobs,
         )
         batch = run.check_and_prepare(self.loaded, inputs, prompt_rows(prompts), API)
         return run.generate(self.loaded, batch, inputs, return_logits, on_token)
@@ -138,6 +142,7 @@ def load(
     *,
     model: str | None = None,
     tensor_parallel: int = 1,
+    threads: int | None = None,
 ) -> Model:
     """A framework's ("torch", "jax" or "numpy") model from a weights file, safetensors or GGUF
     (None: the seed's model), or a fetched model by name (`model="smollm2"`), in float32 or
@@ -146,6 +151,7 @@ def load(
     run.check_names(framework, dtype, device, API)
     check_tensor_parallel(tensor_parallel, framework, [], API)  # its range and its framework, before a file is read
     check_arguments(weights=weights, model=model)
+    check_threads(threads, API)  # threads=N: every framework's thread count, set before it starts (shared.threads)
     if model is not None:
         from kvports.shared.fetch import model_path
 
@@ -154,4 +160,5 @@ def load(
         weights = model_path(model)
     config, tensors, _ = run.read_model(None if weights is None else Path(os.fspath(weights)), dtype)
     tensor_parallel = check_tensor_parallel(tensor_parallel, framework, [("the model", config)], API)
+    use_threads(threads)
     return Model(run.load_model(framework, config, tensors, dtype, device, API, tensor_parallel))

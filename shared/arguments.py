@@ -143,3 +143,14 @@ def resolve_model(args: argparse.Namespace) -> None:
         if args.weights is not None:
             raise UserError("give --weights FILE or --model NAME, not both")
         args.weights = model_path(args.model)
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads",
+        type=integer,
+        default=None,
+        metavar="N",
+        help="threads for every framework (torch, NumPy's BLAS, JAX's pool), at most 4 per CPU (default: each "
+        "framework's own, a thread per CPU; on a busy machine 1 can be many times faster)",
+    )

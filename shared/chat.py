@@ -5,7 +5,7 @@ jinja2 as transformers renders it (a sandboxed environment, trim_blocks and lstr
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -91,6 +91,12 @@ def chat_messages(chat: Sequence[str] | None, chat_file: os.PathLike | None) -> 
 # stays clear of jinja2 and of this module's file reading.
 def gguf_chat_prompt(path: os.PathLike, messages: list[dict[str, str]]) -> str:
     """The messages as the file's own chat template renders them, with the generation prompt."""
+    template, special = gguf_template(path)
+    return render_chat(template, messages, special)
+
+
+def gguf_template(path: os.PathLike) -> tuple[str, dict[str, str]]:
+    """A GGUF file's chat template and the bos_token / eos_token strings it may use."""
     from kvports.shared.gguf.reader import Metadata, is_gguf, open_reader
 
     if not is_gguf(path):
@@ -105,10 +111,16 @@ def gguf_chat_prompt(path: os.PathLike, messages: list[dict[str, str]]) -> str:
         index = meta.token_id(f"tokenizer.ggml.{name}_token_id")
         if index is not None and index < len(tokens):
             special[f"{name}_token"] = tokens[index]
-    return render_chat(template, messages, special)
+    return template, special
 
 
 def chat_ids(path: os.PathLike, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
     """The chat prompt's token ids: the template writes every special token itself, so none is added
     (as transformers' apply_chat_template tokenizes)."""
-    return tokenizer.encode(gguf_chat_prompt(path, messages), add_special_tokens=False).ids
+    return chat_encoder(path, tokenizer)(messages)
+
+
+def chat_encoder(path: os.PathLike, tokenizer: Any) -> Callable[[list[dict[str, str]]], list[int]]:
+    """`chat_ids` for many chats of one file (kvports batch's "messages" lines): its metadata read once."""
+    template, special = gguf_template(path)
+    return lambda messages: tokenizer.encode(render_chat(template, messages, special), add_special_tokens=False).ids

@@ -78,6 +78,8 @@ COMMAND_LINE = Names(
         ("dtype", "--dtype"),
         ("device", "--device"),
         ("tensor_parallel", "--tensor-parallel"),
+        ("threads", "--threads"),
+        ("logprobs", "--logprobs"),
     ),
 )
 API = Names(api=True)
@@ -349,3 +351,21 @@ def check_bench_outputs(plot: Path | None, csv: Path | None, as_json: bool) -> N
             if csv.is_dir():
                 raise UserError(f"--csv {echo_path(csv)} is a folder; give the file to write")
             check_writable_folder(csv.parent, csv.name)
+
+
+# ---------------------------------------------------------------- --logprobs
+
+MAX_LOGPROBS = 20  # alternatives per step, as OpenAI's API bounds its own
+
+
+def check_logprobs(logprobs: object, mode: str, vocab_size: int, names: Names = COMMAND_LINE) -> int:
+    """0 (none), or the alternatives per step, at most 20 and the vocabulary; naive and cached
+    only: speculative decoding verifies a round of proposals at once and keeps no step's logits."""
+    count = check_range("logprobs", logprobs, 0, names, min(MAX_LOGPROBS, vocab_size))
+    if count and mode == "speculative":
+        how = "mode='naive' or 'cached'" if names.api else "--mode naive or cached"
+        raise UserError(
+            f"{names.show('logprobs', str(count))} needs {how}: speculative decoding verifies proposals in "
+            "rounds and keeps no step's logits"
+        )
+    return count

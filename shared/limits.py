@@ -133,3 +133,42 @@ def check_run(
             largest = (mode, parts)
     mode, parts = largest
     check_bytes(parts, f"a {mode} run of {batch} x {prompt_len}-token prompt + {new_tokens} new tokens in {dtype}")
+
+
+# ---------------------------------------------------------------- prompt files
+
+MAX_PROMPT_FILE_BYTES = 16 * 2**20  # far past any batch a run can hold
+
+
+def read_lines(source: str, flag: str, cap: int = MAX_PROMPT_FILE_BYTES) -> list[tuple[int, str]]:
+    """(1-based line number, text) of each line of a UTF-8 file, or of stdin for "-", that is not
+    blank; at most `cap` bytes are read."""
+    import sys
+    from pathlib import Path
+
+    from kvports.shared.errors import echo_path
+
+    try:
+        if source == "-":
+            data = sys.stdin.buffer.read(cap + 1)
+            where = "stdin"
+        else:
+            path = Path(source)
+            where = f"{flag} {echo_path(path)}"
+            if not path.is_file():
+                raise UserError(f"{where} {'is not a regular file' if path.exists() else 'does not exist'}")
+            with path.open("rb") as file:
+                data = file.read(cap + 1)
+    except OSError as exc:
+        raise UserError(f"cannot read {flag} {echo(source)} ({exc.strerror or exc})") from None
+    if len(data) > cap:
+        raise UserError(f"{where} holds more than {fmt_bytes(cap)}, the most {flag} reads")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{where} is not UTF-8 text") from None
+    lines = [(number, line.removesuffix("\r")) for number, line in enumerate(text.split("\n"), start=1)]
+    kept = [(number, line) for number, line in lines if line.strip()]
+    if not kept:
+        raise UserError(f"{where} has no line to run")
+    return kept

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +34,7 @@ from kvports.shared.checks import (
     check_draft_model,
     check_draft_source,
     check_generation,
+    check_logprobs,
     check_needed,
     check_ngram,
     check_prompts,
@@ -45,6 +46,7 @@ from kvports.shared.devices import DEVICES, check_device, check_parallel_devices
 from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, finish_reasons, pad_prompts, row_tokens
 from kvports.shared.limits import check_bytes, check_run
+from kvports.shared.threads import check_threads, settle_threads
 from kvports.shared.weights import DEFAULT_WEIGHTS, open_weights, parameter_count
 
 Tensors = dict[str, np.ndarray]
@@ -73,6 +75,8 @@ class RunInputs:
     device: str = "cpu"
     draft: Draft | None = None  # speculative mode's draft
     tensor_parallel: int = 1  # devices the model is split across (Megatron-style); 1: one device
+    threads: int | None = None  # every framework's thread count (None: each one's default)
+    logprobs: int = 0  # each step's chosen token's log-probability and the K likeliest alternatives
 
 
 @dataclass
@@ -106,6 +110,7 @@ class Generation:
     first_token_seconds: float | None = None  # until the first token reached the host (with on_token)
     text: list[str] | None = None  # each row decoded, prompt and generated, when a tokenizer is given
     padded: np.ndarray | None = None  # [B, P + N] as the port returned it, PAD where a row is short or stopped
+    logprobs: list[list[dict[str, Any]]] | None = None  # per row, per generated token: see `step_logprobs`
 
 
 def check_names(framework: object, dtype: object, device: object, names: Names) -> None:
@@ -135,9 +140,11 @@ def read_model(
 def load_port(framework: str) -> Port:
     """The framework's port: one that is not installed is a user error."""
     try:
-        return ports.load_port(framework)
+        port = ports.load_port(framework)
     except ports.PortUnavailable as exc:
         raise UserError(str(exc)) from None
+    settle_threads()  # torch's thread pools exist only once it is imported
+    return port
 
 
 def load_model(
@@ -192,6 +199,8 @@ def check_inputs(
         parallel.append(("the draft", draft))
     check_tensor_parallel(inputs.tensor_parallel, inputs.framework, parallel, names)
     prepare_tensor_parallel(inputs.tensor_parallel, inputs.device, [inputs.framework])  # before anything starts JAX
+    check_threads(inputs.threads, names)
+    check_logprobs(inputs.logprobs, inputs.mode, config.vocab_size, names)
     batch = pad_prompts(rows)[0]  # [B, P]
     B, P = batch.shape
     check_run(config, inputs.dtype, B, P, generation.max_new_tokens, modes, draft_tokens, draft)
@@ -296,11 +305,29 @@ def generate(
 
     start = time.perf_counter()
     tokens, logits, counts = run_port(
-        loaded.port, loaded.model, draft, prompts, inputs, return_logits, None if on_token is None else heard
+        loaded.port,
+        loaded.model,
+        draft,
+        prompts,
+        inputs,
+        return_logits or inputs.logprobs > 0,
+        None if on_token is None else heard,
     )
     loaded.port.synchronize(loaded.model)
     seconds = time.perf_counter() - start
-    return result_of(tokens, prompts, inputs, logits, counts, seconds, first[0] - start if first else None, tokenizer)
+    result = result_of(
+        tokens,
+        prompts,
+        inputs,
+        logits if return_logits else None,
+        counts,
+        seconds,
+        first[0] - start if first else None,
+        tokenizer,
+    )
+    if inputs.logprobs and logits is not None:
+        result = replace(result, logprobs=step_logprobs(logits, tokens, prompts.shape[1], inputs.logprobs))
+    return result
 
 
 def result_of(
@@ -345,3 +372,28 @@ def speculative_summary(counts: dict[str, int], inputs: RunInputs, tokens: np.nd
         "acceptance_rate": counts["accepted"] / counts["proposed"] if counts["proposed"] else 0.0,
         "target_forwards_per_token": counts["target_forwards"] / max(generated, 1),
     }
+
+
+def step_logprobs(logits: np.ndarray, tokens: np.ndarray, prompt_len: int, top: int) -> list[list[dict[str, Any]]]:
+    """Each row's generated tokens with their log-probabilities under the model (log-softmax of
+    the step's logits in float64, before temperature, top-k and top-p) and the `top` likeliest
+    tokens of that step, likeliest first (ties by id): [{"token", "logprob", "top": [{"token",
+    "logprob"}]}] per step, up to the row's stop. logits: [B, steps, V]; tokens: [B, P + N]."""
+    rows: list[list[dict[str, Any]]] = []
+    for row_logits, row in zip(np.asarray(logits, dtype=np.float64), np.asarray(tokens)[:, prompt_len:], strict=True):
+        steps: list[dict[str, Any]] = []
+        for step, token in enumerate(row[: len(row_logits)]):  # [steps, V], [N]
+            if token == PAD:  # the row stopped
+                break
+            shifted = row_logits[step] - row_logits[step].max()  # [V]
+            logprobs = shifted - np.log(np.exp(shifted).sum())  # [V]
+            likeliest = np.lexsort((np.arange(len(logprobs)), -logprobs))[:top]  # [top]
+            steps.append(
+                {
+                    "token": int(token),
+                    "logprob": float(logprobs[token]),
+                    "top": [{"token": int(i), "logprob": float(logprobs[i])} for i in likeliest],
+                }
+            )
+        rows.append(steps)
+    return rows

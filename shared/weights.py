@@ -302,7 +302,29 @@ def open_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> WeightsFile | GGUFWeigh
     """Our safetensors weights file, or a GGUF file (by its magic) through the same interface."""
     from kvports.shared.gguf.reader import is_gguf
 
+    refuse_hf_checkpoint(Path(path))
     return GGUFWeights(path) if is_gguf(path) else WeightsFile(path)
+
+
+def refuse_hf_checkpoint(path: Path) -> None:
+    """A Hugging Face checkpoint (a folder with config.json, or a safetensors file in one) is not
+    our weights file: say how to make one of it, not that the file lacks our metadata."""
+    try:
+        folder = path if path.is_dir() else path.parent if path.suffix == ".safetensors" else None
+        if folder is None or not (folder / "config.json").is_file():
+            return
+        if path.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(path), "numpy") as file:
+                if "config" in (file.metadata() or {}):
+                    return  # ours, beside some config.json
+    except Exception:  # unreadable here: the reader below names the fault
+        return
+    raise UserError(
+        f"{echo_path(path)} is a Hugging Face checkpoint, not a kvports weights file: convert it once with "
+        f"kvports convert --from-hf {echo_path(folder)} --out model.safetensors, then give --weights model.safetensors"
+    )
 
 
 def load_weights(

@@ -374,12 +374,27 @@ def test_to_hf_never_replaces_a_symlink_or_a_folder_whose_files_kvports_did_not_
 # --- the block pool --------------------------------------------------------------------
 
 
-def test_a_context_too_long_for_the_default_pool_is_told_the_flag_that_sets_it(tmp_path, capsys, port):
+@pytest.fixture
+def long_context(tmp_path):
+    """A tiny Llama with a context of 2**26 tokens: a default pool of 32 such sequences is 2**31 slots."""
     config = dataclasses.replace(TINY_FAMILIES["llama"], max_seq_len=2**26).validate()
     weights = tmp_path / "long.safetensors"
     save_weights(weights, gpt2_init_weights(config), config)
-    code, out, err = batch(capsys, port, "--requests", requests_file(tmp_path, '{"prompt": [1]}'), "--weights", weights)
+    return weights
+
+
+def test_a_context_too_long_for_the_default_pool_is_told_the_flag_that_sets_it(tmp_path, capsys, port, long_context):
+    long_request = json.dumps({"prompt": [1], "max_new_tokens": 2**26 - 1})  # the whole context
+    code, out, err = batch(capsys, port, "--requests", requests_file(tmp_path, long_request), "--weights", long_context)
     assert assert_one_error_line(code, out, err) == (
         "error: pool slots (num blocks x block size) 2147483648 is above 1073741824: set a smaller pool with "
         "--num-blocks (by default --max-batch 32 sequences of 67108864 tokens)\n"
     )
+
+
+def test_the_default_pool_is_sized_for_the_requests_not_the_models_context(tmp_path, capsys, port, long_context):
+    code, out, err = batch(
+        capsys, port, "--requests", requests_file(tmp_path, '{"prompt": [1]}'), "--weights", long_context
+    )
+    assert code == 0, err
+    assert json.loads(out.splitlines()[-1])["summary"]["blocks"]["num_blocks"] == 32 * 2  # 17 tokens: 2 blocks each

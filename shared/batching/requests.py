@@ -1,7 +1,9 @@
 """Requests: one JSON object a line, checked line by line before any framework code runs.
 
-A line holds a prompt as token ids (`"prompt": [1, 2, 3]`) or as text (`"text": "..."`,
-encoded with --tokenizer), and optionally `id`, `max_new_tokens`, `temperature`, `top_k`,
+A line holds a prompt as token ids (`"prompt": [1, 2, 3]`), as text (`"text": "..."`,
+encoded with --tokenizer) or as a chat (`"messages": [{"role": "user", "content": "..."}]`,
+rendered with a GGUF file's chat template, as `kvports generate --chat-file` does), and
+optionally `id`, `max_new_tokens`, `temperature`, `top_k`,
 `top_p`, `seed` and `stop_ids` (`kvports generate`'s settings; without `stop_ids`, the
 model's eos ids, as `kvports generate` stops). A bad line is one error naming its line
 number; the other lines still run.
@@ -19,9 +21,11 @@ from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import GenerationConfig
 
 SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids")
-FIELDS = ("id", "prompt", "text", *SETTINGS)
+FIELDS = ("id", "prompt", "text", "messages", *SETTINGS)
 
 Encode = Callable[[str], list[int]]
+Chat = Callable[[list[dict[str, str]]], list[int]]  # messages -> the model's chat template's token ids
+MAX_CHAT_CHARACTERS = 1 << 20  # of one line's messages' contents together, as a --chat-file's bytes
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,12 @@ def check_request(request: Request, config: ModelConfig, max_tokens: int | None 
 
 
 def parse_line(
-    text: str, line: int, default_new_tokens: int, default_stops: tuple[int, ...], encode: Encode | None
+    text: str,
+    line: int,
+    default_new_tokens: int,
+    default_stops: tuple[int, ...],
+    encode: Encode | None,
+    chat: Chat | None = None,
 ) -> Request:
     """One line as a Request (not yet checked against a model), or a UserError."""
     try:
@@ -88,9 +97,11 @@ def parse_line(
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
         raise UserError(f"unknown field {echo(unknown[0])} (known: {', '.join(FIELDS)})")
-    if ("prompt" in data) == ("text" in data):
-        raise UserError("give exactly one of 'prompt' (token ids) and 'text'")
-    if "text" in data:
+    if sum(name in data for name in ("prompt", "text", "messages")) != 1:
+        raise UserError("give exactly one of 'prompt' (token ids), 'text' and 'messages' (a chat)")
+    if "messages" in data:
+        prompt = chat_prompt(data["messages"], chat)
+    elif "text" in data:
         if not isinstance(data["text"], str):
             raise UserError(f"'text' must be a string, got {type(data['text']).__name__}")
         if encode is None:
@@ -115,6 +126,24 @@ def parse_line(
     )
 
 
+def chat_prompt(messages: object, chat: Chat | None) -> list[int]:
+    """A line's "messages" ([{"role", "content"}], as --chat-file holds) in the model's chat template."""
+    from kvports.shared.chat import check_messages
+
+    if chat is None:
+        raise UserError("'messages' renders a GGUF file's chat template: give --model NAME or --weights FILE.gguf")
+    checked = check_messages(messages, "'messages'")
+    size = sum(len(message["content"]) for message in checked)
+    if size > MAX_CHAT_CHARACTERS:
+        raise UserError(f"'messages' hold {size} characters of content, above {MAX_CHAT_CHARACTERS}")
+    for message in checked:
+        try:
+            message["content"].encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate escape, which no tokenizer takes
+            raise UserError(f"'messages' content {echo(message['content'])} is not valid UTF-8") from None
+    return chat(checked)
+
+
 def generation_of(data: dict[str, Any], default_new_tokens: int, default_stops: tuple[int, ...]) -> GenerationConfig:
     stop_ids = data.get("stop_ids", list(default_stops))
     if not isinstance(stop_ids, list):
@@ -136,6 +165,7 @@ def parse_requests(
     default_new_tokens: int,
     encode: Encode | None = None,
     max_tokens: int | None = None,
+    chat: Chat | None = None,
 ) -> tuple[list[Request], list[BadLine]]:
     """Every good line's request, and every bad line's error (blank lines are skipped). A line
     without stop ids stops at the model's eos ids, as `kvports generate` does. A line without
@@ -146,7 +176,7 @@ def parse_requests(
         if not text.strip():
             continue
         try:
-            request = parse_line(text, number, default_new_tokens, config.eos_token_ids, encode)
+            request = parse_line(text, number, default_new_tokens, config.eos_token_ids, encode, chat)
             parsed.append((number, check_request(request, config, max_tokens)))
         except UserError as exc:
             parsed.append((number, BadLine(number, str(exc))))

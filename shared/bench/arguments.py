@@ -10,6 +10,7 @@ from kvports.shared.arguments import (
     add_model_argument,
     add_speculative_arguments,
     add_tensor_parallel_argument,
+    add_threads_argument,
     integer,
     parse_integer,
 )
@@ -96,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--targets", action="store_true", help="also print the development speed targets, met or missed"
     )
     add_speculative_arguments(parser)
+    add_threads_argument(parser)
     batching = parser.add_argument_group("continuous batching (docs/BATCHING.md)")
     batching.add_argument(
         "--requests",
@@ -108,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # What --requests keeps from the bench's flags; every other one must stay at its default.
-BATCHING_FLAGS = ("preset", "weights", "frameworks", "dtype", "device", "json", "requests")
+BATCHING_FLAGS = ("preset", "weights", "frameworks", "dtype", "device", "json", "requests", "threads")
 
 
 def batching_inputs(
@@ -141,6 +143,7 @@ def batching_inputs(
         args.dtype,
         args.device,
         args.json,
+        args.threads,
     )
 
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from kvports.shared.batching.engine import BatchSettings, Engine, run_bytes
 from kvports.shared.batching.requests import Request
+from kvports.shared.bench.measure import load_average
 from kvports.shared.bench.presets import load_bench_model
 from kvports.shared.config import ModelConfig
 from kvports.shared.devices import device_problem, placement
@@ -37,6 +38,7 @@ from kvports.shared.generation import GenerationConfig, row_tokens
 from kvports.shared.limits import check_bytes
 from kvports.shared.ports import COMPILES, PortUnavailable, load_port
 from kvports.shared.progress import make_progress
+from kvports.shared.threads import check_threads, describe_threads, settle_threads, use_threads
 
 WORKLOADS = ("mixed", "prefix")
 MIXED_PROMPT, MIXED_NEW = (16, 256), (16, 128)
@@ -210,6 +212,7 @@ def run_workloads(
     for name in frameworks:
         try:
             port = load_port(name)
+            settle_threads()  # torch's pools exist once it is imported
         except PortUnavailable as exc:
             rows.extend(
                 {"framework": name, "workload": workload, "available": False, "reason": exc.reason}
@@ -247,6 +250,7 @@ class BatchingBench:
     dtype: str = "float32"
     device: str = "cpu"
     json: bool = False
+    threads: int | None = None  # every framework's thread count (None: each one's default)
 
 
 def run_bench(bench: BatchingBench) -> int:
@@ -262,14 +266,19 @@ def run_bench(bench: BatchingBench) -> int:
         chosen = BatchSettings(**{**vars(settings), "max_length": needed}).validate(config)
         check_bytes(run_bytes(config, dtype, chosen), f"the batching bench in {dtype}")
 
+    check_threads(bench.threads)
     name, config, tensors = load_bench_model(bench.preset, bench.weights, dtype, check)
-    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    use_threads(bench.threads)
+    load_before = load_average()
 
     with make_progress(quiet=bench.json) as progress:
         task = progress.add_task("bench", total=2 * len(bench.frameworks) * len(bench.workloads))  # two runs each
 
-        def tick(description: str) -> None:  # called as each run starts: the bar counts the ones begun
-            progress.update(task, advance=1, description=description)
+        begun = [0]
+
+        def tick(description: str) -> None:  # called as each run starts: the bar counts the ones finished
+            progress.update(task, completed=begun[0], description=description)
+            begun[0] += 1
 
         rows = run_workloads(
             list(bench.frameworks),
@@ -282,13 +291,14 @@ def run_bench(bench: BatchingBench) -> int:
             bench.device,
             tick,
         )
+        progress.update(task, completed=begun[0])  # the last run has finished too
     result = {
         "model": name,
         "dtype": dtype,
         "device": bench.device,
         "count": bench.count,
         "settings": vars(settings),
-        "machine": machine(load_before),
+        "machine": {**machine(load_before), "threads_asked": bench.threads},
         "rows": rows,
     }
     if bench.json:
@@ -301,7 +311,7 @@ def run_bench(bench: BatchingBench) -> int:
 def machine(load_before: float | None) -> dict[str, Any]:
     """What shares the machine shows in every timing: the load average before and after, the threads."""
     threads = {name: os.environ[name] for name in THREAD_VARIABLES if name in os.environ}
-    load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load_after = load_average()
     return {"cpu_count": os.cpu_count(), "load_average": [load_before, load_after], "threads": threads}
 
 
@@ -369,7 +379,11 @@ def print_tables(result: dict[str, Any]) -> None:
     if "machine" in result:
         machine = result["machine"]
         threads = ", ".join(f"{name}={value}" for name, value in machine["threads"].items()) or "default threads"
-        console.print(f"{machine['cpu_count']} CPUs, {threads}, load average {machine['load_average']}")
+        loads = " / ".join("-" if load is None else f"{load:.2f}" for load in machine["load_average"])
+        console.print(
+            f"{machine['cpu_count']} CPUs, {describe_threads(machine.get('threads_asked'))} ({threads}), "
+            f"load average before / after: {loads}"
+        )
 
 
 def new_table(title: str, columns: tuple[str, ...]) -> Any:

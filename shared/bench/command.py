@@ -36,6 +36,7 @@ from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.progress import make_progress
 from kvports.shared.run import Draft, RunInputs, read_draft
+from kvports.shared.threads import check_threads, use_threads
 
 
 def gpu_problems(runners: list[Runner], device: str) -> dict[str, str]:
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     prepare_tensor_parallel(
         max(args.tensor_parallel), args.device, parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     )
+    check_threads(args.threads)
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
     check_bench_outputs(args.plot, args.csv, args.json)
@@ -134,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             args.plot.mkdir(exist_ok=True)
             plots[:] = [str(path) for path in write_plots({"settings": settings, "rows": rows}, args.plot)]
 
+    use_threads(args.threads)
     start, load_before = time.perf_counter(), load_average()
     with make_progress(args.json or str(args.csv) == "-") as progress:
         rows, machine_info = run_rows(
@@ -151,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
             plot_so_far,
         )
     settings["versions"] = machine_info.pop("versions")
-    settings["threads"] = threads_info(args.peers)
+    settings["threads"] = {"--threads": "default" if args.threads is None else args.threads, **threads_info(args.peers)}
     machine = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),

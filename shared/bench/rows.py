@@ -23,6 +23,7 @@ from kvports.shared.bench.measure import (
 from kvports.shared.bench.runners import Runner, import_runner, note
 from kvports.shared.config import ModelConfig, kv_cache_bytes
 from kvports.shared.run import Draft
+from kvports.shared.threads import settle_threads
 
 MEASURES = (
     "ttft_ms",
@@ -108,10 +109,12 @@ def run_rows(
     bandwidth: dict[str, float] = {}
     matvec: dict[str, list[float]] = {}
     bandwidth_device: dict[str, str] = {}
+    probes: dict[str, Any] = {}  # library -> the module whose matvec_seconds measured it, for a second probe
     if roofline:
         # NumPy's bandwidth always: the CPU's roofline even when no other framework is installed.
         progress.update(task, description="numpy bandwidth")
-        matvec["numpy"] = ports.load_port("numpy").matvec_seconds(*MATVEC_SHAPE, MATVEC_REPEATS)
+        probes["numpy"] = ports.load_port("numpy")
+        matvec["numpy"] = probes["numpy"].matvec_seconds(*MATVEC_SHAPE, MATVEC_REPEATS)
         bandwidth["numpy"] = matvec_bandwidth(matvec["numpy"])
         bandwidth_device["numpy"] = "cpu"
     versions: dict[str, str] = {"numpy": np.__version__}
@@ -121,6 +124,7 @@ def run_rows(
             continue
         device = args.device if runner.gpu else "cpu"
         module, reason = import_runner(runner)
+        settle_threads()  # torch's pools exist once it is imported
         if module is not None and runner.label in no_device:
             module, reason = None, no_device[runner.label]
         model = None
@@ -140,6 +144,7 @@ def run_rows(
         versions.update(module.versions())
         if roofline and runner.library not in bandwidth:
             progress.update(task, description=f"{runner.library} bandwidth")
+            probes[runner.library] = module
             matvec[runner.library] = module.matvec_seconds(*MATVEC_SHAPE, MATVEC_REPEATS, device)
             bandwidth[runner.library] = matvec_bandwidth(matvec[runner.library])
             bandwidth_device[runner.library] = device
@@ -177,11 +182,42 @@ def run_rows(
         gc.collect()  # gpt2-small: free one framework's copy of the weights before the next loads
         if on_runner_done is not None:
             on_runner_done(rows)
-    # One roofline per device: the best streaming bandwidth any framework reached on it.
     step_bytes = decode_bytes(config, tensors, B, P, N, itemsize) if roofline else None
+    best = add_rooflines(rows, bandwidth, bandwidth_device, step_bytes)
+    probed = 1
+    if any(row.get("roofline_ratio") is not None and row["roofline_ratio"] < 1 for row in rows):
+        # Faster than the bandwidth allows: the probe ran while something else held the memory bus. Once more,
+        # keeping each library's better figure; a row still below 1 is flagged in its note.
+        progress.update(task, description="bandwidth again")
+        for name, module in probes.items():
+            again = module.matvec_seconds(*MATVEC_SHAPE, MATVEC_REPEATS, bandwidth_device[name])
+            if matvec_bandwidth(again) > bandwidth[name]:
+                matvec[name], bandwidth[name] = again, matvec_bandwidth(again)
+        best = add_rooflines(rows, bandwidth, bandwidth_device, step_bytes)
+        probed = 2
+    machine = {
+        "bandwidth_gb_s": {f"{name} ({bandwidth_device[name]})": value / 1e9 for name, value in bandwidth.items()}
+        or None,
+        "roofline_bandwidth_gb_s": {device: value / 1e9 for device, value in best.items()} or None,
+        "decode_bytes_per_step": step_bytes,
+        "matvec": {"shape": list(MATVEC_SHAPE), "dtype": "float32", "seconds": matvec} if matvec else None,
+        "bandwidth_probes": probed if matvec else 0,
+    }
+    add_comparisons(rows, P)
+    return rows, {"versions": versions, **machine}
+
+
+DISTURBED = "below 1: decode ran faster than the bandwidth probe allows, so the probe was disturbed (measured twice)"
+
+
+def add_rooflines(
+    rows: list[dict[str, Any]], bandwidth: dict[str, float], device_of: dict[str, str], step_bytes: float | None
+) -> dict[str, float]:
+    """Each live row's roofline (ms) and its decode ms over it; the best bandwidth per device, returned.
+    One roofline per device: the best streaming bandwidth any framework reached on it."""
     best: dict[str, float] = {}
     for name, value in bandwidth.items():
-        best[bandwidth_device[name]] = max(value, best.get(bandwidth_device[name], 0.0))
+        best[device_of[name]] = max(value, best.get(device_of[name], 0.0))
     for row in rows:
         if row["available"]:
             # A decode step's bytes over the bandwidth; a speculative round reads the weights once for several
@@ -191,15 +227,8 @@ def run_rows(
             row["roofline_ratio"] = (
                 None if row["roofline_ms"] is None else row["decode_ms_per_token"] / row["roofline_ms"]
             )
-    machine = {
-        "bandwidth_gb_s": {f"{name} ({bandwidth_device[name]})": value / 1e9 for name, value in bandwidth.items()}
-        or None,
-        "roofline_bandwidth_gb_s": {device: value / 1e9 for device, value in best.items()} or None,
-        "decode_bytes_per_step": step_bytes,
-        "matvec": {"shape": list(MATVEC_SHAPE), "dtype": "float32", "seconds": matvec} if matvec else None,
-    }
-    add_comparisons(rows, P)
-    return rows, {"versions": versions, **machine}
+            row["roofline_disturbed"] = row["roofline_ratio"] is not None and row["roofline_ratio"] < 1
+    return best
 
 
 def cache_bytes_held(

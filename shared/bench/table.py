@@ -80,7 +80,7 @@ def print_table(result: dict, show_targets: bool = False) -> None:
             fmt(row["total_speedup_vs_naive"], ".1f", "x"),
         ]
         cells += [f"{row['agree_steps']}/{s['new_tokens']}"] * peers
-        cells += [fmt(row["roofline_ratio"], ".2f", "x")] * roofline
+        cells += [fmt(row["roofline_ratio"], ".2f", "x") + " !" * bool(row.get("roofline_disturbed"))] * roofline
         cells += [fmt((row["sweep"] or {}).get("slope"), ".2f")] * swept
         if speculative:
             counts = row.get("speculative") or {}
@@ -113,6 +113,10 @@ def print_table(result: dict, show_targets: bool = False) -> None:
     )
     for index, note in enumerate(notes, 1):
         console.print(f"[{index}] {note}", highlight=False, markup=False)
+    if any(row.get("roofline_disturbed") for row in live):
+        from kvports.shared.bench.rows import DISTURBED
+
+        console.print(f"! roofline {DISTURBED}", highlight=False, markup=False)
     if any(not row["tokens_agree"] for row in live):
         console.print(
             f"* tokens differ from {live[0]['tokens_reference']}'s (float32 near-ties part frameworks; "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import numpy as np
 from kvports.shared import run
 from kvports.shared.arguments import (
     add_tensor_parallel_argument,
+    add_threads_argument,
     add_weights_arguments,
     non_negative_int,
     number,
@@ -33,6 +35,7 @@ from kvports.shared.checks import (
     parse_prompt,
 )
 from kvports.shared.config import DTYPES, ModelConfig
+from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.weights import open_weights
 
@@ -53,6 +56,13 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     add_tensor_parallel_argument(parser)
+    add_threads_argument(parser)
+    parser.add_argument(
+        "--prompt-file",
+        default=None,
+        metavar="FILE",
+        help="prompts from FILE ('-': stdin), one a line, token ids separated by commas or spaces",
+    )
 
 
 def add_text_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +71,12 @@ def add_text_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         help="prompt text, encoded with --tokenizer (or a GGUF file's own tokenizer); repeat for a batch",
+    )
+    parser.add_argument(
+        "--text-file",
+        default=None,
+        metavar="FILE",
+        help="prompt texts from FILE ('-': stdin), one a line, encoded as --text",
     )
     parser.add_argument(
         "--chat", action="append", default=None, help="a chat turn (user, then assistant, ...), in the model's template"
@@ -130,6 +146,7 @@ def read_inputs(
 ) -> CommandInputs:
     """The flags as typed inputs, checked once against the model (its header: before any tensor
     is read), then the weights and any draft read. `modes`: the modes the command runs (default: `mode`)."""
+    read_prompt_files(args)
     draft = draft_of(args)
     wanted = None if draft is None or draft.source == "ngram" else draft.source
     if wanted is None or "speculative" not in (modes if modes is not None else [mode]):
@@ -154,8 +171,11 @@ def read_checked(
             args.device,
             draft_of(args),
             tensor_parallel=args.tensor_parallel,
+            threads=args.threads,
+            logprobs=getattr(args, "logprobs", 0),
         )
         rows = prompt_rows(args, tokenizer)
+        check_default_prompt(args, config)
         return inputs, tokenizer, run.check_inputs(inputs, config, rows, modes=modes, draft=draft)
 
     config, tensors, checked = run.read_model(args.weights, args.dtype, check)
@@ -227,3 +247,39 @@ def prompt_rows(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
         return encode(tokenizer, args.text)
     texts = args.prompt if args.prompt else [",".join(map(str, SEED_PROMPT))]
     return [parse_prompt(text) for text in texts]
+
+
+def check_default_prompt(args: argparse.Namespace, config: ModelConfig) -> None:
+    """The seed's prompt, the default, is the seed's ids: another model's vocabulary may not hold them."""
+    given = args.prompt or getattr(args, "text", None) is not None or chat_given(args)
+    if not given and max(SEED_PROMPT) >= config.vocab_size:
+        raise UserError(
+            f"the default prompt is the seed model's ids {','.join(map(str, SEED_PROMPT))}, outside this model's "
+            f"vocabulary [0, {config.vocab_size}): give --prompt IDS or --text TEXT"
+        )
+
+
+def read_prompt_files(args: argparse.Namespace) -> None:
+    """--prompt-file and --text-file become --prompt and --text, a line each; every bad line of a
+    prompt file is its own `error:` line naming its number."""
+    from kvports.shared.limits import read_lines
+
+    if getattr(args, "prompt_file", None) is not None:
+        if args.prompt:
+            raise UserError("give --prompt or --prompt-file, not both")
+        args.prompt, bad = [], []
+        for number, line in read_lines(args.prompt_file, "--prompt-file"):
+            try:
+                ids = parse_prompt(",".join(part for part in re.split(r"[\s,]+", line.strip()) if part))
+            except UserError as exc:
+                bad.append(f"--prompt-file line {number}: {exc}")
+                continue
+            args.prompt.append(",".join(map(str, ids)))
+        for line in bad[:-1]:  # one `error:` line each, as `kvports batch` reports its bad lines
+            print(f"error: {line}", file=sys.stderr)
+        if bad:
+            raise UserError(bad[-1])
+    if getattr(args, "text_file", None) is not None:
+        if args.text is not None:
+            raise UserError("give --text or --text-file, not both")
+        args.text = [line for _, line in read_lines(args.text_file, "--text-file")]

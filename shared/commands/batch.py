@@ -17,7 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from kvports.shared.arguments import add_tensor_parallel_argument, add_weights_arguments, positive_int
+from kvports.shared.arguments import (
+    add_tensor_parallel_argument,
+    add_threads_argument,
+    add_weights_arguments,
+    positive_int,
+)
 from kvports.shared.batching.blocks import blocks_for
 from kvports.shared.batching.engine import (
     BLOCK_SIZE,
@@ -27,7 +32,7 @@ from kvports.shared.batching.engine import (
     Engine,
     run_bytes,
 )
-from kvports.shared.batching.requests import BadLine, Request, parse_requests, split_lines
+from kvports.shared.batching.requests import BadLine, Chat, Request, parse_requests, split_lines
 from kvports.shared.batching.scheduler import Sequence
 from kvports.shared.bench.batching import WORKLOADS, BatchingBench, choices, run_bench
 from kvports.shared.bench.presets import PRESETS
@@ -39,6 +44,7 @@ from kvports.shared.limits import check_bytes, check_count
 from kvports.shared.ports import PORTS, REFERENCE
 from kvports.shared.progress import make_progress
 from kvports.shared.run import load_model
+from kvports.shared.threads import check_threads, use_threads
 from kvports.shared.weights import DEFAULT_WEIGHTS, open_weights
 
 HELP = "run a JSONL file of requests with continuous batching over a paged KV cache (or --bench it)"
@@ -53,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--requests",
         type=Path,
         metavar="FILE",
-        help='JSONL, one request a line: {"prompt": [ids]} or {"text": "..."}, and optionally "id", '
+        help='JSONL, one request a line: {"prompt": [ids]}, {"text": "..."} or {"messages": [{"role", "content"}]} '
+        '(a GGUF file\'s chat template), and optionally "id", '
         '"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids" (default: the model\'s eos ids)',
     )
     parser.add_argument("--framework", choices=PORTS, default=REFERENCE, help=f"default {REFERENCE}")
@@ -94,6 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"a prefill step's [batch x tokens] budget, padding included (default {MAX_STEP_TOKENS})",
     )
     parser.add_argument("--no-prefix-cache", action="store_true", help="recompute shared prompt prefixes")
+    add_threads_argument(parser)
     bench = parser.add_argument_group("benchmark (--bench: no --requests; see docs/BATCHING.md)")
     bench.add_argument(
         "--bench",
@@ -131,9 +139,12 @@ def run(args: argparse.Namespace) -> int:
         return run_bench(bench_inputs(args))
     if args.requests is None:
         raise UserError("give --requests FILE.jsonl (or --bench)")
+    check_threads(args.threads)
     with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
         config = weights.config.validate_at(args.dtype)
-        settings_of(args, None).validate(config)  # the flags, before the file: they decide what fits
+        # The flags, before the file: they decide what fits. The default pool is sized below, for the
+        # requests' own lengths: a model's long context must not refuse a file of short requests.
+        settings_of(args, 1).validate(config)
         check_tensor_parallel(args.tensor_parallel, args.framework, [("the model", config)])
         prepare_tensor_parallel(args.tensor_parallel, args.device, [args.framework])
         tokenizer = load_tokenizer(args.tokenizer, args.weights, config)
@@ -145,9 +156,12 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_of(args, max(request.max_length for request in requests)).validate(config)
         check_bytes(run_bytes(config, args.dtype, settings), f"a batch of {len(requests)} requests in {args.dtype}")
         tensors = weights.read(args.dtype)
+    use_threads(args.threads)
     loaded = load_model(args.framework, config, tensors, args.dtype, args.device, tensor_parallel=args.tensor_parallel)
     summary = run_requests(loaded.port, loaded.model, config, settings, requests, tokenizer)
-    summary.update(framework=args.framework, dtype=args.dtype, device=args.device, bad_lines=len(bad))
+    summary.update(
+        framework=args.framework, dtype=args.dtype, device=args.device, threads=args.threads, bad_lines=len(bad)
+    )
     summary.update(tensor_parallel=args.tensor_parallel)
     print(json.dumps({"summary": summary}), flush=True)
     return EXIT_BAD_LINES if bad else 0
@@ -166,6 +180,7 @@ def bench_inputs(args: argparse.Namespace) -> BatchingBench:
         args.dtype,
         args.device,
         args.json,
+        args.threads,
     )
 
 
@@ -203,7 +218,18 @@ def read_requests(args: argparse.Namespace, config: ModelConfig, tokenizer: Any)
     encode = None if tokenizer is None else (lambda text: tokenizer.encode(text).ids)
     # A request the pool could never hold is a bad line, not a run that waits forever.
     pool_tokens = None if args.num_blocks is None else args.num_blocks * args.block_size
-    return parse_requests(lines, config, args.new_tokens, encode, pool_tokens)
+    return parse_requests(lines, config, args.new_tokens, encode, pool_tokens, chat_of(args.weights, tokenizer))
+
+
+def chat_of(weights: Path | None, tokenizer: Any) -> Chat | None:
+    """ "messages" lines' encoder: a GGUF weights file's chat template with the tokenizer; None without either."""
+    from kvports.shared.gguf.reader import is_gguf
+
+    if weights is None or tokenizer is None or not is_gguf(weights):
+        return None
+    from kvports.shared.chat import chat_encoder
+
+    return chat_encoder(weights, tokenizer)
 
 
 def run_requests(

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvports.shared import ports
 from kvports.shared.arguments import add_speculative_arguments, positive_int
+from kvports.shared.checks import MODES
 from kvports.shared.commands.arguments import (
     add_generation_arguments,
     add_input_arguments,
@@ -38,13 +39,14 @@ from kvports.shared.devices import (
     placement,
     prepare_tensor_parallel,
 )
-from kvports.shared.errors import UserError
+from kvports.shared.errors import UserError, echo
 from kvports.shared.families import describe
 from kvports.shared.generation import PAD, GenerationConfig, row_tokens
 from kvports.shared.limits import check_count
 from kvports.shared.progress import make_progress
-from kvports.shared.run import LoadedModel, RunInputs, draft_model, run_port, timed
+from kvports.shared.run import LoadedModel, RunInputs, draft_model, run_port, speculative_summary, timed
 from kvports.shared.terminal import console_for
+from kvports.shared.threads import describe_threads, settle_threads, use_threads
 
 HELP = "every framework x mode against the torch reference: tokens, logit differences, time"
 EXIT_DISAGREE = 1  # a row disagrees and no float near-tie explains it
@@ -66,8 +68,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="R",
         help="timed runs per row after a warm-up; seconds are their median (default 3)",
     )
+    parser.add_argument(
+        "--frameworks",
+        default=",".join(ports.PORTS),
+        help=f"comma-separated subset of {','.join(ports.PORTS)} (default all)",
+    )
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated subset of naive,cached,speculative (default naive,cached, and speculative with "
+        "--draft); the reference is the first framework's first mode of naive and cached",
+    )
     add_generation_arguments(parser)
     add_speculative_arguments(parser)
+
+
+def chosen_rows(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
+    """--frameworks and --modes as lists, in the table's order; --modes' default has speculative with --draft."""
+    from kvports.shared.bench.arguments import parse_choices
+
+    frameworks = parse_choices(args.frameworks, ports.PORTS, "frameworks")
+    default = "naive,cached" + (",speculative" if args.draft is not None else "")
+    modes = tuple(parse_choices(args.modes if args.modes is not None else default, MODES, "modes"))
+    if "speculative" in modes and args.draft is None:
+        raise UserError("--modes speculative needs --draft FILE (a smaller model) or --draft ngram")
+    if not set(modes) & {"naive", "cached"}:
+        raise UserError(f"--modes {echo(args.modes)} needs naive or cached too: the reference is a run with logits")
+    return frameworks, modes
 
 
 def usable_ports(device: str) -> tuple[dict[str, Port | None], dict[str, str]]:
@@ -112,17 +139,24 @@ def teacher_forced_logits(
 
 
 def run(args: argparse.Namespace) -> int:
-    speculative = args.draft is not None  # a speculative row per framework, beside naive and cached
-    modes = ("naive", "cached") + (("speculative",) if speculative else ())
+    frameworks, modes = chosen_rows(args)
+    speculative = "speculative" in modes  # a speculative row per framework, beside naive and cached
     check_count("--repeats", args.repeats)  # as the bench bounds its own
     given = read_inputs(args, ports.REFERENCE, "naive", modes)
     warn_unused(args, speculative)
     config, tensors, prompts, generation = given.config, given.tensors, given.prompts, given.inputs.generation
     P = prompts.shape[1]
     prepare_tensor_parallel(args.tensor_parallel, args.device, ports.PORTS)  # before usable_ports starts JAX
+    use_threads(given.inputs.threads)
     usable, reasons = usable_ports(args.device)
-    reference = next(name for name in [ports.REFERENCE, *ports.PORTS] if usable[name] is not None)
-    order = [reference] + [name for name in ports.PORTS if name != reference]
+    settle_threads()  # the ports are imported now: torch's pools exist
+    usable = {name: port for name, port in usable.items() if name in frameworks}
+    if not any(usable.values()):
+        unusable = "; ".join(f"{name}: {reasons[name]}" for name in frameworks)
+        raise UserError(f"--frameworks {echo(args.frameworks)} names no framework that can run here ({unusable})")
+    reference = next(name for name in [ports.REFERENCE, *frameworks] if usable.get(name) is not None)
+    reference_mode = next(mode for mode in modes if mode != "speculative")
+    order = [reference] + [name for name in frameworks if name != reference]
     rows: list[dict[str, Any]] = []
     results: dict[tuple[str, str], tuple[np.ndarray, np.ndarray | None]] = {}
     forced: dict[tuple[str, str], np.ndarray] = {}
@@ -163,11 +197,11 @@ def run(args: argparse.Namespace) -> int:
                 inputs = dataclasses.replace(given.inputs, framework=name, mode=mode)
                 row.update(measure(model, prompts, inputs, args.repeats, results))
                 if mode != "speculative" and args.teacher_forced:
-                    reference_tokens = results[(reference, "naive")][0]
+                    reference_tokens = results[(reference, reference_mode)][0]
                     forced[(name, mode)] = teacher_forced_logits(port, model.model, prompts, reference_tokens, mode)
                 rows.append(row)
                 progress.advance(task)
-    ref_tokens, ref_logits = results[(reference, "naive")]
+    ref_tokens, ref_logits = results[(reference, reference_mode)]
     assert ref_logits is not None  # asked for with return_logits=True
     for row in rows:
         if not row["available"]:
@@ -183,19 +217,21 @@ def run(args: argparse.Namespace) -> int:
         if args.teacher_forced and row["mode"] != "speculative":
             every_step = np.asarray(ref_tokens)[:, P:] != PAD  # [B, N]
             difference = logit_difference(
-                forced[(reference, "naive")], forced[(row["framework"], row["mode"])], every_step, True
+                forced[(reference, reference_mode)], forced[(row["framework"], row["mode"])], every_step, True
             )
         elif logits is not None:
             difference = logit_difference(ref_logits, logits, comparable_steps(ref_tokens, tokens, P), False)
         row["logits"] = None if difference is None else difference.as_dict()
-        naive = next(r for r in rows if r["framework"] == row["framework"] and r["mode"] == "naive")
-        row["cached_speedup"] = naive["seconds"] / row["seconds"] if row["mode"] != "naive" else None
+        row.update(speedups(rows, row))
     ok = all(row["explained"] for row in rows if row["available"])
     if args.json:
         print(
             json.dumps(
                 {
-                    "reference": f"{reference} naive",
+                    "reference": f"{reference} {reference_mode}",
+                    "frameworks": frameworks,
+                    "modes": list(modes),
+                    "threads": given.inputs.threads,
                     "family": config.family,
                     "dtype": args.dtype,
                     "device": args.device,
@@ -212,8 +248,31 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print_table(rows, reference, config, args, prompts, generation)
+        print_table(rows, f"{reference} {reference_mode}", config, args, prompts, generation)
     return 0 if ok else EXIT_DISAGREE
+
+
+def speedups(rows: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, float | None]:
+    """A row's time against the same framework's naive row (cached_speedup; not for naive) and a
+    speculative row's against its cached row (speculative_speedup): None where that row was not run."""
+
+    def seconds(mode: str) -> float | None:
+        same = [r for r in rows if r["framework"] == row["framework"] and r["mode"] == mode and r["available"]]
+        return same[0]["seconds"] if same else None
+
+    naive, cached = seconds("naive"), seconds("cached")
+    return {
+        "cached_speedup": None if naive is None or row["mode"] == "naive" else naive / row["seconds"],
+        "speculative_speedup": None if cached is None or row["mode"] != "speculative" else cached / row["seconds"],
+    }
+
+
+def describe_prompts(prompts: np.ndarray) -> str:
+    """'1 x 5-token prompt', '2 x 5-token prompts', or for ragged rows '2 prompts of 2-4 tokens'."""
+    lengths = [len(row) for row in row_tokens(prompts)]
+    if min(lengths) == max(lengths):
+        return f"{len(lengths)} x {lengths[0]}-token prompt" + "s" * (len(lengths) > 1)
+    return f"{len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens"
 
 
 def measure(
@@ -240,7 +299,8 @@ def measure(
     median = float(np.median(seconds))
     if inputs.mode == "speculative":
         results[(loaded.framework, "speculative")] = (tokens, None)
-        figures["speculative"] = counts
+        assert counts is not None
+        figures["speculative"] = speculative_summary(counts, inputs, tokens, prompts.shape[1])  # with its rates
     return {
         "seconds": median,
         "first_call_seconds": first_call,
@@ -258,7 +318,7 @@ def fmt_difference(value: float) -> str:
 def tokens_cell(row: dict[str, Any], reference: str) -> str:
     if not row["available"]:
         return "not installed" if row["reason"] == "not installed" else "no GPU"
-    if row["framework"] == reference and row["mode"] == "naive":
+    if f"{row['framework']} {row['mode']}" == reference:
         return "reference"
     if row["agree"]:
         return "agree"
@@ -277,10 +337,12 @@ def print_table(
     from rich.table import Table
 
     where = args.device if args.device == "cpu" else "gpu (numpy on the cpu)"
+    speculative = any(row["mode"] == "speculative" and row["available"] for row in rows)
     table = Table(
-        title=f"kvports compare: {describe(config)}, {prompts.shape[0]} x {prompts.shape[1]}-token prompt, "
-        f"{args.new_tokens} new tokens, {describe_generation(generation)}, {args.dtype}, {where}; "
-        f"reference: {reference} naive" + (", teacher-forced" if args.teacher_forced else ""),
+        title=f"kvports compare: {describe(config)}, {describe_prompts(prompts)}, "
+        f"{args.new_tokens} new tokens, {describe_generation(generation)}, {args.dtype}, {where}, "
+        f"{describe_threads(args.threads)}; reference: {reference}"
+        + (", teacher-forced" if args.teacher_forced else ""),
         box=box.SIMPLE_HEAD,
         show_edge=False,
     )
@@ -293,12 +355,13 @@ def print_table(
         ("mean\n|diff|", "right"),
         ("seconds", "right"),
         ("vs\nnaive", "right"),
+        *[("vs\ncached", "right"), ("draft\nkept", "right")] * speculative,
     ):
         table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for row in rows:
         cells = [row["framework"], row["mode"], tokens_cell(row, reference)]
         if not row["available"]:
-            table.add_row(*cells, *["-"] * 5)
+            table.add_row(*cells, *["-"] * (5 + 2 * speculative))
             continue
         logits = row["logits"]
         cells += (
@@ -311,6 +374,12 @@ def print_table(
             ]
         )
         cells += [f"{row['seconds']:.4f}", "-" if row["cached_speedup"] is None else f"{row['cached_speedup']:.1f}x"]
+        if speculative:
+            counts = row.get("speculative")
+            cells += [
+                "-" if row["speculative_speedup"] is None else f"{row['speculative_speedup']:.2f}x",
+                "-" if counts is None else f"{counts['acceptance_rate']:.0%}",
+            ]
         table.add_row(*cells)
     console = console_for(table)
     console.print(table)
@@ -345,7 +414,8 @@ def footnotes(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]
         )
     compiled = [row for row in live if row.get("compile_seconds") is not None]
     timing = (
-        f"seconds: median of {args.repeats} runs of the whole generation after a warm-up (per-step latency and "
+        f"seconds: median of {args.repeats} run{'s' * (args.repeats != 1)} of the whole generation after a warm-up "
+        "(per-step latency and "
         "time to first token: kvports bench)"
     )
     if compiled:
@@ -353,6 +423,11 @@ def footnotes(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]
             f"{row['framework']} {row['mode']} {row['compile_seconds']:.2f} s" for row in compiled
         )
     notes.append(timing)
+    if any(row["mode"] == "speculative" for row in live):
+        notes.append(
+            "speculative: its tokens against the reference's (greedy: they must be equal); vs cached: the same "
+            "framework's cached seconds over its own; draft kept: the draft's proposals the target accepted"
+        )
     for row in rows:
         if not row["available"] and row["reason"] != "not installed" and row["mode"] == "naive":
             notes.append(f"{row['framework']}: {row['reason']}")

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from kvports.shared import ports
-from kvports.shared.arguments import add_speculative_arguments
-from kvports.shared.checks import MODES
+from kvports.shared.arguments import add_speculative_arguments, integer
+from kvports.shared.checks import MAX_LOGPROBS, MODES
 from kvports.shared.commands.arguments import (
     add_generation_arguments,
     add_input_arguments,
@@ -25,6 +25,7 @@ from kvports.shared.devices import add_device_argument, tensor_parallel_layout
 from kvports.shared.families import describe
 from kvports.shared.generation import PAD, GenerationConfig
 from kvports.shared.run import Generation, generate, load_model
+from kvports.shared.threads import describe_threads, use_threads
 
 HELP = "generate with one framework and mode: greedy or sampled, stop tokens, streaming"
 
@@ -39,6 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_speculative_arguments(parser)
     parser.add_argument(
         "--stream", action="store_true", help="print tokens as they are made (with --json: one JSON line per step)"
+    )
+    parser.add_argument(
+        "--logprobs",
+        type=integer,
+        default=0,
+        metavar="K",
+        help=f"print each new token's log-probability and the K likeliest tokens of its step (at most {MAX_LOGPROBS}; "
+        "naive and cached modes)",
     )
 
 
@@ -76,6 +85,7 @@ class Stream:
 def run(args: argparse.Namespace) -> int:
     given = read_inputs(args, args.framework, args.mode)
     warn_unused(args, args.mode == "speculative")
+    use_threads(given.inputs.threads)
     loaded = load_model(
         args.framework, given.config, given.tensors, args.dtype, args.device, tensor_parallel=args.tensor_parallel
     )
@@ -97,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             "mode": args.mode,
             "dtype": args.dtype,
             "device": args.device,
+            "threads": given.inputs.threads,
             "family": given.config.family,
             "tensor_parallel": args.tensor_parallel,
             "generation": dataclasses.asdict(generation),
@@ -112,11 +123,14 @@ def run(args: argparse.Namespace) -> int:
         if result.text is not None:
             output["text"] = result.text
             output["answer"] = answers(given.tokenizer, result.generated)
+        if result.logprobs is not None:
+            output["logprobs"] = result.logprobs
         print(json.dumps(output))
         return 0
     print(
         f"{args.framework} {args.mode} {args.dtype} on the {args.device}, {describe(given.config)}, "
-        f"{describe_generation(generation)}, {args.new_tokens} new tokens at most, in {result.seconds:.3f} s"
+        f"{describe_generation(generation)}, {args.new_tokens} new tokens at most, "
+        f"{describe_threads(given.inputs.threads)}, in {result.seconds:.3f} s"
     )
     if args.tensor_parallel > 1:
         print(f"  tensor parallel: {tensor_parallel_layout(given.config, args.tensor_parallel)}")
@@ -126,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
         if result.text is not None:
             print(f"  text      {result.text[index]}")
             print(f"  answer    {answers(given.tokenizer, [generated])[0]}")
+        if result.logprobs is not None:
+            for line in logprob_lines(result.logprobs[index]):
+                print(line)
     summary = result.speculative
     if summary is not None:
         print(
@@ -171,3 +188,13 @@ def describe_generation(generation: GenerationConfig) -> str:
     if generation.stop_ids:
         how += f", stop at {', '.join(map(str, generation.stop_ids))}"
     return how
+
+
+def logprob_lines(steps: list[dict[str, Any]]) -> list[str]:
+    """One row's --logprobs, a line per step: the token and its log-probability, then the
+    likeliest tokens of that step, rounded to 4 decimals (the ports differ in float rounding only)."""
+    return [
+        f"    step {step:>4}  {entry['token']:>6} {entry['logprob']:9.4f}   top: "
+        + ", ".join(f"{alternative['token']} {alternative['logprob']:.4f}" for alternative in entry["top"])
+        for step, entry in enumerate(steps)
+    ]
