@@ -137,3 +137,12 @@ def test_tensor_parallel_needs_whole_heads_and_ffn_slices(n, heads, kv_heads, ff
     for names in (COMMAND_LINE, API):
         with pytest.raises(kvports.UserError, match=refused.replace("(", r"\(").replace(")", r"\)")):
             check_tensor_parallel(n, "torch", [("the model", config)], names)
+
+
+def test_torch_batch_refuses_tensor_parallelism_in_one_line(capsys, no_port_may_load, tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"prompt": [1, 2, 3], "max_tokens": 2}\n')
+    err = assert_one_error_line(
+        *run_cli(capsys, "batch", "--framework", "torch", "--requests", requests, "--tensor-parallel", "2")
+    )
+    assert err == "error: --tensor-parallel 2 in batch runs on jax only: torch's ranks have no paged cache\n"

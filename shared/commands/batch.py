@@ -146,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
         # requests' own lengths: a model's long context must not refuse a file of short requests.
         settings_of(args, 1).validate(config)
         check_tensor_parallel(args.tensor_parallel, args.framework, [("the model", config)])
+        if args.framework == "torch" and args.tensor_parallel > 1:
+            # torch's ranks each run a whole generate call; the engine steps one shared block pool
+            raise UserError(
+                f"--tensor-parallel {args.tensor_parallel} in batch runs on jax only: torch's ranks have no paged cache"
+            )
         prepare_tensor_parallel(args.tensor_parallel, args.device, [args.framework])
         tokenizer = load_tokenizer(args.tokenizer, args.weights, config)
         requests, bad = read_requests(args, config, tokenizer)
