@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         check_bytes(run_bytes(config, args.dtype, settings), f"a batch of {len(requests)} requests in {args.dtype}")
         tensors = weights.read(args.dtype)
     loaded = load_model(args.framework, config, tensors, args.dtype, args.device)
-    summary = run_requests(loaded.port, loaded.model, config, settings, requests, tokenizer)
+    summary = run_requests(loaded.port, loaded.model, config, settings, requests, tokenizer, dtype=args.dtype)
     summary.update(framework=args.framework, dtype=args.dtype, device=args.device, bad_lines=len(bad))
     print(json.dumps({"summary": summary}), flush=True)
     return EXIT_BAD_LINES if bad else 0
@@ -202,10 +202,17 @@ def read_requests(args: argparse.Namespace, config: ModelConfig, tokenizer: Any)
 
 
 def run_requests(
-    port: Any, model: Any, config: ModelConfig, settings: BatchSettings, requests: list[Request], tokenizer: Any
+    port: Any,
+    model: Any,
+    config: ModelConfig,
+    settings: BatchSettings,
+    requests: list[Request],
+    tokenizer: Any,
+    *,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """Run every request, printing each one's line as it finishes; the summary."""
-    engine = Engine(port, model, config, settings)
+    engine = Engine(port, model, config, settings, dtype=dtype)
     start = time.perf_counter()
     for request in requests:
         engine.add(request)
