@@ -385,9 +385,7 @@ class Decoding:
     draws: jax.Array  # [B, N]: each row's uniform for each new token
     stops: jax.Array  # [K] int32: the stop ids
     generation: GenerationConfig = dataclasses.field(metadata=dict(static=True))
-    dtype: str = dataclasses.field(
-        metadata=dict(static=True)
-    )  # the model's, for the message when a forward overflows it
+    dtype: str = dataclasses.field(metadata=dict(static=True))  # the model's, named when a forward overflows it
 
 
 @jax.tree_util.register_dataclass
@@ -399,7 +397,7 @@ class DecodeState:
     step: jax.Array  # [] int32: new tokens made so far; an array, so a new step is not a new compile
     tokens: jax.Array  # [B, P + N] int32: the prompt, then the new tokens (PAD after a row stops)
     done: jax.Array  # [B] bool: the rows that have stopped
-    nonfinite: jax.Array  # [2] int32: (step, row) of the first logits with an inf or a NaN in a running row; -1s: none
+    nonfinite: jax.Array  # [2] int32: (step, row) of the first logits with an inf or a NaN in a running row, or -1s
     # [B, N, V]: what each token was chosen from, when asked for (a buffer, not a list: the compiled loop keeps shapes)
     step_logits: Optional[jax.Array]
     cache: Optional[KVCache]  # None: naive, the whole history again at every step

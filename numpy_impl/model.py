@@ -355,7 +355,7 @@ class DecodeState:
     step: int  # new tokens made so far
     tokens: np.ndarray  # [B, P + N]: the prompt, then the new tokens (PAD after a row stops)
     done: np.ndarray  # [B] bool: the rows that have stopped
-    nonfinite: np.ndarray  # [2] int64: (step, row) of the first logits with an inf or a NaN in a running row; -1s: none
+    nonfinite: np.ndarray  # [2] int64: (step, row) of the first logits with an inf or a NaN in a running row, or -1s
     step_logits: Optional[List[np.ndarray]]  # [B, V] each: what each token was chosen from, when asked for
     cache: Optional[KVCache]  # None: naive, the whole history again at every step
 

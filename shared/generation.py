@@ -3,9 +3,10 @@ random numbers their sampling draws, prompts of different lengths, and stop toke
 
 Sampling agrees across frameworks because nothing random happens inside a framework:
 each row's uniforms come from NumPy's counter-based Philox generator, keyed by that row's
-seed alone (not its place in the batch: a row gets the tokens it gets alone), one number per step, and every port turns the same logits and the same
-uniform into the same token by the same rule (temperature, top-k, top-p, then the draw:
-the first token whose cumulative probability passes the uniform).
+seed alone (not its place in the batch: a row gets the tokens it gets alone), one number
+per step, and every port turns the same logits and the same uniform into the same token
+by the same rule (temperature, top-k, top-p, then the draw: the first token whose
+cumulative probability passes the uniform).
 """
 
 from __future__ import annotations

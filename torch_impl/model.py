@@ -356,9 +356,7 @@ class DecodeState:
     step: int  # new tokens made so far
     tokens: torch.Tensor  # [B, P + N]: the prompt, then the new tokens (PAD after a row stops)
     done: torch.Tensor  # [B] bool: the rows that have stopped
-    nonfinite: (
-        torch.Tensor
-    )  # [2] int64: (step, row) of the first logits with an inf or a NaN in a running row; -1s: none
+    nonfinite: torch.Tensor  # [2] int64: (step, row) of the first logits with an inf or a NaN in a running row, or -1s
     step_logits: Optional[List[torch.Tensor]]  # [B, V] each: what each token was chosen from, when asked for
     cache: Optional[KVCache]  # None: naive, the whole history again at every step
 

@@ -157,7 +157,7 @@ def generate_speculative(
     done = torch.isin(token, stops)  # [B]
     counts = dict(rounds=0, target_forwards=1, proposed=0, accepted=0)
     end = P + 1  # tokens so far in every row
-    # Until N tokens, every row has stopped, or a round's logits overflowed (the loop looks at the host every round anyway)
+    # Until N tokens, every row has stopped, or a round's logits overflowed (it looks at the host every round anyway)
     while end < P + N and not bool(done.all()) and int(nonfinite[0]) < 0:
         uniform = rounds[:, counts["rounds"]]  # [B, 2K + 1]: K for the draft, K to accept, 1 for the last token
         if draft is None:
