@@ -60,13 +60,16 @@ class Model:
         ngram: int = 2,
         return_logits: bool = False,
         on_token: OnToken | None = None,
+        num_samples: int = 1,
     ) -> Generation:
         """Generate from `prompts`: one prompt (ids, or "1,2,3" as the command line writes it) or a
         batch of them (rows may differ in length); None: the seed's prompt. `generation`: a
         GenerationConfig (its stop_ids are used as given), a number of new tokens, or else the keywords new_tokens,
         temperature, top_k, top_p, seed and stop_ids (None: the model's eos ids; []: none).
         mode: "naive", "cached" or "speculative" (with draft: a weights file or "ngram").
-        on_token(token [B]) as each token reaches the host."""
+        on_token(token [B]) as each token reaches the host. num_samples: each prompt that many times,
+        seeded seed, seed + 1, ... (a row's draws depend on its seed, not its place in the batch;
+        GenerationConfig(seeds=...) gives each prompt its own)."""
         check_arguments(stop_ids=stop_ids, draft=draft, return_logits=return_logits, on_token=on_token)
         if generation is None or (isinstance(generation, int) and not isinstance(generation, bool)):
             new_tokens = new_tokens if generation is None else generation
@@ -76,7 +79,8 @@ class Model:
             raise UserError(f"generation={echo(generation)} is not a GenerationConfig")
         chosen = None if draft is None else run.Draft(os.fspath(draft), draft_tokens, ngram)
         inputs = run.RunInputs(self.framework, mode, generation, None, self.dtype, self.device, chosen)
-        batch = run.check_and_prepare(self.loaded, inputs, prompt_rows(prompts), API)
+        inputs, rows = run.with_samples(inputs, prompt_rows(prompts), num_samples, API)
+        batch = run.check_and_prepare(self.loaded, inputs, rows, API)
         return run.generate(self.loaded, batch, inputs, return_logits, on_token)
 
 
