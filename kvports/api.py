@@ -22,7 +22,7 @@ import numpy as np
 from kvports.shared import run
 from kvports.shared.checks import API, SEED_PROMPT, parse_prompt
 from kvports.shared.contract import OnToken
-from kvports.shared.errors import UserError, echo
+from kvports.shared.errors import NonFiniteLogits, UserError, echo
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.run import Generation
 
@@ -81,7 +81,10 @@ class Model:
         inputs = run.RunInputs(self.framework, mode, generation, None, self.dtype, self.device, chosen)
         inputs, rows = run.with_samples(inputs, prompt_rows(prompts), num_samples, API)
         batch = run.check_and_prepare(self.loaded, inputs, rows, API)
-        return run.generate(self.loaded, batch, inputs, return_logits, on_token)
+        try:
+            return run.generate(self.loaded, batch, inputs, return_logits, on_token)
+        except NonFiniteLogits as exc:  # the command line's message names its flag; this API names its argument
+            raise NonFiniteLogits(exc.step, exc.where, exc.dtype, "dtype='float64'") from None
 
 
 def check_arguments(**given: object) -> None:

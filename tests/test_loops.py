@@ -100,6 +100,15 @@ def test_an_overflow_is_one_error_line_on_the_command_line(port, overflowing, tm
     assert assert_one_error_line(code, out, err) == f"error: {OVERFLOW}\n"
 
 
+def test_the_api_names_its_own_dtype_argument_for_an_overflow(port, overflowing, tmp_path):
+    weights_file = tmp_path / "overflowing.safetensors"
+    save_weights(weights_file, overflowing, CONFIG)
+    model = kvports.load(port.NAME, weights_file)
+    with pytest.raises(UserError) as error:
+        model.generate([[5, 9, 2, 40], [11, 3, 8, 1, 7]], new_tokens=10, stop_ids=[])
+    assert str(error.value) == OVERFLOW.replace("--dtype float64", "dtype='float64'")
+
+
 # ---------------------------------------------------------------- a row's draws are its seed's
 
 
@@ -136,7 +145,10 @@ def test_num_samples_repeats_each_prompt_with_the_next_seeds(port):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--seed", "1,2,3"], "error: --seed [1, 2, 3] gives 3 seeds for 2 prompts: give one seed, or one per prompt\n"),
+        (
+            ["--seed", "1,2,3"],
+            "error: --seed [1, 2, 3] gives 3 seeds for 2 prompts: give one seed, or one per prompt\n",
+        ),
         (["--num-samples", "1025"], "error: --num-samples 1025 is above 1024\n"),
         (["--num-samples", "0"], "error: --num-samples 0 is below 1\n"),
         (
@@ -157,7 +169,7 @@ def test_the_api_names_its_own_argument_for_a_bad_sample_count():
         kvports.load("numpy").generate([1, 2], new_tokens=2, temperature=0.9, num_samples=0)
 
 
-def test_a_batch_request_gets_the_tokens_generate_gives_its_prompt_and_seed(port, weights):
+def test_a_batch_request_gets_the_tokens_its_prompt_and_seed_get_in_any_row_of_generate(port, weights):
     model = port.load_model(CONFIG, weights, "float64")
     engine = Engine(port, model, CONFIG, SETTINGS)
     settings = [dict(temperature=0.9, seed=1), dict(temperature=0.7, top_p=0.8, seed=1), dict(temperature=1.3, seed=2)]
@@ -166,8 +178,8 @@ def test_a_batch_request_gets_the_tokens_generate_gives_its_prompt_and_seed(port
         engine.add(req)
     batched = {sequence.request.id: sequence.generated for sequence in engine.run()}
     for req in requests:
-        alone = port.generate(model, np.array([req.prompt]), req.generation, "cached")[0]
-        assert batched[req.id] == alone[0, 5:].tolist(), req.id
+        second = port.generate(model, pad_prompts([[1, 2, 3], req.prompt])[0], req.generation, "cached")[0]
+        assert batched[req.id] == second[1, 5:].tolist(), req.id
 
 
 # ---------------------------------------------------------------- speculative streaming

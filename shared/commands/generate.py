@@ -167,7 +167,9 @@ def describe_generation(generation: GenerationConfig) -> str:
     if not generation.greedy and generation.top_p < 1:
         how += f", top-p {generation.top_p:g}"
     if not generation.greedy:
-        how += f", seed {generation.seed}" if not generation.seeds else f", seeds {', '.join(map(str, generation.seeds))}"
+        how += (
+            f", seed {generation.seed}" if not generation.seeds else f", seeds {', '.join(map(str, generation.seeds))}"
+        )
     if generation.stop_ids:
         how += f", stop at {', '.join(map(str, generation.stop_ids))}"
     return how
