@@ -125,11 +125,19 @@ def verify(
     return accepted, draw(at_rejection, uniform[:, K])
 
 
-def first_nonfinite_in_round(logits: jax.Array, used: jax.Array, step: jax.Array, nonfinite: jax.Array) -> jax.Array:
+def first_nonfinite_in_round(
+    logits: jax.Array, q: jax.Array | None, used: jax.Array, step: jax.Array, nonfinite: jax.Array
+) -> jax.Array:
     """(step, row) of the first token a round emitted from logits [B, K + 1, V] holding an inf or a
-    NaN; used [B, K + 1]: the places whose logits chose a running row's token (the rest are
-    rejected or come after a stop, never used); step: the new token at place 0. Kept once found [2]."""
-    bad = ~jnp.all(jnp.isfinite(logits), axis=-1) & used  # [B, K + 1]
+    NaN, or from a sampled draft's probabilities q [B, K, V] holding one (they decide whether a
+    proposal stays, and the token drawn where one is rejected); used [B, K + 1]: the places that
+    chose a running row's token (the rest are rejected or come after a stop, never used); step:
+    the new token at place 0. Kept once found [2]."""
+    bad = ~jnp.all(jnp.isfinite(logits), axis=-1)  # [B, K + 1]
+    if q is not None:
+        drafted = ~jnp.all(jnp.isfinite(q[:, : bad.shape[1]]), axis=-1)  # [B, K]
+        bad = bad.at[:, : drafted.shape[1]].set(bad[:, : drafted.shape[1]] | drafted)
+    bad &= used
     place = jnp.argmax(bad.any(axis=0))  # []: the first place any row overflowed
     found = jnp.stack([step + place, jnp.argmax(bad[:, place])]).astype(jnp.int32)  # [2]
     return jnp.where((nonfinite[0] < 0) & bad.any(), found, nonfinite)
@@ -248,7 +256,7 @@ def _speculative_loop(
         written = jnp.where((column <= kept) & live[:, None] & ~after_stop, emitted, PAD)  # [B, K + 1]
         tokens = lax.dynamic_update_slice_in_dim(tokens, written, end, axis=1)  # [B, L]
         used = (column <= kept) & (column < P + N - end) & live[:, None] & ~after_stop  # [B, K + 1]
-        nonfinite = first_nonfinite_in_round(logits, used, end - P, nonfinite)  # [2]
+        nonfinite = first_nonfinite_in_round(logits, q, used, end - P, nonfinite)  # [2]
         return end + kept + 1, tokens, done | stop.any(axis=1), nonfinite, cache, draft_cache, counts
 
     carry = (jnp.asarray(P + 1), tokens, done, nonfinite, cache, draft_cache, counts)

@@ -107,11 +107,19 @@ def verify(
     return accepted, draw(at_rejection, uniform[:, K])
 
 
-def first_nonfinite_in_round(logits: np.ndarray, used: np.ndarray, step: int, nonfinite: np.ndarray) -> np.ndarray:
+def first_nonfinite_in_round(
+    logits: np.ndarray, q: np.ndarray | None, used: np.ndarray, step: int, nonfinite: np.ndarray
+) -> np.ndarray:
     """(step, row) of the first token a round emitted from logits [B, K + 1, V] holding an inf or a
-    NaN; used [B, K + 1]: the places whose logits chose a running row's token (the rest are
-    rejected or come after a stop, never used); step: the new token at place 0. Kept once found [2]."""
-    bad = ~np.isfinite(logits).all(axis=-1) & used  # [B, K + 1]
+    NaN, or from a sampled draft's probabilities q [B, K, V] holding one (they decide whether a
+    proposal stays, and the token drawn where one is rejected); used [B, K + 1]: the places that
+    chose a running row's token (the rest are rejected or come after a stop, never used); step:
+    the new token at place 0. Kept once found [2]."""
+    bad = ~np.isfinite(logits).all(axis=-1)  # [B, K + 1]
+    if q is not None:
+        drafted = ~np.isfinite(q[:, : bad.shape[1]]).all(axis=-1)  # [B, K]
+        bad[:, : drafted.shape[1]] |= drafted
+    bad &= used
     place = bad.any(axis=0).astype(np.int64).argmax()  # []: the first place any row overflowed
     found = np.stack([step + place, bad[:, place].astype(np.int64).argmax()])  # [2]
     return np.where((nonfinite[0] < 0) & bad.any(), found, nonfinite)
@@ -173,7 +181,7 @@ def generate_speculative(
         stop = np.isin(emitted, stops)  # [B, kept + 1]
         after_stop = np.concatenate([np.zeros_like(stop[:, :1]), stop.cumsum(axis=1)[:, :-1] > 0], axis=1)
         used = (place[: kept + 1] < P + N - end) & ~done[:, None] & ~after_stop  # [B, kept + 1]
-        nonfinite = first_nonfinite_in_round(logits[:, : kept + 1], used, end - P, nonfinite)  # [2]
+        nonfinite = first_nonfinite_in_round(logits[:, : kept + 1], q, used, end - P, nonfinite)  # [2]
         counts["rounds"] += 1
         counts["target_forwards"] += 1
         counts["proposed"] += K * int((~done).sum())

@@ -17,8 +17,9 @@ from kvports.shared.generation import GenerationConfig, pad_prompts, row_tokens
 from kvports.shared.weights import save_weights
 from tests.helpers import assert_one_error_line, random_weights, run_cli
 
-# Learned positions, untied head: small enough for float64 in every test.
-CONFIG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64)
+# Learned positions (an overflow can be placed at one), RMSNorm (no mean subtracted: a dimension
+# that is 0 in the residual stream is 0 after the norm), untied head: small enough for float64.
+CONFIG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64, norm="rmsnorm")
 OVERFLOW_AT = 7  # the position whose logits overflow float32
 # Row 1 is 5 tokens long: position 7 is the token its step 2 makes, whose logits choose step 3.
 # Row 0, one shorter, gets there a step later: the error names step 3 and row 1.
@@ -33,7 +34,7 @@ def overflowing():
     largest (3.4e38) and far inside float64's. The overflow is in the head, so it never feeds
     back into another position (a NaN in attention would reach them all through 0 * NaN): every
     mode sees it at the same step. Dimension 0 of the residual stream is 0 everywhere but there
-    (1000), and every head row reads it with weight 1e38."""
+    (1000), and every head row reads it with weight 1e38: elsewhere the logits are the model's own."""
     weights = random_weights(CONFIG, seed=3)
     for name in ("emb.weight", "pos.weight"):
         weights[name][:, 0] = 0
@@ -42,7 +43,7 @@ def overflowing():
             weights[f"blocks.{layer}.{name}.weight"][0] = 0
             weights[f"blocks.{layer}.{name}.bias"][0] = 0
     weights["pos.weight"][OVERFLOW_AT] = 1000 * np.eye(CONFIG.d_model)[0]
-    weights["ln.weight"][0], weights["ln.bias"][0] = 1, 0
+    weights["ln.weight"][0] = 1
     weights["head.weight"][:, 0] = 1e38
     return weights
 
@@ -198,3 +199,13 @@ def test_a_speculative_stream_ends_where_every_row_stopped_in_every_port(port, r
         return len(calls)
 
     assert heard(port) == heard(reference) < 20
+
+
+def test_a_sampled_draft_that_overflows_stops_the_run_at_its_step(port, weights, overflowing):
+    """The draft's probabilities decide which proposals stay and what is drawn at a rejection:
+    NaN there would be noise in the target's own output."""
+    model, draft = port.load_model(CONFIG, weights, "float32"), port.load_model(CONFIG, overflowing, "float32")
+    sampled = GenerationConfig(10, temperature=0.9, seed=2)
+    with pytest.raises(NonFiniteLogits) as error:
+        port.generate_speculative(model, draft, PROMPTS, sampled, 3)
+    assert str(error.value) == OVERFLOW

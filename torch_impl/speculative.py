@@ -107,12 +107,18 @@ def verify(
 
 
 def first_nonfinite_in_round(
-    logits: torch.Tensor, used: torch.Tensor, step: int, nonfinite: torch.Tensor
+    logits: torch.Tensor, q: torch.Tensor | None, used: torch.Tensor, step: int, nonfinite: torch.Tensor
 ) -> torch.Tensor:
     """(step, row) of the first token a round emitted from logits [B, K + 1, V] holding an inf or a
-    NaN; used [B, K + 1]: the places whose logits chose a running row's token (the rest are
-    rejected or come after a stop, never used); step: the new token at place 0. Kept once found [2]."""
-    bad = ~torch.isfinite(logits).all(dim=-1) & used  # [B, K + 1]
+    NaN, or from a sampled draft's probabilities q [B, K, V] holding one (they decide whether a
+    proposal stays, and the token drawn where one is rejected); used [B, K + 1]: the places that
+    chose a running row's token (the rest are rejected or come after a stop, never used); step:
+    the new token at place 0. Kept once found [2]."""
+    bad = ~torch.isfinite(logits).all(dim=-1)  # [B, K + 1]
+    if q is not None:
+        drafted = ~torch.isfinite(q[:, : bad.shape[1]]).all(dim=-1)  # [B, K]
+        bad[:, : drafted.shape[1]] |= drafted
+    bad &= used
     place = bad.any(dim=0).int().argmax()  # []: the first place any row overflowed
     found = torch.stack([step + place, bad[:, place].int().argmax()])  # [2]
     return torch.where((nonfinite[0] < 0) & bad.any(), found, nonfinite)
@@ -177,7 +183,7 @@ def generate_speculative(
         stop = torch.isin(emitted, stops)  # [B, kept + 1]
         after_stop = torch.cat([torch.zeros_like(stop[:, :1]), stop.cumsum(dim=1)[:, :-1] > 0], dim=1)  # [B, kept + 1]
         used = (place[: kept + 1] < P + N - end) & ~done[:, None] & ~after_stop  # [B, kept + 1]
-        nonfinite = first_nonfinite_in_round(logits[:, : kept + 1], used, end - P, nonfinite)  # [2]
+        nonfinite = first_nonfinite_in_round(logits[:, : kept + 1], q, used, end - P, nonfinite)  # [2]
         counts["rounds"] += 1
         counts["target_forwards"] += 1
         counts["proposed"] += K * int((~done).sum())
