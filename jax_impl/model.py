@@ -31,7 +31,7 @@ from jax.typing import DTypeLike
 import kvports.jax_impl.functional as F
 from kvports.jax_impl.split import Static, merge_model, split_model  # the model as jit takes it
 from kvports.shared.config import ModelConfig, cache_slots
-from kvports.shared.generation import PAD, GenerationConfig, uniforms
+from kvports.shared.generation import PAD, GenerationConfig, check_finite, dtype_name, uniforms
 
 
 @jax.tree_util.register_dataclass
@@ -321,13 +321,20 @@ def greedy(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, V] -> [B]
 
 
-def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+def filter_logits(logits: jax.Array, top_k: Union[int, jax.Array], top_p: Union[float, jax.Array]) -> jax.Array:
     """Top-k, then top-p (the smallest set of most likely tokens whose probability reaches
-    top_p, the most likely always kept), as transformers' warpers do; the rest -inf."""
-    if 0 < top_k < logits.shape[-1]:
+    top_p, the most likely always kept), as transformers' warpers do; the rest -inf. top_k and
+    top_p: one value for every row, or one per row, [B, 1] (0 and 1: no filter), which filter
+    exactly as the same values given one row at a time (traced: one program for any values)."""
+    V = logits.shape[-1]
+    if isinstance(top_k, jax.Array):  # lax.top_k takes one static k: one sort serves every row's
+        kth = jnp.take_along_axis(jnp.sort(logits, axis=-1, descending=True), jnp.clip(top_k - 1, 0, V - 1), axis=-1)
+        logits = jnp.where((0 < top_k) & (top_k < V) & (logits < kth), -jnp.inf, logits)  # [B, V]
+    elif 0 < top_k < V:
         kth = lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)  # [B, V]; ties with the k-th stay
-    if top_p < 1.0:
+    # Per row, top_p 1 removes only what has probability 0 already: the same probabilities
+    if isinstance(top_p, jax.Array) or top_p < 1.0:
         order = jnp.argsort(logits, axis=-1, stable=True)  # [B, V], ascending
         ascending = jnp.take_along_axis(logits, order, axis=-1)  # [B, V]
         remove = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1) <= 1 - top_p  # [B, V], in ascending order
@@ -390,6 +397,7 @@ class Decoding:
     draws: jax.Array  # [B, N]: each row's uniform for each new token
     stops: jax.Array  # [K] int32: the stop ids
     generation: GenerationConfig = dataclasses.field(metadata=dict(static=True))
+    dtype: str = dataclasses.field(metadata=dict(static=True))  # the model's, named when a forward overflows it
 
 
 @jax.tree_util.register_dataclass
@@ -401,22 +409,41 @@ class DecodeState:
     step: jax.Array  # [] int32: new tokens made so far; an array, so a new step is not a new compile
     tokens: jax.Array  # [B, P + N] int32: the prompt, then the new tokens (PAD after a row stops)
     done: jax.Array  # [B] bool: the rows that have stopped
+    nonfinite: jax.Array  # [2] int32: (step, row) of the first logits with an inf or a NaN in a running row, or -1s
     # [B, N, V]: what each token was chosen from, when asked for (a buffer, not a list: the compiled loop keeps shapes)
     step_logits: Optional[jax.Array]
     cache: Optional[KVCache]  # None: naive, the whole history again at every step
 
 
-def start_generation(prompt: jax.Array, generation: GenerationConfig) -> Tuple[Decoding, jax.Array]:
+def start_generation(prompt: jax.Array, generation: GenerationConfig, dtype: DTypeLike) -> Tuple[Decoding, jax.Array]:
     """What both loops need: the generation's constants (each row's left padding, its draws,
-    the stop ids) and the token buffer [B, P + N] with the prompt in it.
+    the stop ids, the model's dtype) and the token buffer [B, P + N] with the prompt in it.
     Run before anything is compiled: whether there is padding shapes the program."""
     B, P = prompt.shape
     padding = jnp.sum(prompt == PAD, axis=1, dtype=jnp.int32)  # [B]
     pad = padding if bool(jnp.any(padding)) else None  # unpadded batches skip every mask they can
-    draws = jnp.asarray(uniforms(generation.seed, B, generation.max_new_tokens))  # [B, N]
+    # [B, N]: each row's stream, keyed by its seed
+    draws = jnp.asarray(uniforms(generation.row_seeds(B), generation.max_new_tokens))
     stops = jnp.asarray(generation.stop_ids, dtype=jnp.int32)  # [K]
     tokens = jnp.full((B, P + generation.max_new_tokens), PAD, dtype=jnp.int32).at[:, :P].set(prompt)  # [B, P + N]
-    return Decoding(pad, draws, stops, generation), tokens
+    return Decoding(pad, draws, stops, generation, dtype_name(np.dtype(dtype))), tokens
+
+
+def no_nonfinite() -> jax.Array:
+    return jnp.full(2, -1, dtype=jnp.int32)  # [2]: no step's logits have overflowed yet
+
+
+def first_nonfinite(logits: jax.Array, done: jax.Array, step: jax.Array, nonfinite: jax.Array) -> jax.Array:
+    """(step, row) of the first step whose logits [B, V] hold an inf or a NaN in a running row, kept
+    from the first such step on [2]. Carried, not raised here: no host look per step."""
+    bad = ~jnp.all(jnp.isfinite(logits), axis=-1) & ~done  # [B]
+    found = jnp.stack([jnp.asarray(step, dtype=jnp.int32), jnp.argmax(bad).astype(jnp.int32)])  # [2]
+    return jnp.where((nonfinite[0] < 0) & jnp.any(bad), found, nonfinite)
+
+
+def check_logits(state: DecodeState, decoding: Decoding) -> None:
+    """Stop the run at the first step whose logits were not finite: one line naming it (a host look at two numbers)."""
+    check_finite(np.asarray(state.nonfinite).tolist(), decoding.dtype)
 
 
 def next_token(
@@ -426,11 +453,12 @@ def next_token(
     column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
     uniform = lax.dynamic_index_in_dim(decoding.draws, state.step, axis=1, keepdims=False)  # [B]
     token, done = choose(logits, decoding.generation, uniform, state.done, decoding.stops)  # [B], [B]
+    nonfinite = first_nonfinite(logits, state.done, state.step, state.nonfinite)  # [2]
     tokens = lax.dynamic_update_index_in_dim(state.tokens, token, column, axis=1)  # [B, P + N]
     step_logits = state.step_logits
     if step_logits is not None:
         step_logits = lax.dynamic_update_index_in_dim(step_logits, logits, state.step, axis=1)  # [B, N, V]
-    return DecodeState(state.step + 1, tokens, done, step_logits, cache), token
+    return DecodeState(state.step + 1, tokens, done, nonfinite, step_logits, cache), token
 
 
 def decode_one_token(model: TinyModel, state: DecodeState, decoding: Decoding) -> Tuple[DecodeState, jax.Array]:
@@ -455,15 +483,21 @@ def decode_n_tokens(
 ) -> DecodeState:
     """The one loop: decode_one_token until N new tokens, or until every row has stopped;
     on_token(token [B]) after each. Without on_token, one compiled while_loop; with it, the
-    same jitted step called from here, so each token reaches the host as it is made."""
+    same jitted step called from here, so each token reaches the host as it is made. Logits that
+    overflowed stop it with an error: at once when streaming (no token made from them is heard),
+    else after the loop, which carries the step and ends there (no host look per step)."""
     if on_token is None:
-        return _decode_n_tokens(static, leaves, state, decoding)
+        state = _decode_n_tokens(static, leaves, state, decoding)
+        check_logits(state, decoding)
+        return state
     generation = decoding.generation
     for _ in range(int(state.step), generation.max_new_tokens):
         if generation.stop_ids and bool(jnp.all(state.done)):
             break  # every row has stopped
         state, token = _decode_one_token(static, leaves, state, decoding)
+        check_logits(state, decoding)
         on_token(np.asarray(token))
+    check_logits(state, decoding)
     return state
 
 
@@ -483,11 +517,11 @@ def generate_naive(
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     static, leaves = split_model(model)
-    decoding, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation, model.emb.embedding.dtype)
     B, N = prompt.shape[0], generation.max_new_tokens
     done = jnp.zeros(B, dtype=bool)  # [B]
     step_logits = jnp.zeros((B, N, model.config.vocab_size), model.emb.embedding.dtype) if return_logits else None
-    state = DecodeState(jnp.zeros((), dtype=jnp.int32), tokens, done, step_logits, None)
+    state = DecodeState(jnp.zeros((), dtype=jnp.int32), tokens, done, no_nonfinite(), step_logits, None)
     return finish(decode_n_tokens(static, leaves, state, decoding, on_token))
 
 
@@ -503,9 +537,10 @@ def generate_cached(
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     static, leaves = split_model(model)
-    decoding, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation, model.emb.embedding.dtype)
     state, token = _start_cached(static, leaves, prompt, tokens, decoding, return_logits, prefill)
     if on_token is not None:
+        check_logits(state, decoding)
         on_token(np.asarray(token))
     return finish(decode_n_tokens(static, leaves, state, decoding, on_token))
 
@@ -551,7 +586,7 @@ def _start_cached(
             logits, cache = model(jnp.maximum(prompt[:, i : i + 1], 0), cache, decoding.pad)  # [B, 1, V]
     done = jnp.zeros(B, dtype=bool)  # [B]
     step_logits = jnp.zeros((B, N, logits.shape[-1]), logits.dtype) if return_logits else None  # [B, N, V]
-    state = DecodeState(jnp.zeros((), dtype=jnp.int32), tokens, done, step_logits, cache)
+    state = DecodeState(jnp.zeros((), dtype=jnp.int32), tokens, done, no_nonfinite(), step_logits, cache)
     return next_token(state, logits[:, -1], cache, decoding)  # the prefill's logits choose it
 
 
@@ -566,8 +601,8 @@ def _decode_one_token(
 @partial(jax.jit, static_argnums=0, donate_argnames="state")
 def _decode_n_tokens(static: Static, leaves: list, state: DecodeState, decoding: Decoding) -> DecodeState:
     def running(state: DecodeState) -> jax.Array:
-        # N tokens, or sooner when every row has stopped
-        return (state.step < decoding.generation.max_new_tokens) & ~jnp.all(state.done)
+        # N tokens, or sooner when every row has stopped or a step's logits overflowed
+        return (state.step < decoding.generation.max_new_tokens) & ~jnp.all(state.done) & (state.nonfinite[0] < 0)
 
     def step(state: DecodeState) -> DecodeState:
         return _decode_one_token(static, leaves, state, decoding)[0]

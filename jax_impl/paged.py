@@ -17,19 +17,19 @@ this step, S' = M * bs slots a query attends over.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.typing import DTypeLike
 
-from kvports.jax_impl.model import TinyModel, attention_mask, greedy, sample, token_positions
+from kvports.jax_impl.model import TinyModel, attention_mask, draw, filter_logits, greedy, token_positions
 from kvports.jax_impl.split import Static, merge_model, split_model
 from kvports.shared.config import ModelConfig
-from kvports.shared.generation import PAD, GenerationConfig
+from kvports.shared.generation import PAD, RowSampling
 
 
 @jax.tree_util.register_dataclass
@@ -118,15 +118,22 @@ def paged_cache(
 
 
 def sample_rows(
-    logits: jax.Array, samplers: Sequence[tuple[GenerationConfig, jax.Array]], uniform: jax.Array
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, uniform: jax.Array
 ) -> jax.Array:
-    """Each row's next token [B] from logits [B, V]: greedy, unless its sampler says otherwise.
-    Every sampler runs over the whole batch (each row's draw depends on that row only) and
-    keeps its own rows: one call per setting, not per row."""
-    tokens = greedy(logits)  # [B]
-    for generation, rows in samplers:
-        tokens = _sample_group(logits, tokens, rows, uniform, generation)  # [B]
-    return tokens
+    """Each row's next token [B] from logits [B, V] by its own settings, arrays [B] (temperature 0:
+    greedy), the token it gets alone: values, not shapes, so one program serves any mix of them
+    (traced: one compile). A row whose logits hold an inf or a NaN gets PAD: the engine stops there."""
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [B]
+    sampled = temperature > 0  # [B]
+
+    def draw_rows(tokens: jax.Array) -> jax.Array:
+        scaled = logits.astype(jnp.float64) / jnp.where(sampled, temperature, 1.0)[:, None]  # [B, V]
+        probs = jax.nn.softmax(filter_logits(scaled, top_k[:, None], top_p[:, None]), axis=-1)  # [B, V]
+        return jnp.where(sampled, draw(probs, uniform), tokens)  # [B]
+
+    # A greedy step skips the sort: a traced condition, not a Python one (torch and NumPy look at the host)
+    tokens = lax.cond(jnp.any(sampled), draw_rows, lambda tokens: tokens, greedy(logits))  # [B]
+    return jnp.where(finite, tokens, PAD)
 
 
 def paged_step(
@@ -135,18 +142,21 @@ def paged_step(
     tokens: jax.Array,
     start: jax.Array,
     block_tables: jax.Array,
-    samplers: Sequence[tuple[GenerationConfig, jax.Array]],
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
     uniform: jax.Array,
 ) -> tuple[jax.Array, BlockPool]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
-    row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each
-    row's next token [B], and the pool with this step's keys and values written in (the one
-    passed in is donated: use the returned one)."""
+    row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
+    sampling settings and draw [B]. Each row's next token [B] (PAD where its logits were not
+    finite), and the pool with this step's keys and values written in (the one passed in is
+    donated: use the returned one)."""
     model.eval()
     # Always an array, zeros included: one structure of inputs, so one compiled program per shape.
     pad = jnp.sum(tokens == PAD, axis=1, dtype=jnp.int32)  # [B]
     logits, pool = _paged_forward(*split_model(model), pool, tokens, start, block_tables, pad)  # [B, V]
-    return sample_rows(logits, samplers, uniform), pool  # [B]
+    return _sample_rows(logits, temperature, top_k, top_p, uniform), pool  # [B]
 
 
 # What paged_step compiles: one program per (rows, T) shape; the pool is donated.
@@ -167,11 +177,8 @@ def _paged_forward(
     return logits[:, -1], dataclasses.replace(pool, keys=cache.keys, values=cache.values)  # [B, V]
 
 
-@partial(jax.jit, static_argnames="generation")
-def _sample_group(
-    logits: jax.Array, tokens: jax.Array, rows: jax.Array, uniform: jax.Array, generation: GenerationConfig
-) -> jax.Array:
-    return jnp.where(rows, sample(logits, generation, uniform), tokens)  # [B]
+# One program per number of rows, whatever the rows' sampling values.
+_sample_rows = jax.jit(sample_rows)
 
 
 def static_shapes(
@@ -180,22 +187,26 @@ def static_shapes(
     tokens: np.ndarray,
     start: np.ndarray,
     block_tables: np.ndarray,
-    samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
-    uniform: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[GenerationConfig, np.ndarray]], np.ndarray]:
+    sampling: RowSampling,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, RowSampling]:
     """A step's NumPy inputs padded to a compiled shape: decode steps (T = 1) to max_batch rows, so
     one program serves every decode step; prefill steps up to the next size in 1, 2, 3, 4, 6, 8,
     12, ... (powers of two and their halfway points) in rows and in T, so a few programs serve
     every mix of prompts and padding adds at most half; block tables to max_blocks. Padding rows
-    are all PAD: nothing of theirs is written, and their tokens are dropped."""
+    are all PAD and greedy: nothing of theirs is written, and their tokens are dropped."""
     B, T = tokens.shape
     rows = max_batch if T == 1 else min(max_batch, _bucket(B))
     width = 1 if T == 1 else _bucket(T)
     tokens = np.pad(tokens, ((0, rows - B), (width - T, 0)), constant_values=PAD)  # [rows, width]: more left padding
     start = np.pad(start, (0, rows - B))  # [rows]
     block_tables = np.pad(block_tables, ((0, rows - B), (0, max_blocks - block_tables.shape[1])), constant_values=-1)
-    samplers = [(generation, np.pad(in_group, (0, rows - B))) for generation, in_group in samplers]
-    return tokens, start, block_tables, samplers, np.pad(uniform, (0, rows - B))
+    sampling = RowSampling(
+        np.pad(sampling.temperature, (0, rows - B)),  # [rows]
+        np.pad(sampling.top_k, (0, rows - B)),
+        np.pad(sampling.top_p, (0, rows - B), constant_values=1.0),
+        np.pad(sampling.uniform, (0, rows - B)),
+    )
+    return tokens, start, block_tables, sampling
 
 
 def _bucket(n: int) -> int:

@@ -20,7 +20,7 @@ from kvports.jax_impl.model import TinyModel, generate_cached, generate_naive, i
 from kvports.jax_impl.model import prefill as prefill_step
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
-from kvports.shared.generation import GenerationConfig, as_generation
+from kvports.shared.generation import GenerationConfig, RowSampling, as_generation
 
 NAME = "jax"
 JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64}
@@ -250,26 +250,25 @@ def paged_step(
     tokens: np.ndarray,
     start: np.ndarray,
     block_tables: np.ndarray,
-    samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
-    uniform: np.ndarray,
+    sampling: RowSampling,
 ) -> tuple[np.ndarray, Any]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
-    `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), samplers: each
-    sampling setting with its rows [B] bool, uniform [B]: each row's draw. The next token of every
-    row [B], and the pool to pass to the next step (the one passed in is donated)."""
+    `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), sampling: each
+    row's temperature, top-k, top-p and draw [B]. The next token of every row [B] (PAD where its
+    logits were not finite), and the pool to pass to the next step (the one passed in is donated)."""
     from kvports.jax_impl import paged
 
     B = tokens.shape[0]
-    tokens, start, block_tables, samplers, uniform = paged.static_shapes(
-        pool.max_batch, pool.max_blocks, tokens, start, block_tables, samplers, uniform
+    tokens, start, block_tables, sampling = paged.static_shapes(
+        pool.max_batch, pool.max_blocks, tokens, start, block_tables, sampling
     )
     device = _inputs_sharding(model)
 
     def on_device(array: np.ndarray) -> jax.Array:
         return jax.device_put(np.asarray(array, dtype=np.int32 if array.dtype.kind == "i" else None), device)
 
-    rows = [(generation, on_device(in_group)) for generation, in_group in samplers]
+    settings = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.uniform)
     next_tokens, pool = paged.paged_step(
-        model, pool, on_device(tokens), on_device(start), on_device(block_tables), rows, on_device(uniform)
+        model, pool, on_device(tokens), on_device(start), on_device(block_tables), *map(on_device, settings)
     )
     return np.asarray(next_tokens, dtype=np.int64)[:B], pool  # [B]: sliced on the host, or each size compiles a slice

@@ -26,9 +26,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvports.jax_impl.model import KVCache, TinyModel, draw, init_cache, probabilities, sample, start_generation
+from kvports.jax_impl.model import (
+    KVCache,
+    TinyModel,
+    draw,
+    first_nonfinite,
+    init_cache,
+    no_nonfinite,
+    probabilities,
+    sample,
+    start_generation,
+)
 from kvports.jax_impl.split import Static, merge_model, split_model
-from kvports.shared.generation import PAD, GenerationConfig, speculative_uniforms
+from kvports.shared.generation import PAD, GenerationConfig, check_finite, speculative_uniforms
 
 
 def propose_ngram(tokens: jax.Array, end: jax.Array, n: int, draft_tokens: int) -> jax.Array:
@@ -115,6 +125,24 @@ def verify(
     return accepted, draw(at_rejection, uniform[:, K])
 
 
+def first_nonfinite_in_round(
+    logits: jax.Array, q: jax.Array | None, used: jax.Array, step: jax.Array, nonfinite: jax.Array
+) -> jax.Array:
+    """(step, row) of the first token a round emitted from logits [B, K + 1, V] holding an inf or a
+    NaN, or from a sampled draft's probabilities q [B, K, V] holding one (they decide whether a
+    proposal stays, and the token drawn where one is rejected); used [B, K + 1]: the places that
+    chose a running row's token (the rest are rejected or come after a stop, never used); step:
+    the new token at place 0. Kept once found [2]."""
+    bad = ~jnp.all(jnp.isfinite(logits), axis=-1)  # [B, K + 1]
+    if q is not None:
+        drafted = ~jnp.all(jnp.isfinite(q[:, : bad.shape[1]]), axis=-1)  # [B, K]
+        bad = bad.at[:, : drafted.shape[1]].set(bad[:, : drafted.shape[1]] | drafted)
+    bad &= used
+    place = jnp.argmax(bad.any(axis=0))  # []: the first place any row overflowed
+    found = jnp.stack([step + place, jnp.argmax(bad[:, place])]).astype(jnp.int32)  # [2]
+    return jnp.where((nonfinite[0] < 0) & bad.any(), found, nonfinite)
+
+
 def generate_speculative(
     model: TinyModel,
     draft: TinyModel | None,
@@ -126,19 +154,20 @@ def generate_speculative(
 ) -> tuple[jax.Array, dict[str, int]]:
     """prompt [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N], the target's own
     output, and counts: rounds, target forwards, proposals made and accepted. One compiled
-    call: on_token hears each token when it returns, not as it is made."""
+    call: on_token hears each token when it returns, not as it is made, and only the steps the
+    loop made (up to where every row stopped), as torch's and NumPy's loops hear them."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     if draft is not None:
         draft.eval()
     B, P = prompt.shape
     N, K = generation.max_new_tokens, draft_tokens
-    decoding, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation, model.emb.embedding.dtype)
     pad, stops = decoding.pad, decoding.stops
     tokens = jnp.concatenate([tokens, jnp.full((B, K + 1), PAD, dtype=tokens.dtype)], axis=1)  # room for a round past N
-    first, rounds = speculative_uniforms(generation.seed, B, N, K)  # [B], [B, N, 2K + 1]
+    first, rounds = speculative_uniforms(generation.row_seeds(B), N, K)  # [B], [B, N, 2K + 1]
     static, leaves = split_model(model)
     draft_static, draft_leaves = split_model(draft) if draft is not None else (None, None)
-    tokens, counts = _speculative_loop(
+    tokens, counts, end, nonfinite = _speculative_loop(
         static,
         leaves,
         draft_static,
@@ -154,9 +183,13 @@ def generate_speculative(
         ngram,
     )
     tokens = np.asarray(tokens)[:, : P + N]  # [B, P + N]
+    overflowed = np.asarray(nonfinite).tolist()  # [step, row], -1s: none
     if on_token is not None:
-        for column in range(P, P + N):
+        made = min(int(end), P + N) - P  # the loop ends when every row has stopped
+        heard = made if overflowed[0] < 0 else min(made, overflowed[0])  # no token made from overflowed logits
+        for column in range(P, P + heard):
             on_token(tokens[:, column])
+    check_finite(overflowed, decoding.dtype)
     names = ("rounds", "target_forwards", "proposed", "accepted")
     return jnp.asarray(tokens), {name: int(value) for name, value in zip(names, np.asarray(counts), strict=True)}
 
@@ -176,7 +209,7 @@ def _speculative_loop(
     generation: GenerationConfig,
     draft_tokens: int,
     ngram: int,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     model = merge_model(static, leaves)
     draft = merge_model(draft_static, draft_leaves) if draft_static is not None and draft_leaves is not None else None
     B, P = prompt.shape
@@ -191,15 +224,17 @@ def _speculative_loop(
             _, draft_cache = draft(jnp.maximum(prompt[:, :-1], 0), draft_cache, pad)  # the draft's lacks the last two
     token = sample(logits[:, -1], generation, first)  # [B]
     tokens = tokens.at[:, P].set(token)
+    nonfinite = first_nonfinite(logits[:, -1], jnp.zeros(B, dtype=bool), 0, no_nonfinite())  # [2]
     done = jnp.isin(token, stops)  # [B]
     counts = jnp.array([0, 1, 0, 0], dtype=jnp.int32)  # rounds, target forwards, proposed, accepted
 
     def running(carry: tuple) -> jax.Array:
-        end, _, done = carry[:3]
-        return (end < P + N) & ~jnp.all(done)
+        # Until N tokens, every row has stopped, or a round's logits overflowed
+        end, _, done, nonfinite = carry[:4]
+        return (end < P + N) & ~jnp.all(done) & (nonfinite[0] < 0)
 
     def speculate(carry: tuple) -> tuple:
-        end, tokens, done, cache, draft_cache, counts = carry
+        end, tokens, done, nonfinite, cache, draft_cache, counts = carry
         uniform = rounds[:, counts[0]]  # [B, 2K + 1]: K for the draft, K to accept, 1 for the last token
         if draft is None:
             proposals, q = propose_ngram(tokens, end, ngram, K), None  # [B, K]
@@ -220,8 +255,10 @@ def _speculative_loop(
         after_stop = jnp.cumsum(stop, axis=1) - stop > 0  # [B, K + 1]: past a row's first stop; it stays stopped
         written = jnp.where((column <= kept) & live[:, None] & ~after_stop, emitted, PAD)  # [B, K + 1]
         tokens = lax.dynamic_update_slice_in_dim(tokens, written, end, axis=1)  # [B, L]
-        return end + kept + 1, tokens, done | stop.any(axis=1), cache, draft_cache, counts
+        used = (column <= kept) & (column < P + N - end) & live[:, None] & ~after_stop  # [B, K + 1]
+        nonfinite = first_nonfinite_in_round(logits, q, used, end - P, nonfinite)  # [2]
+        return end + kept + 1, tokens, done | stop.any(axis=1), nonfinite, cache, draft_cache, counts
 
-    carry = (jnp.asarray(P + 1), tokens, done, cache, draft_cache, counts)
-    _, tokens, _, _, _, counts = lax.while_loop(running, speculate, carry)
-    return tokens, counts  # [B, L], [4]
+    carry = (jnp.asarray(P + 1), tokens, done, nonfinite, cache, draft_cache, counts)
+    end, tokens, _, nonfinite, _, _, counts = lax.while_loop(running, speculate, carry)
+    return tokens, counts, end, nonfinite  # [B, L], [4], [], [2]

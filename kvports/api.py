@@ -22,7 +22,7 @@ import numpy as np
 from kvports.shared import run
 from kvports.shared.checks import API, SEED_PROMPT, check_tensor_parallel, parse_prompt
 from kvports.shared.contract import OnToken
-from kvports.shared.errors import UserError, echo
+from kvports.shared.errors import NonFiniteLogits, UserError, echo
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.run import Generation
 from kvports.shared.threads import check_threads, use_threads
@@ -62,6 +62,7 @@ class Model:
         return_logits: bool = False,
         on_token: OnToken | None = None,
         logprobs: int = 0,
+        num_samples: int = 1,
     ) -> Generation:
         """Generate from `prompts`: one prompt (ids, or "1,2,3" as the command line writes it) or a
         batch of them (rows may differ in length); None: the seed's prompt. `generation`: a
@@ -69,7 +70,9 @@ class Model:
         temperature, top_k, top_p, seed and stop_ids (None: the model's eos ids; []: none).
         mode: "naive", "cached" or "speculative" (with draft: a weights file or "ngram").
         on_token(token [B]) as each token reaches the host. logprobs=K (naive and cached, K <= 20):
-        each new token's log-probability and its step's K likeliest, as `.logprobs`."""
+        each new token's log-probability and its step's K likeliest, as `.logprobs`. num_samples: each
+        prompt that many times, seeded seed, seed + 1, ... (a row's draws depend on its seed, not its
+        place in the batch; GenerationConfig(seeds=...) gives each prompt its own)."""
         check_arguments(stop_ids=stop_ids, draft=draft, return_logits=return_logits, on_token=on_token)
         if generation is None or (isinstance(generation, int) and not isinstance(generation, bool)):
             new_tokens = new_tokens if generation is None else generation
@@ -89,8 +92,12 @@ class Model:
             tensor_parallel=self.loaded.tensor_parallel,
             logprobs=logprobs,
         )
-        batch = run.check_and_prepare(self.loaded, inputs, prompt_rows(prompts), API)
-        return run.generate(self.loaded, batch, inputs, return_logits, on_token)
+        inputs, rows = run.with_samples(inputs, prompt_rows(prompts), num_samples, API)
+        batch = run.check_and_prepare(self.loaded, inputs, rows, API)
+        try:
+            return run.generate(self.loaded, batch, inputs, return_logits, on_token)
+        except NonFiniteLogits as exc:  # the command line's message names its flag; this API names its argument
+            raise NonFiniteLogits(exc.step, exc.where, exc.dtype, "dtype='float64'") from None
 
 
 def check_arguments(**given: object) -> None:

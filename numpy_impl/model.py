@@ -21,7 +21,7 @@ from numpy.typing import DTypeLike
 import kvports.numpy_impl.functional as F
 import kvports.numpy_impl.nn as nn
 from kvports.shared.config import ModelConfig, cache_slots
-from kvports.shared.generation import PAD, GenerationConfig, uniforms
+from kvports.shared.generation import PAD, GenerationConfig, check_finite, dtype_name, uniforms
 
 
 @dataclass
@@ -270,13 +270,20 @@ def greedy(logits: np.ndarray) -> np.ndarray:
     return logits.argmax(axis=-1).astype(np.int64)  # [B, V] -> [B]; argmax gives intp
 
 
-def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+def filter_logits(logits: np.ndarray, top_k: Union[int, np.ndarray], top_p: Union[float, np.ndarray]) -> np.ndarray:
     """Top-k, then top-p (the smallest set of most likely tokens whose probability reaches
-    top_p, the most likely always kept), as transformers' warpers do; the rest -inf."""
-    if 0 < top_k < logits.shape[-1]:
+    top_p, the most likely always kept), as transformers' warpers do; the rest -inf. top_k and
+    top_p: one value for every row, or one per row, [B, 1] (0 and 1: no filter), which filter
+    exactly as the same values given one row at a time."""
+    V = logits.shape[-1]
+    if isinstance(top_k, np.ndarray):
+        kth = np.take_along_axis(-np.sort(-logits, axis=-1), np.clip(top_k - 1, 0, V - 1), axis=-1)  # [B, 1]
+        logits = np.where((0 < top_k) & (top_k < V) & (logits < kth), -np.inf, logits)  # [B, V]
+    elif 0 < top_k < V:
         kth = -np.partition(-logits, top_k - 1, axis=-1)[:, top_k - 1 : top_k]  # [B, 1]
         logits = np.where(logits < kth, -np.inf, logits)  # [B, V]; ties with the k-th stay
-    if top_p < 1.0:
+    # Per row, top_p 1 removes only what has probability 0 already: the same probabilities
+    if isinstance(top_p, np.ndarray) or top_p < 1.0:
         order = np.argsort(logits, axis=-1, kind="stable")  # [B, V], ascending
         ascending = np.take_along_axis(logits, order, axis=-1)  # [B, V]
         remove = F.softmax(ascending, axis=-1).cumsum(axis=-1) <= 1 - top_p  # [B, V], in ascending order
@@ -338,6 +345,7 @@ class Decoding:
     draws: np.ndarray  # [B, N]: each row's uniform for each new token
     stops: np.ndarray  # [K]: the stop ids
     generation: GenerationConfig
+    dtype: str  # the model's, for the message when a forward overflows it
 
 
 @dataclass
@@ -347,21 +355,40 @@ class DecodeState:
     step: int  # new tokens made so far
     tokens: np.ndarray  # [B, P + N]: the prompt, then the new tokens (PAD after a row stops)
     done: np.ndarray  # [B] bool: the rows that have stopped
+    nonfinite: np.ndarray  # [2] int64: (step, row) of the first logits with an inf or a NaN in a running row, or -1s
     step_logits: Optional[List[np.ndarray]]  # [B, V] each: what each token was chosen from, when asked for
     cache: Optional[KVCache]  # None: naive, the whole history again at every step
 
 
-def start_generation(prompt: np.ndarray, generation: GenerationConfig) -> Tuple[Decoding, np.ndarray]:
+def start_generation(prompt: np.ndarray, generation: GenerationConfig, dtype: np.dtype) -> Tuple[Decoding, np.ndarray]:
     """What both loops need: the generation's constants (each row's left padding, its draws,
-    the stop ids) and the token buffer [B, P + N] with the prompt in it."""
+    the stop ids, the model's dtype) and the token buffer [B, P + N] with the prompt in it."""
     B, P = prompt.shape
     padding = (prompt == PAD).sum(axis=1)  # [B]
     pad = padding if padding.any() else None  # unpadded batches skip every mask they can
-    draws = uniforms(generation.seed, B, generation.max_new_tokens)  # [B, N]
+    # [B, N]: each row's stream, keyed by its seed
+    draws = uniforms(generation.row_seeds(B), generation.max_new_tokens)
     stops = np.asarray(generation.stop_ids, dtype=prompt.dtype)  # [K]
     tokens = np.full((B, P + generation.max_new_tokens), PAD, dtype=prompt.dtype)  # [B, P + N]
     tokens[:, :P] = prompt
-    return Decoding(pad, draws, stops, generation), tokens
+    return Decoding(pad, draws, stops, generation, dtype_name(dtype)), tokens
+
+
+def no_nonfinite() -> np.ndarray:
+    return np.full(2, -1, dtype=np.int64)  # [2]: no step's logits have overflowed yet
+
+
+def first_nonfinite(logits: np.ndarray, done: np.ndarray, step: int, nonfinite: np.ndarray) -> np.ndarray:
+    """(step, row) of the first step whose logits [B, V] hold an inf or a NaN in a running row, kept
+    from the first such step on [2]. Carried, not raised here: no host look per step."""
+    bad = ~np.isfinite(logits).all(axis=-1) & ~done  # [B]
+    found = np.stack([np.asarray(step), bad.astype(np.int64).argmax()])  # [2]
+    return np.where((nonfinite[0] < 0) & bad.any(), found, nonfinite)
+
+
+def check_logits(state: DecodeState, decoding: Decoding) -> None:
+    """Stop the run at the first step whose logits were not finite: one line naming it (a host look at two numbers)."""
+    check_finite(state.nonfinite.tolist(), decoding.dtype)
 
 
 def next_token(
@@ -371,10 +398,11 @@ def next_token(
     column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
     uniform = decoding.draws[:, state.step]  # [B]
     token, done = choose(logits, decoding.generation, uniform, state.done, decoding.stops)  # [B], [B]
+    nonfinite = first_nonfinite(logits, state.done, state.step, state.nonfinite)  # [2]
     state.tokens[:, column] = token
     if state.step_logits is not None:
         state.step_logits.append(logits)
-    return DecodeState(state.step + 1, state.tokens, done, state.step_logits, cache), token
+    return DecodeState(state.step + 1, state.tokens, done, nonfinite, state.step_logits, cache), token
 
 
 def decode_one_token(model: TinyModel, state: DecodeState, decoding: Decoding) -> Tuple[DecodeState, np.ndarray]:
@@ -392,14 +420,17 @@ def decode_one_token(model: TinyModel, state: DecodeState, decoding: Decoding) -
 
 def decode_n_tokens(model: TinyModel, state: DecodeState, decoding: Decoding, on_token: OnToken) -> DecodeState:
     """The one loop: decode_one_token until N new tokens, or until every row has stopped;
-    on_token(token [B]) after each."""
+    on_token(token [B]) after each. Logits that overflowed stop it with an error: at once when
+    streaming (no token made from them is heard), else after the loop (no host look per step)."""
     generation = decoding.generation
     for _ in range(state.step, generation.max_new_tokens):
         if generation.stop_ids and state.done.all():
             break  # every row has stopped
         state, token = decode_one_token(model, state, decoding)
         if on_token is not None:
+            check_logits(state, decoding)
             on_token(token)
+    check_logits(state, decoding)
     return state
 
 
@@ -419,9 +450,9 @@ def generate_naive(
     """Recompute the whole history every step: O(n^2) work per token.
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    decoding, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation, model.emb.weight.dtype)
     done = np.zeros(prompt.shape[0], dtype=bool)  # [B]
-    state = DecodeState(0, tokens, done, [] if return_logits else None, None)
+    state = DecodeState(0, tokens, done, no_nonfinite(), [] if return_logits else None, None)
     return finish(decode_n_tokens(model, state, decoding, on_token))
 
 
@@ -437,7 +468,7 @@ def generate_cached(
     prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
-    decoding, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation, model.emb.weight.dtype)
     cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
     if prefill:
         logits, cache = model(np.maximum(prompt, 0), cache, decoding.pad)  # [B, P, V]
@@ -445,9 +476,10 @@ def generate_cached(
         for i in range(P):
             logits, cache = model(np.maximum(prompt[:, i : i + 1], 0), cache, decoding.pad)  # [B, 1, V]
     done = np.zeros(B, dtype=bool)  # [B]
-    state = DecodeState(0, tokens, done, [] if return_logits else None, cache)
+    state = DecodeState(0, tokens, done, no_nonfinite(), [] if return_logits else None, cache)
     state, token = next_token(state, logits[:, -1], cache, decoding)  # the prefill's logits choose it
     if on_token is not None:
+        check_logits(state, decoding)
         on_token(token)
     return finish(decode_n_tokens(model, state, decoding, on_token))
 

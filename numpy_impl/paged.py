@@ -16,14 +16,14 @@ this step, S' = M * bs slots a query attends over.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvports.numpy_impl.model import TinyModel, attention_mask, greedy, sample, token_positions
+import kvports.numpy_impl.functional as F
+from kvports.numpy_impl.model import TinyModel, attention_mask, draw, filter_logits, greedy, token_positions
 from kvports.shared.config import ModelConfig
-from kvports.shared.generation import PAD, GenerationConfig
+from kvports.shared.generation import PAD
 
 
 @dataclass
@@ -112,15 +112,19 @@ def paged_cache(
 
 
 def sample_rows(
-    logits: np.ndarray, samplers: Sequence[tuple[GenerationConfig, np.ndarray]], uniform: np.ndarray
+    logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, uniform: np.ndarray
 ) -> np.ndarray:
-    """Each row's next token [B] from logits [B, V]: greedy, unless its sampler says otherwise.
-    Every sampler runs over the whole batch (each row's draw depends on that row only) and
-    keeps its own rows: one call per setting, not per row."""
+    """Each row's next token [B] from logits [B, V] by its own settings, arrays [B] (temperature 0:
+    greedy), the token it gets alone: values, not shapes, so one program serves any mix of them
+    (JAX's compiles once). A row whose logits hold an inf or a NaN gets PAD: the engine stops there."""
+    finite = np.isfinite(logits).all(axis=-1)  # [B]
+    sampled = temperature > 0  # [B]
     tokens = greedy(logits)  # [B]
-    for generation, rows in samplers:
-        tokens = np.where(rows, sample(logits, generation, uniform), tokens)  # [B]
-    return tokens
+    if sampled.any():  # a greedy step skips the sort (JAX: lax.cond)
+        scaled = logits.astype(np.float64) / np.where(sampled, temperature, 1.0)[:, None]  # [B, V]
+        probs = F.softmax(filter_logits(scaled, top_k[:, None], top_p[:, None]), axis=-1)  # [B, V]
+        tokens = np.where(sampled, draw(probs, uniform), tokens)  # [B]
+    return np.where(finite, tokens, PAD)
 
 
 # No inference_mode decorator: NumPy records no autograd graph to switch off.
@@ -130,12 +134,15 @@ def paged_step(
     tokens: np.ndarray,
     start: np.ndarray,
     block_tables: np.ndarray,
-    samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
     uniform: np.ndarray,
 ) -> tuple[np.ndarray, BlockPool]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
-    row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each
-    row's next token [B], and the pool with this step's keys and values written in."""
+    row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
+    sampling settings and draw [B]. Each row's next token [B] (PAD where its logits were not
+    finite), and the pool with this step's keys and values written in."""
     model.eval()
     B, T = tokens.shape
     pad = (tokens == PAD).sum(axis=1)  # [B]
@@ -143,4 +150,4 @@ def paged_step(
     cache = paged_cache(pool, block_tables, start, pad, T, model.config.sliding_window)
     logits, _ = model(np.maximum(tokens, 0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: its logits choose the next token [B].
-    return sample_rows(logits[:, -1], samplers, uniform), pool
+    return sample_rows(logits[:, -1], temperature, top_k, top_p, uniform), pool

@@ -13,7 +13,7 @@ from kvports.numpy_impl import speculative
 from kvports.numpy_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
-from kvports.shared.generation import GenerationConfig, as_generation
+from kvports.shared.generation import GenerationConfig, RowSampling, as_generation
 
 NAME = "numpy"
 NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -138,17 +138,16 @@ def paged_step(
     tokens: np.ndarray,
     start: np.ndarray,
     block_tables: np.ndarray,
-    samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
-    uniform: np.ndarray,
+    sampling: RowSampling,
 ) -> tuple[np.ndarray, Any]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
-    `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), samplers: each
-    sampling setting with its rows [B] bool, uniform [B]: each row's draw. The next token of every
-    row [B], and the pool to pass to the next step."""
+    `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), sampling: each
+    row's temperature, top-k, top-p and draw [B]. The next token of every row [B] (PAD where its
+    logits were not finite), and the pool to pass to the next step."""
     from kvports.numpy_impl import paged
 
-    rows = [(generation, np.asarray(in_group)) for generation, in_group in samplers]
+    settings = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.uniform)
     next_tokens, pool = paged.paged_step(
-        model, pool, np.asarray(tokens), np.asarray(start), np.asarray(block_tables), rows, np.asarray(uniform)
+        model, pool, np.asarray(tokens), np.asarray(start), np.asarray(block_tables), *map(np.asarray, settings)
     )
     return next_tokens, pool  # [B]

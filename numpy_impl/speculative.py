@@ -21,8 +21,18 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvports.numpy_impl.model import KVCache, TinyModel, draw, init_cache, probabilities, sample, start_generation
-from kvports.shared.generation import PAD, GenerationConfig, speculative_uniforms
+from kvports.numpy_impl.model import (
+    KVCache,
+    TinyModel,
+    draw,
+    first_nonfinite,
+    init_cache,
+    no_nonfinite,
+    probabilities,
+    sample,
+    start_generation,
+)
+from kvports.shared.generation import PAD, GenerationConfig, check_finite, speculative_uniforms
 
 
 def propose_ngram(tokens: np.ndarray, end: int, n: int, draft_tokens: int) -> np.ndarray:
@@ -97,6 +107,24 @@ def verify(
     return accepted, draw(at_rejection, uniform[:, K])
 
 
+def first_nonfinite_in_round(
+    logits: np.ndarray, q: np.ndarray | None, used: np.ndarray, step: int, nonfinite: np.ndarray
+) -> np.ndarray:
+    """(step, row) of the first token a round emitted from logits [B, K + 1, V] holding an inf or a
+    NaN, or from a sampled draft's probabilities q [B, K, V] holding one (they decide whether a
+    proposal stays, and the token drawn where one is rejected); used [B, K + 1]: the places that
+    chose a running row's token (the rest are rejected or come after a stop, never used); step:
+    the new token at place 0. Kept once found [2]."""
+    bad = ~np.isfinite(logits).all(axis=-1)  # [B, K + 1]
+    if q is not None:
+        drafted = ~np.isfinite(q[:, : bad.shape[1]]).all(axis=-1)  # [B, K]
+        bad[:, : drafted.shape[1]] |= drafted
+    bad &= used
+    place = bad.any(axis=0).astype(np.int64).argmax()  # []: the first place any row overflowed
+    found = np.stack([step + place, bad[:, place].astype(np.int64).argmax()])  # [2]
+    return np.where((nonfinite[0] < 0) & bad.any(), found, nonfinite)
+
+
 def generate_speculative(
     model: TinyModel,
     draft: TinyModel | None,
@@ -111,10 +139,10 @@ def generate_speculative(
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
     N, K = generation.max_new_tokens, draft_tokens
-    decoding, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation, model.emb.weight.dtype)
     pad, stops = decoding.pad, decoding.stops
     tokens = np.concatenate([tokens, np.full((B, K + 1), PAD, dtype=tokens.dtype)], axis=1)  # room for a round past N
-    first, rounds = speculative_uniforms(generation.seed, B, N, K)  # [B], [B, N, 2K + 1]
+    first, rounds = speculative_uniforms(generation.row_seeds(B), N, K)  # [B], [B, N, 2K + 1]
     # A verified chunk is K + 1 wide and partly taken back: a ring keeps K spare slots for it.
     cache = init_cache(model.config, B, P + N + K + 1, model.emb.weight.dtype, chunk=K + 1)
     logits, cache = model(np.maximum(prompt, 0), cache, pad)  # [B, P, V]: the target's cache lacks only the last token
@@ -125,12 +153,16 @@ def generate_speculative(
             _, draft_cache = draft(np.maximum(prompt[:, :-1], 0), draft_cache, pad)  # the draft's lacks the last two
     token = sample(logits[:, -1], generation, first)  # [B]
     tokens[:, P] = token
+    done = np.zeros(B, dtype=bool)  # [B]
+    nonfinite = first_nonfinite(logits[:, -1], done, 0, no_nonfinite())  # [2]
     if on_token is not None:
+        check_finite(nonfinite.tolist(), decoding.dtype)
         on_token(token)
     done = np.isin(token, stops)  # [B]
     counts = dict(rounds=0, target_forwards=1, proposed=0, accepted=0)
     end = P + 1  # tokens so far in every row
-    while end < P + N and not done.all():
+    # Until N tokens, every row has stopped, or a round's logits overflowed
+    while end < P + N and not done.all() and nonfinite[0] < 0:
         uniform = rounds[:, counts["rounds"]]  # [B, 2K + 1]: K for the draft, K to accept, 1 for the last token
         if draft is None:
             proposals, q = propose_ngram(tokens, end, ngram, K), None  # [B, K]
@@ -145,6 +177,11 @@ def generate_speculative(
         extra = np.where(accepted > kept, proposals[:, min(kept, K - 1)], final)
         emitted = np.concatenate([proposals[:, :kept], extra[:, None]], axis=1)  # [B, kept + 1]
         cache = cache.crop(end + kept)  # the last token and the kept proposals stay; the rest never happened
+        place = np.arange(K + 1)  # [K + 1]
+        stop = np.isin(emitted, stops)  # [B, kept + 1]
+        after_stop = np.concatenate([np.zeros_like(stop[:, :1]), stop.cumsum(axis=1)[:, :-1] > 0], axis=1)
+        used = (place[: kept + 1] < P + N - end) & ~done[:, None] & ~after_stop  # [B, kept + 1]
+        nonfinite = first_nonfinite_in_round(logits[:, : kept + 1], q, used, end - P, nonfinite)  # [2]
         counts["rounds"] += 1
         counts["target_forwards"] += 1
         counts["proposed"] += K * int((~done).sum())
@@ -153,7 +190,10 @@ def generate_speculative(
             token = np.where(done, PAD, emitted[:, i])  # [B]; a stopped row stays stopped
             tokens[:, end + i] = token
             if on_token is not None:
+                if nonfinite[0] == end - P + i:
+                    check_finite(nonfinite.tolist(), decoding.dtype)  # no token made from overflowed logits is heard
                 on_token(token)
             done |= np.isin(token, stops)
         end += kept + 1
+    check_finite(nonfinite.tolist(), decoding.dtype)
     return tokens[:, : P + N], counts  # [B, P + N]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvports.shared.checks import MAX_DRAFT_TOKENS, MAX_NGRAM, MAX_SEED, MAX_TENSOR_PARALLEL
 from kvports.shared.errors import UserError, echo
+from kvports.shared.limits import check_count
 
 
 class OutOfRange(argparse.ArgumentTypeError):
@@ -57,6 +58,14 @@ def seed(text: str) -> int:
     if value > MAX_SEED:
         raise OutOfRange(f"{value} is above {MAX_SEED}")
     return value
+
+
+def seeds(text: str) -> tuple[int, ...]:
+    """One seed for every row, or a comma-separated list, one per row (`shared.checks.check_seeds`
+    counts them against the prompts): each a Philox key word, 0 to 2**64 - 1."""
+    parts = text.split(",")
+    check_count("--seed values", len(parts))  # a megabyte of commas is refused before it is read
+    return tuple(seed(part) for part in parts)
 
 
 def number(text: str) -> float:

@@ -45,6 +45,7 @@ MAX_DRAFT_TOKENS = 16  # a verified chunk is K + 1 wide; past this the draft is 
 MAX_NGRAM = 64
 MODES = ("naive", "cached", "speculative")
 MAX_TENSOR_PARALLEL = 64  # devices one model is split across: far past any one machine's GPUs
+MAX_SAMPLES = 1024  # copies of one prompt: the batch they make is bounded again, in bytes, by check_run
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ COMMAND_LINE = Names(
         ("tensor_parallel", "--tensor-parallel"),
         ("threads", "--threads"),
         ("logprobs", "--logprobs"),
+        ("seeds", "--seed"),
+        ("num_samples", "--num-samples"),
     ),
 )
 API = Names(api=True)
@@ -188,8 +191,32 @@ def check_generation(generation: GenerationConfig, vocab_size: int, names: Names
     if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
         raise UserError(f"{names.show('top_p', repr(top_p))} must be in (0, 1] (1 means no nucleus filter)")
     check_int(names.label("seed"), generation.seed, 0, names.api, MAX_SEED)
+    check_count(names.label("seeds"), len(generation.seeds))
+    for seed in generation.seeds:
+        check_int(names.label("seeds"), seed, 0, names.api, MAX_SEED)
     for stop in generation.stop_ids:
         check_int(names.label("stop_ids"), stop, 0, names.api, vocab_size - 1)
+
+
+def check_seeds(generation: GenerationConfig, rows: int, names: Names = COMMAND_LINE) -> None:
+    """Per-row seeds: one for each row of the batch, or none (every row then uses the one seed)."""
+    if generation.seeds and len(generation.seeds) != rows:
+        raise UserError(
+            f"{names.show('seeds', echo(list(generation.seeds)))} gives {len(generation.seeds)} seeds for "
+            f"{rows} prompts: give one seed, or one per prompt"
+        )
+
+
+def check_samples(num_samples: object, generation: GenerationConfig, rows: int, names: Names = COMMAND_LINE) -> int:
+    """--num-samples N: each prompt N times, seeded seed, seed + 1, ..., seed + N - 1 (each within a
+    Philox key word), at most MAX_SAMPLES copies of each, and one seed per prompt if seeds are given."""
+    count = check_range("num_samples", num_samples, 1, names, MAX_SAMPLES)
+    check_count(f"prompts x {names.label('num_samples')}", rows * count)
+    check_seeds(generation, rows, names)
+    top = max(generation.row_seeds(rows)) + count - 1
+    if top > MAX_SEED:
+        raise UserError(f"{names.show('num_samples', str(count))} takes the seed to {top}, above {MAX_SEED}")
+    return count
 
 
 def check_int(name: str, value: object, low: int, api: bool = False, high: int | None = None) -> int:

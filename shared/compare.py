@@ -96,7 +96,7 @@ def compare_tokens(
     if generation is None or generation.greedy:
         margin = top2_margin(reference_logits[row, step])
     else:
-        draws = uniforms(generation.seed, generated.shape[0], generation.max_new_tokens)  # [B, N]
+        draws = uniforms(generation.row_seeds(generated.shape[0]), generation.max_new_tokens)  # [B, N]
         margin = draw_margin(reference_logits[row, step], generation, float(draws[row, step]))
     return Agreement(False, step, row, margin, margin < NEAR_TIE)
 

@@ -21,7 +21,7 @@ from typing import Any, Generic, Protocol
 import numpy as np
 
 from kvports.shared.config import ModelConfig
-from kvports.shared.generation import GenerationConfig
+from kvports.shared.generation import GenerationConfig, RowSampling
 
 Model = Any  # each framework's own model object; only its port looks inside
 OnToken = Callable[[np.ndarray], None]  # called with the new token of every row, [B] int64
@@ -145,13 +145,13 @@ class Port(Timed, Protocol):
         tokens: np.ndarray,
         start: np.ndarray,
         block_tables: np.ndarray,
-        samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
-        uniform: np.ndarray,
+        sampling: RowSampling,
     ) -> tuple[np.ndarray, Any]:
         """One step of a running batch over the pool: `tokens [B, T]` (PAD on the left of shorter rows) after
-        each row's `start [B]` tokens in the pool, `block_tables [B, M]` (-1 past a row's blocks), each sampling
-        setting with its rows `[B]` bool, each row's draw `uniform [B]`. Each row's next token `[B]` (greedy
-        where no sampler has it) and the pool for the next step (JAX donates the one passed in)."""
+        each row's `start [B]` tokens in the pool, `block_tables [B, M]` (-1 past a row's blocks), each row's
+        temperature, top-k, top-p and draw (`RowSampling`, arrays `[B]`: one compiled program serves any
+        values). Each row's next token `[B]` (greedy at temperature 0; PAD where its logits held an inf or a
+        NaN) and the pool for the next step (JAX donates the one passed in)."""
         ...
 
 

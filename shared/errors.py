@@ -32,3 +32,19 @@ def echo_path(path: object) -> str:
     """A path as a message shows it: quoted (a newline in it stays escaped), shortened only
     when very long."""
     return echo(str(path), MAX_PATH_ECHO)
+
+
+class NonFiniteLogits(UserError):
+    """A forward pass whose logits hold an inf or a NaN: the model's weights, at this dtype, overflow
+    (finite weights can), so every token chosen from that step on would be noise. A UserError, not
+    a bug: it is the model's data and the dtype the user chose, and the user's remedy is a flag (a
+    wider dtype, other weights), so it is one `error:` line and exit 2 like any refused input.
+    `where`: "row 0" in a generation, "request 'a'" in a batch; `dtype_hint`: how the caller names
+    the wider dtype (the command line's flag, the API's argument)."""
+
+    def __init__(self, step: int, where: str, dtype: str, dtype_hint: str = "--dtype float64"):
+        self.step, self.where, self.dtype = step, where, dtype
+        remedy = f"try {dtype_hint}" if dtype != "float64" else "the weights are too large for this model"
+        super().__init__(
+            f"step {step} produced a non-finite logit ({where}): the forward pass overflowed at {dtype}; {remedy}"
+        )

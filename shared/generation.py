@@ -2,20 +2,22 @@
 random numbers their sampling draws, prompts of different lengths, and stop tokens.
 
 Sampling agrees across frameworks because nothing random happens inside a framework:
-each row's uniforms come from NumPy's counter-based Philox generator, keyed by the seed
-and the row, one number per step, and every port turns the same logits and the same
-uniform into the same token by the same rule (temperature, top-k, top-p, then the draw:
-the first token whose cumulative probability passes the uniform).
+each row's uniforms come from NumPy's counter-based Philox generator, keyed by that row's
+seed alone (not its place in the batch: a row gets the tokens it gets alone), one number
+per step, and every port turns the same logits and the same uniform into the same token
+by the same rule (temperature, top-k, top-p, then the draw: the first token whose
+cumulative probability passes the uniform).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from kvports.shared.checks import check_generation
+from kvports.shared.errors import NonFiniteLogits
 
 PAD = -1  # in a token array: left padding of a short prompt, or a slot after a row stopped
 
@@ -28,10 +30,15 @@ class GenerationConfig:
     top_p: float = 1.0  # 1: no nucleus filter
     seed: int = 0
     stop_ids: tuple[int, ...] = ()  # a row ends after it emits any of these (kept as its last token)
+    seeds: tuple[int, ...] = ()  # one seed per row; empty: every row uses `seed`
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def row_seeds(self, batch: int) -> tuple[int, ...]:
+        """Each row's seed: `seeds` (checked to have one per row, `checks.check_seeds`), else `seed` for every row."""
+        return self.seeds if self.seeds else (self.seed,) * batch
 
     def validate(self, vocab_size: int) -> GenerationConfig:
         """The same one-line errors for every port, before any framework code runs (`checks.check_generation`)."""
@@ -46,23 +53,68 @@ def as_generation(generation: int | GenerationConfig) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=generation)
 
 
-def uniforms(seed: int, batch: int, steps: int) -> np.ndarray:
-    """The draws of a sampled generation, [B, N] float64 in [0, 1): row b's stream is Philox
-    keyed by (seed, b), one number per step, so a row's draws depend on nothing else."""
+def uniforms(seeds: Sequence[int], steps: int) -> np.ndarray:
+    """The draws of a sampled generation, [B, N] float64 in [0, 1), one row per seed: a row's
+    stream is Philox keyed by its seed alone, one number per step, so its draws depend on
+    nothing else (not its place in the batch, nor how many steps are asked for)."""
     rows = [
-        np.random.Generator(np.random.Philox(key=np.array([seed, row], dtype=np.uint64))).random(steps)
-        for row in range(batch)
+        np.random.Generator(np.random.Philox(key=np.array([seed, 0], dtype=np.uint64))).random(steps) for seed in seeds
     ]
     return np.stack(rows) if rows else np.zeros((0, steps))  # [B, N]
 
 
-def speculative_uniforms(seed: int, batch: int, steps: int, draft_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+def speculative_uniforms(seeds: Sequence[int], steps: int, draft_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """The draws of speculative sampling from the same per-row streams: one for the token after
     the prompt [B], then 2K + 1 per round [B, N, 2K + 1] (K for the draft's proposals, K to
     accept them, one for the token after them), whether or not a round uses them all."""
     width = 2 * draft_tokens + 1
-    draws = uniforms(seed, batch, 1 + steps * width)  # [B, 1 + N (2K + 1)]
-    return draws[:, 0], draws[:, 1:].reshape(batch, steps, width)
+    draws = uniforms(seeds, 1 + steps * width)  # [B, 1 + N (2K + 1)]
+    return draws[:, 0], draws[:, 1:].reshape(len(draws), steps, width)
+
+
+def repeat_samples(
+    prompts: Sequence[Sequence[int]], generation: GenerationConfig, num_samples: int
+) -> tuple[list[list[int]], GenerationConfig]:
+    """Each prompt num_samples times in a row, prompt i's copies seeded s_i, s_i + 1, ...,
+    s_i + num_samples - 1 (s_i its seed): several samples of one prompt in one batch, each the
+    tokens that prompt gets alone with that seed. Checked first (`checks.check_samples`)."""
+    seeds = generation.row_seeds(len(prompts))
+    rows = [list(prompt) for prompt in prompts for _ in range(num_samples)]
+    row_seeds = tuple(seed + sample for seed in seeds for sample in range(num_samples))
+    return rows, replace(generation, seed=row_seeds[0], seeds=row_seeds if len(rows) > 1 else ())
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Each row's sampling settings as arrays [B], not as a setting per group of rows: values, not
+    shapes, so one compiled program serves any mix of them (the batching engine's steps)."""
+
+    temperature: np.ndarray  # [B] float64: 0 where greedy
+    top_k: np.ndarray  # [B] int64: 0 for no top-k filter
+    top_p: np.ndarray  # [B] float64: 1 for no nucleus filter
+    uniform: np.ndarray  # [B] float64: each row's draw for the token it samples (0 where greedy)
+
+    @staticmethod
+    def of(generations: Sequence[GenerationConfig], uniform: np.ndarray) -> RowSampling:
+        return RowSampling(
+            np.asarray([generation.temperature for generation in generations], dtype=np.float64).reshape(-1),
+            np.asarray([generation.top_k for generation in generations], dtype=np.int64).reshape(-1),
+            np.asarray([generation.top_p for generation in generations], dtype=np.float64).reshape(-1),
+            np.asarray(uniform, dtype=np.float64).reshape(-1),
+        )
+
+
+def check_finite(nonfinite: Sequence[int], dtype: str) -> None:
+    """nonfinite: (step, row) of the first step whose logits held an inf or a NaN in a running row,
+    (-1, -1) while none did (what every port's loops carry): raise NonFiniteLogits for it."""
+    step, row = (int(value) for value in nonfinite)
+    if step >= 0:
+        raise NonFiniteLogits(step, f"row {row}", dtype_name(dtype))
+
+
+def dtype_name(dtype: object) -> str:
+    """ "float32" for NumPy's and JAX's float32 and for torch.float32."""
+    return str(dtype).removeprefix("torch.")
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:

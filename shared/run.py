@@ -16,6 +16,7 @@ loaded once, then kept on the `LoadedModel`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -38,13 +39,15 @@ from kvports.shared.checks import (
     check_needed,
     check_ngram,
     check_prompts,
+    check_samples,
+    check_seeds,
     check_tensor_parallel,
 )
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.contract import OnToken, Port, Timed
 from kvports.shared.devices import DEVICES, check_device, check_parallel_devices, prepare_tensor_parallel
 from kvports.shared.errors import UserError
-from kvports.shared.generation import PAD, GenerationConfig, finish_reasons, pad_prompts, row_tokens
+from kvports.shared.generation import PAD, GenerationConfig, finish_reasons, pad_prompts, repeat_samples, row_tokens
 from kvports.shared.limits import check_bytes, check_run
 from kvports.shared.threads import check_threads, settle_threads
 from kvports.shared.weights import DEFAULT_WEIGHTS, open_weights, parameter_count
@@ -182,6 +185,7 @@ def check_inputs(
     generation = inputs.generation
     rows = check_prompts(prompts, config, generation.max_new_tokens, names)
     check_generation(generation, config.vocab_size, names)
+    check_seeds(generation, len(rows), names)
     draft_tokens = 0
     if "speculative" in modes:
         source = None if inputs.draft is None else inputs.draft.source
@@ -205,6 +209,18 @@ def check_inputs(
     B, P = batch.shape
     check_run(config, inputs.dtype, B, P, generation.max_new_tokens, modes, draft_tokens, draft)
     return batch
+
+
+def with_samples(
+    inputs: RunInputs, prompts: Sequence[Sequence[Any]], num_samples: object, names: Names = COMMAND_LINE
+) -> tuple[RunInputs, list[list[Any]]]:
+    """`num_samples` copies of each prompt, seeded seed, seed + 1, ... (`generation.repeat_samples`):
+    the inputs and prompt rows of a run asked for several samples of each prompt."""
+    if num_samples == 1 and not isinstance(num_samples, bool) or not prompts:
+        return inputs, [list(prompt) for prompt in prompts]
+    count = check_samples(num_samples, inputs.generation, len(prompts), names)
+    rows, generation = repeat_samples(prompts, inputs.generation, count)
+    return dataclasses.replace(inputs, generation=generation), rows
 
 
 def draft_fields(draft: Draft | None) -> tuple[object, object]:

@@ -760,10 +760,11 @@ def test_text_that_is_not_utf8_is_refused(capsys, no_port_may_load, seed_tokeniz
 
 
 def test_numpy_and_jax_warnings_never_reach_stderr(port, tmp_path, capsys):
-    """Weights large enough to overflow float32 activations: NumPy and JAX would warn, torch is silent."""
+    """Weights large enough to overflow float32 activations: NumPy and JAX would warn, torch is
+    silent; the overflow itself is the one line every port prints."""
     path = tmp_path / "big.safetensors"
     save_weights(path, {k: v * np.float32(1e18) for k, v in seed_tensors().items()}, ModelConfig())
-    code, _, err = run_cli(
+    code, out, err = run_cli(
         capsys,
         "generate",
         "--framework",
@@ -776,7 +777,11 @@ def test_numpy_and_jax_warnings_never_reach_stderr(port, tmp_path, capsys):
         "2",
         "--json",
     )
-    assert (code, err) == (0, "")  # --json: not even the run's speed line
+    assert err == (
+        "error: step 0 produced a non-finite logit (row 0): the forward pass overflowed at float32; "
+        "try --dtype float64\n"
+    )  # no warning before it
+    assert_one_error_line(code, out, err)
 
 
 def test_console_script_prints_no_traceback():

@@ -16,7 +16,7 @@ from kvports.shared.batching.requests import Request, parse_requests
 from kvports.shared.batching.scheduler import MIN_FILL, Scheduler, Sequence
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
-from kvports.shared.generation import PAD, GenerationConfig, row_tokens
+from kvports.shared.generation import PAD, GenerationConfig, RowSampling, row_tokens
 from kvports.shared.ports import PORTS
 from tests.helpers import (
     TINY_FAMILIES,
@@ -560,6 +560,7 @@ def test_a_step_donates_the_block_pool(weights):
     model = jax_port.load_model(CONFIG, weights, "float32")
     pool = jax_port.init_block_pool(model, num_blocks=8, block_size=4, max_batch=2, max_blocks=4)
     tokens, start, tables = np.array([[5, 9, 2]]), np.array([0]), np.array([[0]])
-    _, new_pool = jax_port.paged_step(model, pool, tokens, start, tables, [], np.zeros(1))
+    greedy = RowSampling.of([GenerationConfig(1)], np.zeros(1))
+    _, new_pool = jax_port.paged_step(model, pool, tokens, start, tables, greedy)
     assert pool.keys.is_deleted() and pool.values.is_deleted()  # XLA wrote the blocks in place
     assert not new_pool.keys.is_deleted()

@@ -105,3 +105,21 @@ def test_float32_and_float64_runs_in_one_process_each_keep_their_dtype(seed_weig
         model = jax_port.load_model(config, tensors, dtype)
         _, logits = jax_port.generate(model, prompts, 3, "cached", return_logits=True)
         assert logits.dtype == np.dtype(dtype)
+
+
+def test_the_batching_engine_compiles_once_whatever_the_requests_sampling_values(seed_model):
+    from kvports.shared.batching.engine import BatchSettings, Engine
+    from kvports.shared.batching.requests import Request
+    from kvports.shared.generation import GenerationConfig
+
+    def run(temperatures):
+        engine = Engine(jax_port, seed_model, seed_model.config, BatchSettings(max_batch=4, max_length=32))
+        for i, temperature in enumerate(temperatures):
+            setting = GenerationConfig(4, temperature=temperature, top_k=i * 7, top_p=1 - i / 10, seed=i)
+            engine.add(Request(str(i), (160, 248, 104), setting))
+        engine.run()
+
+    run([0.5, 0.6, 0.7, 0.8])
+    with counting_traces() as traces:
+        run([0.9, 1.1, 1.3, 1.7])  # new values, the same shapes: no new compile
+    assert traces == []

@@ -67,12 +67,12 @@ def test_temperature_zero_and_top_k_one_are_greedy(port, weights, generation):
     assert port.generate(model, prompts, generation, "cached")[0].tolist() == greedy.tolist()
 
 
-def test_uniforms_are_a_stream_per_row_and_seed():
-    draws = uniforms(5, 3, 8)  # [B, N]
+def test_uniforms_are_a_stream_per_seed():
+    draws = uniforms([5, 6, 7], 8)  # [B, N]
     assert draws.shape == (3, 8) and ((0 <= draws) & (draws < 1)).all()
-    np.testing.assert_array_equal(uniforms(5, 1, 8)[0], draws[0])  # a row's draws depend on nothing else
-    np.testing.assert_array_equal(uniforms(5, 3, 4), draws[:, :4])  # nor on how many steps are asked for
-    assert not np.array_equal(uniforms(6, 3, 8), draws)
+    np.testing.assert_array_equal(uniforms([6], 8)[0], draws[1])  # a row's draws depend on its seed alone
+    np.testing.assert_array_equal(uniforms([5, 6, 7], 4), draws[:, :4])  # nor on how many steps are asked for
+    assert len({tuple(row) for row in draws}) == 3
 
 
 def sample_many(port, logits, generation, draws):
@@ -107,7 +107,7 @@ def softmax(x):
 )
 def test_one_sampled_step_follows_the_softmax_of_the_filtered_logits(port, generation):
     logits = np.random.default_rng(11).normal(0, 1.5, size=24)  # [V]
-    draws = np.array([uniforms(seed, 1, 1)[0, 0] for seed in range(20_000)])  # one draw per seed
+    draws = uniforms(range(20_000), 1)[:, 0]  # one draw per seed
     counts = np.bincount(sample_many(port, logits, generation, draws), minlength=24)
     order = np.argsort(-logits)
     keep = np.zeros(24, dtype=bool)

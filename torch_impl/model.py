@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kvports.shared.config import ModelConfig, cache_slots
-from kvports.shared.generation import PAD, GenerationConfig, uniforms
+from kvports.shared.generation import PAD, GenerationConfig, check_finite, dtype_name, uniforms
 from kvports.torch_impl.onednn import Linear, linear  # F.linear, nn.Linear; large CPU weights to oneDNN
 
 
@@ -272,13 +272,22 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)  # [B, V] -> [B]
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, top_k: Union[int, torch.Tensor], top_p: Union[float, torch.Tensor]
+) -> torch.Tensor:
     """Top-k, then top-p (the smallest set of most likely tokens whose probability reaches
-    top_p, the most likely always kept), as transformers' warpers do; the rest -inf."""
-    if 0 < top_k < logits.shape[-1]:
+    top_p, the most likely always kept), as transformers' warpers do; the rest -inf. top_k and
+    top_p: one value for every row, or one per row, [B, 1] (0 and 1: no filter), which filter
+    exactly as the same values given one row at a time."""
+    V = logits.shape[-1]
+    if isinstance(top_k, torch.Tensor):
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).clamp(0, V - 1))  # [B, 1]
+        logits = logits.masked_fill((0 < top_k) & (top_k < V) & (logits < kth), float("-inf"))  # [B, V]
+    elif 0 < top_k < V:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))  # [B, V]; ties with the k-th stay
-    if top_p < 1.0:
+    # Per row, top_p 1 removes only what has probability 0 already: the same probabilities
+    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
         ascending, order = logits.sort(dim=-1, stable=True)  # [B, V] each
         remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p  # [B, V], in ascending order
         remove[:, -1] = False
@@ -338,6 +347,7 @@ class Decoding:
     draws: torch.Tensor  # [B, N]: each row's uniform for each new token
     stops: torch.Tensor  # [K]: the stop ids
     generation: GenerationConfig
+    dtype: str  # the model's, for the message when a forward overflows it
 
 
 @dataclass
@@ -347,22 +357,43 @@ class DecodeState:
     step: int  # new tokens made so far
     tokens: torch.Tensor  # [B, P + N]: the prompt, then the new tokens (PAD after a row stops)
     done: torch.Tensor  # [B] bool: the rows that have stopped
+    nonfinite: torch.Tensor  # [2] int64: (step, row) of the first logits with an inf or a NaN in a running row, or -1s
     step_logits: Optional[List[torch.Tensor]]  # [B, V] each: what each token was chosen from, when asked for
     cache: Optional[KVCache]  # None: naive, the whole history again at every step
 
 
-def start_generation(prompt: torch.Tensor, generation: GenerationConfig) -> Tuple[Decoding, torch.Tensor]:
+def start_generation(
+    prompt: torch.Tensor, generation: GenerationConfig, dtype: torch.dtype
+) -> Tuple[Decoding, torch.Tensor]:
     """What both loops need: the generation's constants (each row's left padding, its draws,
-    the stop ids) and the token buffer [B, P + N] with the prompt in it."""
+    the stop ids, the model's dtype) and the token buffer [B, P + N] with the prompt in it."""
     B, P = prompt.shape
     padding = (prompt == PAD).sum(dim=1)  # [B]
     # The one host look before the loop: unpadded batches skip every mask they can
     pad = padding if bool(padding.any()) else None
-    draws = torch.from_numpy(uniforms(generation.seed, B, generation.max_new_tokens)).to(prompt.device)  # [B, N]
+    # [B, N]: each row's stream, keyed by its seed
+    draws = torch.from_numpy(uniforms(generation.row_seeds(B), generation.max_new_tokens)).to(prompt.device)
     stops = torch.tensor(generation.stop_ids, dtype=prompt.dtype, device=prompt.device)  # [K]
     tokens = torch.full((B, P + generation.max_new_tokens), PAD, dtype=prompt.dtype, device=prompt.device)  # [B, P + N]
     tokens[:, :P] = prompt
-    return Decoding(pad, draws, stops, generation), tokens
+    return Decoding(pad, draws, stops, generation, dtype_name(dtype)), tokens
+
+
+def no_nonfinite(device: torch.device) -> torch.Tensor:
+    return torch.full((2,), -1, dtype=torch.int64, device=device)  # [2]: no step's logits have overflowed yet
+
+
+def first_nonfinite(logits: torch.Tensor, done: torch.Tensor, step: int, nonfinite: torch.Tensor) -> torch.Tensor:
+    """(step, row) of the first step whose logits [B, V] hold an inf or a NaN in a running row, kept
+    from the first such step on [2]. Carried, not raised here: no host look per step."""
+    bad = ~torch.isfinite(logits).all(dim=-1) & ~done  # [B]
+    found = torch.stack([torch.tensor(step, device=bad.device), bad.int().argmax()])  # [2]
+    return torch.where((nonfinite[0] < 0) & bad.any(), found, nonfinite)
+
+
+def check_logits(state: DecodeState, decoding: Decoding) -> None:
+    """Stop the run at the first step whose logits were not finite: one line naming it (a host look at two numbers)."""
+    check_finite(state.nonfinite.tolist(), decoding.dtype)
 
 
 def next_token(
@@ -372,10 +403,11 @@ def next_token(
     column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
     uniform = decoding.draws[:, state.step]  # [B]
     token, done = choose(logits, decoding.generation, uniform, state.done, decoding.stops)  # [B], [B]
+    nonfinite = first_nonfinite(logits, state.done, state.step, state.nonfinite)  # [2]
     state.tokens[:, column] = token
     if state.step_logits is not None:
         state.step_logits.append(logits)
-    return DecodeState(state.step + 1, state.tokens, done, state.step_logits, cache), token
+    return DecodeState(state.step + 1, state.tokens, done, nonfinite, state.step_logits, cache), token
 
 
 def decode_one_token(model: TinyModel, state: DecodeState, decoding: Decoding) -> Tuple[DecodeState, torch.Tensor]:
@@ -393,14 +425,17 @@ def decode_one_token(model: TinyModel, state: DecodeState, decoding: Decoding) -
 
 def decode_n_tokens(model: TinyModel, state: DecodeState, decoding: Decoding, on_token: OnToken) -> DecodeState:
     """The one loop: decode_one_token until N new tokens, or until every row has stopped;
-    on_token(token [B]) after each."""
+    on_token(token [B]) after each. Logits that overflowed stop it with an error: at once when
+    streaming (no token made from them is heard), else after the loop (no host look per step)."""
     generation = decoding.generation
     for _ in range(state.step, generation.max_new_tokens):
         if generation.stop_ids and bool(state.done.all()):
             break  # every row has stopped (a host look per step, only when there are stop ids)
         state, token = decode_one_token(model, state, decoding)
         if on_token is not None:
+            check_logits(state, decoding)
             on_token(token)
+    check_logits(state, decoding)
     return state
 
 
@@ -420,9 +455,9 @@ def generate_naive(
     """Recompute the whole history every step: O(n^2) work per token.
     prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    decoding, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation, model.emb.weight.dtype)
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)  # [B]
-    state = DecodeState(0, tokens, done, [] if return_logits else None, None)
+    state = DecodeState(0, tokens, done, no_nonfinite(prompt.device), [] if return_logits else None, None)
     return finish(decode_n_tokens(model, state, decoding, on_token))
 
 
@@ -442,7 +477,7 @@ def generate_cached(
     torch.compile'd model)."""
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
-    decoding, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation, model.emb.weight.dtype)
     if cache is None:
         cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
     if prefill:
@@ -451,9 +486,10 @@ def generate_cached(
         for i in range(P):
             logits, cache = model(prompt[:, i : i + 1].clamp(min=0), cache, decoding.pad)  # [B, 1, V]
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # [B]
-    state = DecodeState(0, tokens, done, [] if return_logits else None, cache)
+    state = DecodeState(0, tokens, done, no_nonfinite(prompt.device), [] if return_logits else None, cache)
     state, token = next_token(state, logits[:, -1], cache, decoding)  # the prefill's logits choose it
     if on_token is not None:
+        check_logits(state, decoding)
         on_token(token)
     return finish(decode_n_tokens(model, state, decoding, on_token))
 

@@ -16,14 +16,13 @@ this step, S' = M * bs slots a query attends over.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvports.shared.config import ModelConfig
-from kvports.shared.generation import PAD, GenerationConfig
-from kvports.torch_impl.model import TinyModel, attention_mask, greedy, sample, token_positions
+from kvports.shared.generation import PAD
+from kvports.torch_impl.model import TinyModel, attention_mask, draw, filter_logits, greedy, token_positions
 
 
 @dataclass
@@ -117,15 +116,19 @@ def paged_cache(
 
 
 def sample_rows(
-    logits: torch.Tensor, samplers: Sequence[tuple[GenerationConfig, torch.Tensor]], uniform: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
 ) -> torch.Tensor:
-    """Each row's next token [B] from logits [B, V]: greedy, unless its sampler says otherwise.
-    Every sampler runs over the whole batch (each row's draw depends on that row only) and
-    keeps its own rows: one call per setting, not per row."""
+    """Each row's next token [B] from logits [B, V] by its own settings, arrays [B] (temperature 0:
+    greedy), the token it gets alone: values, not shapes, so one program serves any mix of them
+    (JAX's compiles once). A row whose logits hold an inf or a NaN gets PAD: the engine stops there."""
+    finite = torch.isfinite(logits).all(dim=-1)  # [B]
+    sampled = temperature > 0  # [B]
     tokens = greedy(logits)  # [B]
-    for generation, rows in samplers:
-        tokens = torch.where(rows, sample(logits, generation, uniform), tokens)  # [B]
-    return tokens
+    if bool(sampled.any()):  # a greedy step skips the sort (JAX: lax.cond)
+        scaled = logits.to(torch.float64) / torch.where(sampled, temperature, 1.0)[:, None]  # [B, V]
+        probs = filter_logits(scaled, top_k[:, None], top_p[:, None]).softmax(dim=-1)  # [B, V]
+        tokens = torch.where(sampled, draw(probs, uniform), tokens)  # [B]
+    return tokens.masked_fill(~finite, PAD)
 
 
 @torch.inference_mode()
@@ -135,12 +138,15 @@ def paged_step(
     tokens: torch.Tensor,
     start: torch.Tensor,
     block_tables: torch.Tensor,
-    samplers: Sequence[tuple[GenerationConfig, torch.Tensor]],
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
     uniform: torch.Tensor,
 ) -> tuple[torch.Tensor, BlockPool]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
-    row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each
-    row's next token [B], and the pool with this step's keys and values written in."""
+    row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
+    sampling settings and draw [B]. Each row's next token [B] (PAD where its logits were not
+    finite), and the pool with this step's keys and values written in."""
     model.eval()
     B, T = tokens.shape
     pad = (tokens == PAD).sum(dim=1)  # [B]
@@ -148,4 +154,4 @@ def paged_step(
     cache = paged_cache(pool, block_tables, start, pad, T, model.config.sliding_window)
     logits, _ = model(tokens.clamp(min=0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: its logits choose the next token [B].
-    return sample_rows(logits[:, -1], samplers, uniform), pool
+    return sample_rows(logits[:, -1], temperature, top_k, top_p, uniform), pool

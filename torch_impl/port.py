@@ -13,7 +13,7 @@ import torch
 
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
-from kvports.shared.generation import GenerationConfig, as_generation
+from kvports.shared.generation import GenerationConfig, RowSampling, as_generation
 from kvports.torch_impl import onednn, speculative
 from kvports.torch_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
 
@@ -189,13 +189,12 @@ def paged_step(
     tokens: np.ndarray,
     start: np.ndarray,
     block_tables: np.ndarray,
-    samplers: Sequence[tuple[GenerationConfig, np.ndarray]],
-    uniform: np.ndarray,
+    sampling: RowSampling,
 ) -> tuple[np.ndarray, Any]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
-    `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), samplers: each
-    sampling setting with its rows [B] bool, uniform [B]: each row's draw. The next token of every
-    row [B], and the pool to pass to the next step."""
+    `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), sampling: each
+    row's temperature, top-k, top-p and draw [B]. The next token of every row [B] (PAD where its
+    logits were not finite), and the pool to pass to the next step."""
     from kvports.torch_impl import paged
 
     device = model.emb.weight.device
@@ -204,8 +203,8 @@ def paged_step(
         return torch.from_numpy(np.asarray(array)).to(device)
 
     with _on_device(device):
-        rows = [(generation, on_device(in_group)) for generation, in_group in samplers]
+        settings = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.uniform)
         next_tokens, pool = paged.paged_step(
-            model, pool, on_device(tokens), on_device(start), on_device(block_tables), rows, on_device(uniform)
+            model, pool, on_device(tokens), on_device(start), on_device(block_tables), *map(on_device, settings)
         )
     return next_tokens.cpu().numpy(), pool  # [B]

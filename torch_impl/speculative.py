@@ -21,8 +21,18 @@ from collections.abc import Callable
 
 import torch
 
-from kvports.shared.generation import PAD, GenerationConfig, speculative_uniforms
-from kvports.torch_impl.model import KVCache, TinyModel, draw, init_cache, probabilities, sample, start_generation
+from kvports.shared.generation import PAD, GenerationConfig, check_finite, speculative_uniforms
+from kvports.torch_impl.model import (
+    KVCache,
+    TinyModel,
+    draw,
+    first_nonfinite,
+    init_cache,
+    no_nonfinite,
+    probabilities,
+    sample,
+    start_generation,
+)
 
 
 def propose_ngram(tokens: torch.Tensor, end: int, n: int, draft_tokens: int) -> torch.Tensor:
@@ -96,6 +106,24 @@ def verify(
     return accepted, draw(at_rejection, uniform[:, K])
 
 
+def first_nonfinite_in_round(
+    logits: torch.Tensor, q: torch.Tensor | None, used: torch.Tensor, step: int, nonfinite: torch.Tensor
+) -> torch.Tensor:
+    """(step, row) of the first token a round emitted from logits [B, K + 1, V] holding an inf or a
+    NaN, or from a sampled draft's probabilities q [B, K, V] holding one (they decide whether a
+    proposal stays, and the token drawn where one is rejected); used [B, K + 1]: the places that
+    chose a running row's token (the rest are rejected or come after a stop, never used); step:
+    the new token at place 0. Kept once found [2]."""
+    bad = ~torch.isfinite(logits).all(dim=-1)  # [B, K + 1]
+    if q is not None:
+        drafted = ~torch.isfinite(q[:, : bad.shape[1]]).all(dim=-1)  # [B, K]
+        bad[:, : drafted.shape[1]] |= drafted
+    bad &= used
+    place = bad.any(dim=0).int().argmax()  # []: the first place any row overflowed
+    found = torch.stack([step + place, bad[:, place].int().argmax()])  # [2]
+    return torch.where((nonfinite[0] < 0) & bad.any(), found, nonfinite)
+
+
 @torch.inference_mode()
 def generate_speculative(
     model: TinyModel,
@@ -111,11 +139,11 @@ def generate_speculative(
     model.eval()  # pitfall 3: dropout off, or the two paths disagree
     B, P = prompt.shape
     N, K = generation.max_new_tokens, draft_tokens
-    decoding, tokens = start_generation(prompt, generation)
+    decoding, tokens = start_generation(prompt, generation, model.emb.weight.dtype)
     pad, stops = decoding.pad, decoding.stops
     # Room for a round past N
     tokens = torch.cat([tokens, torch.full((B, K + 1), PAD, dtype=tokens.dtype, device=tokens.device)], dim=1)
-    first, rounds = speculative_uniforms(generation.seed, B, N, K)  # [B], [B, N, 2K + 1]
+    first, rounds = speculative_uniforms(generation.row_seeds(B), N, K)  # [B], [B, N, 2K + 1]
     first, rounds = torch.from_numpy(first).to(prompt.device), torch.from_numpy(rounds).to(prompt.device)
     # A verified chunk is K + 1 wide and partly taken back: a ring keeps K spare slots for it.
     cache = init_cache(model.config, B, P + N + K + 1, model.emb.weight.dtype, chunk=K + 1)
@@ -127,12 +155,16 @@ def generate_speculative(
             _, draft_cache = draft(prompt[:, :-1].clamp(min=0), draft_cache, pad)  # the draft's lacks the last two
     token = sample(logits[:, -1], generation, first)  # [B]
     tokens[:, P] = token
+    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # [B]
+    nonfinite = first_nonfinite(logits[:, -1], done, 0, no_nonfinite(prompt.device))  # [2]
     if on_token is not None:
+        check_finite(nonfinite.tolist(), decoding.dtype)
         on_token(token)
     done = torch.isin(token, stops)  # [B]
     counts = dict(rounds=0, target_forwards=1, proposed=0, accepted=0)
     end = P + 1  # tokens so far in every row
-    while end < P + N and not bool(done.all()):
+    # Until N tokens, every row has stopped, or a round's logits overflowed (it looks at the host every round anyway)
+    while end < P + N and not bool(done.all()) and int(nonfinite[0]) < 0:
         uniform = rounds[:, counts["rounds"]]  # [B, 2K + 1]: K for the draft, K to accept, 1 for the last token
         if draft is None:
             proposals, q = propose_ngram(tokens, end, ngram, K), None  # [B, K]
@@ -147,6 +179,11 @@ def generate_speculative(
         extra = torch.where(accepted > kept, proposals[:, min(kept, K - 1)], final)
         emitted = torch.cat([proposals[:, :kept], extra[:, None]], dim=1)  # [B, kept + 1]
         cache = cache.crop(end + kept)  # the last token and the kept proposals stay; the rest never happened
+        place = torch.arange(K + 1)  # [K + 1]
+        stop = torch.isin(emitted, stops)  # [B, kept + 1]
+        after_stop = torch.cat([torch.zeros_like(stop[:, :1]), stop.cumsum(dim=1)[:, :-1] > 0], dim=1)  # [B, kept + 1]
+        used = (place[: kept + 1] < P + N - end) & ~done[:, None] & ~after_stop  # [B, kept + 1]
+        nonfinite = first_nonfinite_in_round(logits[:, : kept + 1], q, used, end - P, nonfinite)  # [2]
         counts["rounds"] += 1
         counts["target_forwards"] += 1
         counts["proposed"] += K * int((~done).sum())
@@ -155,7 +192,10 @@ def generate_speculative(
             token = emitted[:, i].masked_fill(done, PAD)  # [B]; a stopped row stays stopped
             tokens[:, end + i] = token
             if on_token is not None:
+                if int(nonfinite[0]) == end - P + i:
+                    check_finite(nonfinite.tolist(), decoding.dtype)  # no token made from overflowed logits is heard
                 on_token(token)
             done |= torch.isin(token, stops)
         end += kept + 1
+    check_finite(nonfinite.tolist(), decoding.dtype)
     return tokens[:, : P + N], counts  # [B, P + N]

@@ -18,7 +18,8 @@ from kvports.shared.batching.requests import Request
 from kvports.shared.batching.scheduler import Scheduler, Sequence, Step
 from kvports.shared.config import MAX_SIZE, ModelConfig
 from kvports.shared.contract import Port
-from kvports.shared.errors import UserError, echo
+from kvports.shared.errors import NonFiniteLogits, UserError, echo
+from kvports.shared.generation import PAD
 from kvports.shared.limits import check_count
 from kvports.shared.weights import parameter_count
 
@@ -114,6 +115,14 @@ class EngineStats:
             self.decode_tokens += len(step.sequences)
 
 
+def check_step(step: Step, next_tokens: np.ndarray, dtype: str) -> None:
+    """A row the port gave PAD had logits with an inf or a NaN (finite weights can overflow a forward):
+    the run stops, naming the first such request and the step (its token) that overflowed."""
+    for sequence, token in zip(step.sequences, next_tokens, strict=True):
+        if int(token) == PAD:
+            raise NonFiniteLogits(len(sequence.generated), f"request {sequence.request.id!r}", dtype)
+
+
 class Engine:
     def __init__(
         self,
@@ -122,8 +131,11 @@ class Engine:
         config: ModelConfig,
         settings: BatchSettings = BatchSettings(),
         clock: Callable[[], float] = time.perf_counter,
+        *,
+        dtype: str = "float32",
     ):
         self.port, self.model, self.config = port, model, config
+        self.dtype = dtype  # the model's, named when a step's logits overflow it
         self.settings = settings.validate(config)
         self.clock = clock
         self.blocks = BlockManager(settings.pool_blocks(config), settings.block_size, settings.prefix_caching)
@@ -163,8 +175,9 @@ class Engine:
                 )
             started = self.clock()
             next_tokens, self.pool = self.port.paged_step(
-                self.model, self.pool, step.tokens, step.start, step.block_tables, step.samplers, step.uniform
+                self.model, self.pool, step.tokens, step.start, step.block_tables, step.sampling
             )
+            check_step(step, next_tokens, self.dtype)
         except BaseException:
             self.pool = None
             self.scheduler.abort_all(self.clock())

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvports.shared.checks import check_seeds
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import GenerationConfig
@@ -63,6 +64,7 @@ def check_request(request: Request, config: ModelConfig, max_tokens: int | None 
                 f"prompt token {echo(token)} is outside [0, {config.vocab_size}) (vocab_size {config.vocab_size})"
             )
     request.generation.validate(config.vocab_size)
+    check_seeds(request.generation, 1)  # a request is one row: one seed
     total = request.max_length
     if total > config.max_seq_len:
         raise UserError(

@@ -25,7 +25,7 @@ import numpy as np
 from kvports.shared.batching.blocks import BlockManager, blocks_for
 from kvports.shared.batching.requests import Request
 from kvports.shared.errors import UserError
-from kvports.shared.generation import PAD, GenerationConfig, uniforms
+from kvports.shared.generation import PAD, GenerationConfig, RowSampling, uniforms
 
 NO_BLOCK = -1  # a block table's padding past a row's last block: gathered, then masked
 # The least share of a prefill step's [B, T] block that is real tokens, not padding. Where compute is the
@@ -58,9 +58,9 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.tokens = list(self.request.prompt)
-        # The draws the request gets alone: row 0 of a batch of one, so its tokens do not depend on its neighbours.
+        # The draws of its seed's stream, as `kvports generate` draws them: its tokens do not depend on its neighbours.
         gen = self.request.generation
-        self.draws = uniforms(gen.seed, 1, gen.max_new_tokens)[0] if not gen.greedy else None  # [N]
+        self.draws = uniforms(gen.row_seeds(1), gen.max_new_tokens)[0] if not gen.greedy else None  # [N]
 
     @property
     def generation(self) -> GenerationConfig:
@@ -84,20 +84,11 @@ class Step:
     tokens: np.ndarray  # [B, T] int64, each row's uncomputed tokens, PAD on the left of shorter rows
     start: np.ndarray  # [B] int64: each row's tokens already in the pool (its first new position)
     block_tables: np.ndarray  # [B, M] int64, NO_BLOCK past a row's last block
-    samplers: list[tuple[GenerationConfig, np.ndarray]]  # each sampling setting and its rows [B] bool
-    uniform: np.ndarray  # [B] float64: each row's draw for the token it samples (0 where greedy)
+    sampling: RowSampling  # each row's temperature, top-k, top-p and draw [B] (temperature 0 where greedy)
 
     @property
     def computed_tokens(self) -> int:
         return int((self.tokens != PAD).sum())
-
-
-def sampling_key(generation: GenerationConfig) -> GenerationConfig:
-    """What a step's sampler depends on (temperature, top-k, top-p): requests that differ only in
-    seed, length or stop ids share one sampling call (and, in JAX, one compiled program)."""
-    return GenerationConfig(
-        max_new_tokens=1, temperature=generation.temperature, top_k=generation.top_k, top_p=generation.top_p
-    )
 
 
 class Scheduler:
@@ -195,17 +186,15 @@ class Scheduler:
         tokens = np.full((B, T), PAD, dtype=np.int64)  # [B, T]
         block_tables = np.full((B, M), NO_BLOCK, dtype=np.int64)  # [B, M]
         uniform = np.zeros(B, dtype=np.float64)  # [B]
-        groups: dict[GenerationConfig, np.ndarray] = {}
         for row, sequence in enumerate(sequences):
             new = sequence.tokens[sequence.computed :]
             tokens[row, T - len(new) :] = new
             block_tables[row, : len(sequence.block_table)] = sequence.block_table
             if sequence.draws is not None:
                 uniform[row] = sequence.draws[len(sequence.generated)]
-                key = sampling_key(sequence.generation)
-                groups.setdefault(key, np.zeros(B, dtype=bool))[row] = True
         start = np.asarray([sequence.computed for sequence in sequences], dtype=np.int64)  # [B]
-        return Step(kind, sequences, tokens, start, block_tables, list(groups.items()), uniform)
+        sampling = RowSampling.of([sequence.generation for sequence in sequences], uniform)  # [B] each
+        return Step(kind, sequences, tokens, start, block_tables, sampling)
 
     def finish_step(self, step: Step, next_tokens: np.ndarray, now: float) -> list[Sequence]:
         """Take each row's new token; the sequences this step finished (their blocks freed)."""

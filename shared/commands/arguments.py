@@ -23,7 +23,7 @@ from kvports.shared.arguments import (
     non_negative_int,
     number,
     positive_int,
-    seed,
+    seeds,
 )
 from kvports.shared.checks import (
     MAX_TEMPERATURE,
@@ -116,7 +116,12 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         "ignores it, with a warning",
     )
     group.add_argument(
-        "--seed", type=seed, default=0, help="the draws' seed: the same seed, the same tokens everywhere"
+        "--seed",
+        type=seeds,
+        default=(0,),
+        metavar="S[,S...]",
+        help="the draws' seed: the same seed, the same tokens everywhere, whatever a row's place in the batch; "
+        "or one per prompt, comma-separated",
     )
     group.add_argument(
         "--stop-id",
@@ -174,7 +179,7 @@ def read_checked(
             threads=args.threads,
             logprobs=getattr(args, "logprobs", 0),
         )
-        rows = prompt_rows(args, tokenizer)
+        inputs, rows = run.with_samples(inputs, prompt_rows(args, tokenizer), getattr(args, "num_samples", 1))
         check_default_prompt(args, config)
         return inputs, tokenizer, run.check_inputs(inputs, config, rows, modes=modes, draft=draft)
 
@@ -206,8 +211,15 @@ def generation_of(args: argparse.Namespace, config: ModelConfig) -> GenerationCo
     """The sampling and stopping flags as one GenerationConfig (checked by `run.check_inputs`)."""
     check_stop_flags(args.stop_id, args.no_stop)
     stops = () if args.no_stop else tuple(args.stop_id) if args.stop_id else config.eos_token_ids
+    row_seeds = tuple(args.seed)
     return GenerationConfig(
-        args.new_tokens, args.temperature, args.top_k, args.top_p, args.seed, tuple(dict.fromkeys(stops))
+        args.new_tokens,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        row_seeds[0],
+        tuple(dict.fromkeys(stops)),
+        seeds=row_seeds if len(row_seeds) > 1 else (),
     )
 
 

@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         tensors = weights.read(args.dtype)
     use_threads(args.threads)
     loaded = load_model(args.framework, config, tensors, args.dtype, args.device, tensor_parallel=args.tensor_parallel)
-    summary = run_requests(loaded.port, loaded.model, config, settings, requests, tokenizer)
+    summary = run_requests(loaded.port, loaded.model, config, settings, requests, tokenizer, dtype=args.dtype)
     summary.update(
         framework=args.framework, dtype=args.dtype, device=args.device, threads=args.threads, bad_lines=len(bad)
     )
@@ -238,10 +238,17 @@ def chat_of(weights: Path | None, tokenizer: Any) -> Chat | None:
 
 
 def run_requests(
-    port: Any, model: Any, config: ModelConfig, settings: BatchSettings, requests: list[Request], tokenizer: Any
+    port: Any,
+    model: Any,
+    config: ModelConfig,
+    settings: BatchSettings,
+    requests: list[Request],
+    tokenizer: Any,
+    *,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """Run every request, printing each one's line as it finishes; the summary."""
-    engine = Engine(port, model, config, settings)
+    engine = Engine(port, model, config, settings, dtype=dtype)
     start = time.perf_counter()
     for request in requests:
         engine.add(request)

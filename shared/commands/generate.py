@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from kvports.shared import ports
-from kvports.shared.arguments import add_speculative_arguments, integer
-from kvports.shared.checks import MAX_LOGPROBS, MODES
+from kvports.shared.arguments import add_speculative_arguments, integer, positive_int
+from kvports.shared.checks import MAX_LOGPROBS, MAX_SAMPLES, MODES
 from kvports.shared.commands.arguments import (
     add_generation_arguments,
     add_input_arguments,
@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_text_arguments(parser)
     add_generation_arguments(parser)
     add_speculative_arguments(parser)
+    parser.add_argument(
+        "--num-samples",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help=f"N samples of each prompt, seeded S, S+1, ..., S+N-1 (S its --seed; at most {MAX_SAMPLES})",
+    )
     parser.add_argument(
         "--stream", action="store_true", help="print tokens as they are made (with --json: one JSON line per step)"
     )
@@ -184,7 +191,9 @@ def describe_generation(generation: GenerationConfig) -> str:
     if not generation.greedy and generation.top_p < 1:
         how += f", top-p {generation.top_p:g}"
     if not generation.greedy:
-        how += f", seed {generation.seed}"
+        how += (
+            f", seed {generation.seed}" if not generation.seeds else f", seeds {', '.join(map(str, generation.seeds))}"
+        )
     if generation.stop_ids:
         how += f", stop at {', '.join(map(str, generation.stop_ids))}"
     return how
