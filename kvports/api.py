@@ -13,6 +13,7 @@ argument (`new_tokens=0`) where the command line names its flag (`--new-tokens`)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -76,6 +77,7 @@ class Model:
             raise UserError(f"generation={echo(generation)} is not a GenerationConfig")
         chosen = None if draft is None else run.Draft(os.fspath(draft), draft_tokens, ngram)
         inputs = run.RunInputs(self.framework, mode, generation, None, self.dtype, self.device, chosen)
+        inputs = dataclasses.replace(inputs, quant=self.loaded.quant)
         batch = run.check_and_prepare(self.loaded, inputs, prompt_rows(prompts), API)
         return run.generate(self.loaded, batch, inputs, return_logits, on_token)
 
@@ -128,11 +130,13 @@ def load(
     device: str = "cpu",
     *,
     model: str | None = None,
+    quant: str = "none",
 ) -> Model:
     """A framework's ("torch", "jax" or "numpy") model from a weights file, safetensors or GGUF
     (None: the seed's model), or a fetched model by name (`model="smollm2"`), in float32 or
-    float64, on the "cpu" or a "gpu", checked as `kvports generate` checks them."""
-    run.check_names(framework, dtype, device, API)
+    float64 (torch: bfloat16 too), on the "cpu" or a "gpu", checked as `kvports generate` checks them;
+    quant "int8" or "q4" (a Q4_0/Q4_1 GGUF file's own blocks): weight-only quantization (torch)."""
+    run.check_names(framework, dtype, device, API, quant)
     check_arguments(weights=weights, model=model)
     if model is not None:
         from kvports.shared.fetch import model_path
@@ -140,5 +144,5 @@ def load(
         if weights is not None:
             raise UserError("give weights= a file or model= a fetched model's name, not both")
         weights = model_path(model)
-    config, tensors, _ = run.read_model(None if weights is None else Path(os.fspath(weights)), dtype)
-    return Model(run.load_model(framework, config, tensors, dtype, device, API))
+    config, tensors, _ = run.read_model(None if weights is None else Path(os.fspath(weights)), dtype, None, quant, API)
+    return Model(run.load_model(framework, config, tensors, dtype, device, API, quant))

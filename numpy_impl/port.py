@@ -30,8 +30,15 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(
-    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+    config: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    dtype: str = "float32",
+    device: str = "cpu",
+    *,
+    quant: str = "none",
 ) -> TinyModel:
+    # No bfloat16 and no quantization here (shared.checks.PRECISIONS): refused before this is called.
+    assert dtype != "bfloat16" and quant == "none", (dtype, quant)
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     resolve_device(device)
     model = TinyModel(config)  # placeholder weights: every tensor comes from the file

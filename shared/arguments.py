@@ -126,3 +126,16 @@ def resolve_model(args: argparse.Namespace) -> None:
         if args.weights is not None:
             raise UserError("give --weights FILE or --model NAME, not both")
         args.weights = model_path(args.model)
+
+
+def add_quant_argument(parser: argparse.ArgumentParser) -> None:
+    """--quant, the weight-only quantization (with --dtype float32)."""
+    from kvports.shared.config import QUANTS
+
+    parser.add_argument(
+        "--quant",
+        choices=QUANTS,
+        default="none",
+        help="weight-only quantization: int8 (symmetric, per output channel, at load) or q4 (a Q4_0/Q4_1 GGUF "
+        "file's own 4-bit blocks; its other matrices int8); torch only (default none)",
+    )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvports.shared.config import MAX_SIZE, ModelConfig
+from kvports.shared.config import MAX_SIZE, QUANTS, ModelConfig
 from kvports.shared.errors import UserError, echo, echo_path
 from kvports.shared.files import check_writable_folder, os_errors_as_user_errors
 from kvports.shared.limits import check_count, check_run
@@ -76,6 +76,7 @@ COMMAND_LINE = Names(
         ("framework", "--framework"),
         ("dtype", "--dtype"),
         ("device", "--device"),
+        ("quant", "--quant"),
     ),
 )
 API = Names(api=True)
@@ -149,6 +150,30 @@ def check_prompts(
             f"prompt length {longest} + new tokens {new_tokens} = {total} exceeds max_seq_len {config.max_seq_len}"
         )
     return batch
+
+
+# The reduced precisions each port offers: where its framework has a fast product for them on the CPU
+# (NumPy has no bfloat16 and no integer matrix product that would beat its own float32 one).
+PRECISIONS = {"torch": ("bfloat16", "int8", "q4"), "jax": (), "numpy": ()}
+
+
+def check_precision(framework: str, dtype: str, quant: object, names: Names = COMMAND_LINE) -> str:
+    """--dtype bfloat16 and --quant only where the framework offers them, and quant not over float64
+    activations: the same line for every port, before any framework code runs. The quant checked."""
+    quant = check_choice("quant", quant, QUANTS, names)
+    if quant != "none" and dtype == "float64":
+        raise UserError(
+            f"{names.show('quant', repr(quant) if names.api else quant)} needs float32 or bfloat16 activations, "
+            f"not {names.show('dtype', repr(dtype) if names.api else dtype)}: quantized weights have no float64 digits"
+        )
+    for field, value in (("dtype", dtype), ("quant", quant)):
+        offered = [name for name, precisions in PRECISIONS.items() if value in precisions]
+        if offered and framework not in offered:
+            raise UserError(
+                f"{names.show(field, repr(value) if names.api else value)}: {framework} has no fast {value} "
+                f"product (offered by {', '.join(offered)})"
+            )
+    return quant
 
 
 def check_chunk_sizes(chunk_sizes: Sequence[object], length: int) -> list[int]:

@@ -71,6 +71,21 @@ class Timed(Protocol):
 class Port(Timed, Protocol):
     """One framework's model behind NumPy in, NumPy out: what the command line, the tests and the bench call."""
 
+    def load_model(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, np.ndarray],
+        dtype: str = "float32",
+        device: str = "cpu",
+        *,
+        quant: str = "none",
+    ) -> Model:
+        """`Timed.load_model`, and dtype `"bfloat16"` (float32 tensors, cast; norms and softmax accumulate in
+        float32) and quant `"int8"` (per output channel, at load) or `"q4"` (a GGUF's own 4-bit blocks beside the
+        dequantized tensors, `shared.quant.q4_names`) where `shared.checks.PRECISIONS` lists them; elsewhere
+        they are refused before this is called."""
+        ...
+
     def resolve_device(self, device: str) -> Any:
         """`"cpu"` or `"gpu"` -> the framework's device object; a GPU the machine lacks is an error."""
         ...

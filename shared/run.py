@@ -36,12 +36,13 @@ from kvports.shared.checks import (
     check_generation,
     check_needed,
     check_ngram,
+    check_precision,
     check_prompts,
 )
-from kvports.shared.config import DTYPES, ModelConfig
+from kvports.shared.config import DTYPES, ModelConfig, host_dtype
 from kvports.shared.contract import OnToken, Port, Timed
 from kvports.shared.devices import DEVICES, check_device
-from kvports.shared.errors import UserError
+from kvports.shared.errors import UserError, echo_path
 from kvports.shared.generation import PAD, GenerationConfig, finish_reasons, pad_prompts, row_tokens
 from kvports.shared.limits import check_bytes, check_run
 from kvports.shared.weights import DEFAULT_WEIGHTS, open_weights, parameter_count
@@ -71,6 +72,7 @@ class RunInputs:
     dtype: str = "float32"
     device: str = "cpu"
     draft: Draft | None = None  # speculative mode's draft
+    quant: str = "none"  # weight-only quantization: none, int8 (at load) or q4 (a GGUF's own 4-bit blocks)
 
 
 @dataclass
@@ -84,6 +86,7 @@ class LoadedModel:
     dtype: str
     device: str
     drafts: dict[str, tuple[ModelConfig, Any]] = field(default_factory=dict)  # source -> (config, model)
+    quant: str = "none"  # the model's (a draft runs unquantized)
 
     def add_draft(self, source: str, config: ModelConfig, tensors: Tensors) -> None:
         self.drafts[source] = (config, self.port.load_model(config, tensors, self.dtype, self.device))
@@ -104,28 +107,42 @@ class Generation:
     padded: np.ndarray | None = None  # [B, P + N] as the port returned it, PAD where a row is short or stopped
 
 
-def check_names(framework: object, dtype: object, device: object, names: Names) -> None:
-    """The framework, dtype and device named (the command line's choices do this for its flags)."""
+def check_names(framework: object, dtype: object, device: object, names: Names, quant: object = "none") -> None:
+    """The framework, dtype, device and quant named (the command line's choices do this for its
+    flags), and the precision offered by the framework."""
     check_choice("framework", framework, ports.PORTS, names)
     check_choice("dtype", dtype, DTYPES, names)
     check_choice("device", device, DEVICES, names)
+    check_precision(str(framework), str(dtype), quant, names)
 
 
 def read_model(
-    weights: Path | None, dtype: str, check: Callable[[ModelConfig], T] | None = None
+    weights: Path | None,
+    dtype: str,
+    check: Callable[[ModelConfig], T] | None = None,
+    quant: str = "none",
+    names: Names = COMMAND_LINE,
 ) -> tuple[ModelConfig, Tensors, T | None]:
     """A weights file's config and tensors at `dtype`: the header checked, then `check(config)`
     (a run's inputs against the model; without one, the weights' own bytes against the limit),
-    all before any tensor is read. The third item is what `check` returned."""
+    all before any tensor is read. The third item is what `check` returned. quant "q4": the
+    file's 4-bit blocks too, beside the dequantized weights (a file without any is refused)."""
     with open_weights(weights if weights is not None else DEFAULT_WEIGHTS) as file:
         config = file.config.validate_at(dtype)
+        if quant == "q4" and not file.has_q4():
+            raise UserError(
+                f"{names.show('quant', repr(quant) if names.api else quant)} needs a GGUF file with Q4_0 or Q4_1 "
+                f"matrices; {echo_path(file.source)} has none"
+            )
         checked = None
         if check is not None:
             checked = check(config)
         else:
             count = parameter_count(config)
-            check_bytes({"weights": 2 * count * np.dtype(dtype).itemsize}, f"a model of {count:,} parameters")
-        return config, file.read(dtype), checked
+            check_bytes(
+                {"weights": 2 * count * np.dtype(host_dtype(dtype)).itemsize}, f"a model of {count:,} parameters"
+            )
+        return config, file.read(dtype, quant), checked
 
 
 def load_port(framework: str) -> Port:
@@ -137,11 +154,19 @@ def load_port(framework: str) -> Port:
 
 
 def load_model(
-    framework: str, config: ModelConfig, tensors: Tensors, dtype: str, device: str, names: Names = COMMAND_LINE
+    framework: str,
+    config: ModelConfig,
+    tensors: Tensors,
+    dtype: str,
+    device: str,
+    names: Names = COMMAND_LINE,
+    quant: str = "none",
 ) -> LoadedModel:
+    check_precision(framework, dtype, quant, names)
     port = load_port(framework)
     check_device(port, device, names.show("device", device if not names.api else repr(device)))
-    return LoadedModel(port, port.load_model(config, tensors, dtype, device), config, framework, dtype, device)
+    model = port.load_model(config, tensors, dtype, device, quant=quant)
+    return LoadedModel(port, model, config, framework, dtype, device, quant=quant)
 
 
 def check_inputs(
@@ -158,6 +183,7 @@ def check_inputs(
     allocate. The prompts as one batch [B, P], left-padded with PAD (every row's last prompt
     token in the same column)."""
     modes = [check_choice("mode", inputs.mode, MODES, names)] if modes is None else list(modes)
+    check_precision(inputs.framework, inputs.dtype, inputs.quant, names)
     generation = inputs.generation
     rows = check_prompts(prompts, config, generation.max_new_tokens, names)
     check_generation(generation, config.vocab_size, names)

@@ -104,7 +104,7 @@ def test_a_call_a_caller_could_not_make_is_reported(signature, problem):
 
 def test_a_different_default_is_reported():
     port = conforming_port()
-    port.load_model = with_signature("(config, tensors, dtype='float64', device='cpu')")
+    port.load_model = with_signature("(config, tensors, dtype='float64', device='cpu', *, quant='none')")
     assert contract.mismatches(port, contract.Port) == [
         "fake.load_model: dtype must default to 'float32' (found 'float64')"
     ]

@@ -6,7 +6,13 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvports.shared.arguments import add_model_argument, add_speculative_arguments, integer, parse_integer
+from kvports.shared.arguments import (
+    add_model_argument,
+    add_quant_argument,
+    add_speculative_arguments,
+    integer,
+    parse_integer,
+)
 from kvports.shared.batching.engine import BatchSettings
 from kvports.shared.bench.batching import WORKLOADS, BatchingBench
 from kvports.shared.bench.presets import PRESETS
@@ -61,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--warmup", type=integer, default=1, help="untimed runs before timing (default 1)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
+    add_quant_argument(parser)
     add_device_argument(parser)
     parser.add_argument(
         "--sweep",

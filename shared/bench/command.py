@@ -28,6 +28,7 @@ from kvports.shared.checks import (
     check_draft,
     check_needed,
     check_ngram,
+    check_precision,
 )
 from kvports.shared.config import ModelConfig
 from kvports.shared.devices import check_gpu_reachable, device_problem
@@ -85,7 +86,10 @@ def run(args: argparse.Namespace) -> int:
         longest = max([args.new_tokens, *sweep])
         check_bench_run(config, modes, longest, args.dtype, args.batch, args.prompt_len, args.new_tokens)
 
-    preset, config, tensors = load_bench_model(args.preset, args.weights, args.dtype, check)
+    for framework in frameworks:  # a port without --dtype or --quant's precision refuses it, as generate does
+        if framework in ports.PORTS:
+            check_precision(framework, args.dtype, args.quant)
+    preset, config, tensors = load_bench_model(args.preset, args.weights, args.dtype, check, args.quant)
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens)  # [B, P]
     draft_weights = None
     if "speculative" in modes:
@@ -105,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "dtype": args.dtype,
+        "quant": args.quant,
         "device": args.device,
         "repeats": args.repeats,
         "warmup": args.warmup,

@@ -15,7 +15,14 @@ from typing import Any
 import numpy as np
 
 from kvports.shared import run
-from kvports.shared.arguments import add_weights_arguments, non_negative_int, number, positive_int, seed
+from kvports.shared.arguments import (
+    add_quant_argument,
+    add_weights_arguments,
+    non_negative_int,
+    number,
+    positive_int,
+    seed,
+)
 from kvports.shared.checks import (
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
@@ -44,6 +51,7 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
         "--new-tokens", type=positive_int, default=100, metavar="N", help="tokens to generate (default 100)"
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
+    add_quant_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -140,10 +148,11 @@ def read_checked(
         inputs = run.RunInputs(
             framework, mode, generation_of(args, config), args.weights, args.dtype, args.device, draft_of(args)
         )
+        inputs = dataclasses.replace(inputs, quant=args.quant)
         rows = prompt_rows(args, tokenizer)
         return inputs, tokenizer, run.check_inputs(inputs, config, rows, modes=modes, draft=draft)
 
-    config, tensors, checked = run.read_model(args.weights, args.dtype, check)
+    config, tensors, checked = run.read_model(args.weights, args.dtype, check, args.quant)
     assert checked is not None
     inputs, tokenizer, prompts = checked
     return CommandInputs(inputs, config, tensors, prompts, tokenizer, None)

@@ -76,7 +76,7 @@ class Stream:
 def run(args: argparse.Namespace) -> int:
     given = read_inputs(args, args.framework, args.mode)
     warn_unused(args, args.mode == "speculative")
-    loaded = load_model(args.framework, given.config, given.tensors, args.dtype, args.device)
+    loaded = load_model(args.framework, given.config, given.tensors, args.dtype, args.device, quant=args.quant)
     if given.draft is not None:
         loaded.add_draft(args.draft, *given.draft)
     stream = Stream(given.prompts.shape[0], given.tokenizer, args.json) if args.stream else None
@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
             "framework": args.framework,
             "mode": args.mode,
             "dtype": args.dtype,
+            "quant": args.quant,
             "device": args.device,
             "family": given.config.family,
             "generation": dataclasses.asdict(generation),
