@@ -166,14 +166,23 @@ def check_precision(framework: str, dtype: str, quant: object, names: Names = CO
             f"{names.show('quant', repr(quant) if names.api else quant)} needs float32 or bfloat16 activations, "
             f"not {names.show('dtype', repr(dtype) if names.api else dtype)}: quantized weights have no float64 digits"
         )
-    for field, value in (("dtype", dtype), ("quant", quant)):
-        offered = [name for name, precisions in PRECISIONS.items() if value in precisions]
-        if offered and framework not in offered:
-            raise UserError(
-                f"{names.show(field, repr(value) if names.api else value)}: {framework} has no fast {value} "
-                f"product (offered by {', '.join(offered)})"
-            )
+    missing = missing_precision(framework, dtype, quant)
+    if missing is not None:
+        field = "dtype" if missing == dtype else "quant"
+        offered = [name for name, precisions in PRECISIONS.items() if missing in precisions]
+        raise UserError(  # the same line for every port without it
+            f"{names.show(field, repr(missing) if names.api else missing)} is offered by {', '.join(offered)} only, "
+            f"where the framework has a fast {missing} product"
+        )
     return quant
+
+
+def missing_precision(framework: str, dtype: str, quant: str) -> str | None:
+    """The dtype or quant asked for that `framework` does not offer, or None."""
+    for value in (dtype, quant):
+        if any(value in precisions for precisions in PRECISIONS.values()) and value not in PRECISIONS[framework]:
+            return value
+    return None
 
 
 def check_chunk_sizes(chunk_sizes: Sequence[object], length: int) -> list[int]:

@@ -129,11 +129,6 @@ def read_model(
     file's 4-bit blocks too, beside the dequantized weights (a file without any is refused)."""
     with open_weights(weights if weights is not None else DEFAULT_WEIGHTS) as file:
         config = file.config.validate_at(dtype)
-        if quant == "q4" and not file.has_q4():
-            raise UserError(
-                f"{names.show('quant', repr(quant) if names.api else quant)} needs a GGUF file with Q4_0 or Q4_1 "
-                f"matrices; {echo_path(file.source)} has none"
-            )
         checked = None
         if check is not None:
             checked = check(config)
@@ -141,6 +136,11 @@ def read_model(
             count = parameter_count(config)
             check_bytes(
                 {"weights": 2 * count * np.dtype(host_dtype(dtype)).itemsize}, f"a model of {count:,} parameters"
+            )
+        if quant == "q4" and not file.has_q4():
+            raise UserError(
+                f"{names.show('quant', repr(quant) if names.api else quant)} needs a GGUF file with Q4_0 or Q4_1 "
+                f"matrices; {echo_path(file.source)} has none"
             )
         return config, file.read(dtype, quant), checked
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from kvports.shared.quant import Q4_GROUP, q4_blocks, quantize_int8
 
-INT4_ROWS = 16  # int4pack's CPU packing takes out_features in multiples of 16
+INT4_ROWS = 16  # int4pack's CPU packing takes out_features in multiples of 16: others are padded
 
 
 class Int8Linear(nn.Module):
@@ -46,10 +46,13 @@ class Int4Linear(nn.Module):
 
     def __init__(self, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray, bias: torch.Tensor | None):
         super().__init__()
-        # [out, in / 2] uint8, in the kernel's own layout (innerKTiles is unused on the CPU)
+        self.rows = codes.shape[0]
+        pad = -self.rows % INT4_ROWS  # rows of zero weight (scale and zero 0), sliced off the product
+        codes, scales, mins = (np.pad(array, ((0, pad), (0, 0))) for array in (codes, scales, mins))
+        # [out', in / 2] uint8, in the kernel's own layout (innerKTiles is unused on the CPU)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes.astype(np.int32)), 1)
-        zeros = mins + 8 * scales  # [out, in / 32]
-        scales_and_zeros = np.stack([scales.T, zeros.T], axis=-1)  # [in / 32, out, 2]
+        zeros = mins + 8 * scales  # [out', in / 32]
+        scales_and_zeros = np.stack([scales.T, zeros.T], axis=-1)  # [in / 32, out', 2]
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", torch.from_numpy(np.ascontiguousarray(scales_and_zeros)))
         self.bias = bias
@@ -57,16 +60,17 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [B * T, in]
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, Q4_GROUP, self.scales_and_zeros)
+        out = out[:, : self.rows]  # [B * T, out]
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], out.shape[-1])  # [..., out]
 
 
 def quantized(name: str, weight: torch.Tensor, bias: torch.Tensor | None, tensors: dict[str, np.ndarray]) -> nn.Module:
-    """Matrix `name`'s quantized Linear: its file's 4-bit blocks where it has them (and int4pack
-    takes its shape), else int8 codes quantized now from its float32 weight."""
+    """Matrix `name`'s quantized Linear: its file's 4-bit blocks where it has them, else int8 codes
+    quantized now from its float32 weight."""
     blocks = q4_blocks(tensors, name)
-    if blocks is not None and weight.shape[0] % INT4_ROWS == 0:
+    if blocks is not None:
         return Int4Linear(*blocks, bias)
     return Int8Linear(weight.detach().numpy(), bias)
 

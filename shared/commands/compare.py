@@ -19,6 +19,7 @@ import numpy as np
 
 from kvports.shared import ports
 from kvports.shared.arguments import add_speculative_arguments, positive_int
+from kvports.shared.checks import missing_precision
 from kvports.shared.commands.arguments import (
     add_generation_arguments,
     add_input_arguments,
@@ -36,6 +37,7 @@ from kvports.shared.families import describe
 from kvports.shared.generation import PAD, GenerationConfig, row_tokens
 from kvports.shared.limits import check_count
 from kvports.shared.progress import make_progress
+from kvports.shared.quant import float_tensors
 from kvports.shared.run import LoadedModel, RunInputs, draft_model, run_port, timed
 from kvports.shared.terminal import console_for
 
@@ -113,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
     config, tensors, prompts, generation = given.config, given.tensors, given.prompts, given.inputs.generation
     P = prompts.shape[1]
     usable, reasons = usable_ports(args.device)
+    for name in ports.PORTS:  # a port without the run's precision gets rows that say so
+        missing = missing_precision(name, args.dtype, args.quant)
+        if usable[name] is not None and missing is not None:
+            usable[name], reasons[name] = None, f"no {missing}"
     reference = next(name for name in [ports.REFERENCE, *ports.PORTS] if usable[name] is not None)
     order = [reference] + [name for name in ports.PORTS if name != reference]
     rows: list[dict[str, Any]] = []
@@ -133,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                 if model is None:
                     model = LoadedModel(
                         port,
-                        port.load_model(config, tensors, args.dtype, placement(name, args.device)),
+                        port.load_model(config, tensors, args.dtype, placement(name, args.device), quant=args.quant),
                         config,
                         name,
                         args.dtype,
@@ -172,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         row["logits"] = None if difference is None else difference.as_dict()
         naive = next(r for r in rows if r["framework"] == row["framework"] and r["mode"] == "naive")
         row["cached_speedup"] = naive["seconds"] / row["seconds"] if row["mode"] != "naive" else None
+    if args.dtype == "bfloat16" or args.quant != "none":
+        compare_float32(rows, results, usable[reference], config, tensors, prompts, given.inputs, args.device)
     ok = all(row["explained"] for row in rows if row["available"])
     if args.json:
         print(
@@ -180,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
                     "reference": f"{reference} naive",
                     "family": config.family,
                     "dtype": args.dtype,
+                    "quant": args.quant,
                     "device": args.device,
                     "generation": dataclasses.asdict(generation),
                     "prompt": row_tokens(prompts),
@@ -233,13 +242,58 @@ def measure(
     }
 
 
+def compare_float32(
+    rows: list[dict[str, Any]],
+    results: dict[tuple[str, str], tuple[np.ndarray, np.ndarray | None]],
+    reference: Port | None,
+    config: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    prompts: np.ndarray,
+    inputs: RunInputs,
+    device: str,
+) -> None:
+    """What the run's bfloat16 or quantization costs: each row against the reference's float32 path on
+    the same weights (a GGUF's dequantized ones), as `vs_float32`: the largest |logit difference| up to
+    the first divergence, and that step (None: every token agrees). Reported, never a failure."""
+    assert reference is not None
+    model = reference.load_model(config, float_tensors(tensors), "float32", placement(reference.NAME, device))
+    tokens32, logits32 = reference.generate(model, prompts, inputs.generation, "naive", True)
+    assert logits32 is not None
+    P = prompts.shape[1]
+    for row in rows:
+        tokens, logits = results.get((row["framework"], row["mode"]), (None, None))
+        if not row["available"] or tokens is None or logits is None:
+            continue
+        agreement = compare_tokens(tokens32, tokens, P, logits32, inputs.generation)
+        difference = logit_difference(logits32, logits, comparable_steps(tokens32, tokens, P), False)
+        row["vs_float32"] = {
+            "max_abs_diff": None if difference is None else difference.max_abs_diff,
+            "first_divergent_step": agreement.first_divergent_step,
+            "reference_margin": agreement.reference_margin,
+        }
+
+
+def vs_float32_cell(row: dict[str, Any]) -> str:
+    figures = row.get("vs_float32")
+    if figures is None:
+        return "-"
+    step = figures["first_divergent_step"]
+    return f"{fmt_difference(figures['max_abs_diff'] or 0)}, " + ("agree" if step is None else f"@ {step}")
+
+
 def fmt_difference(value: float) -> str:
     return "0" if value == 0 else f"{value:.1e}"
 
 
 def tokens_cell(row: dict[str, Any], reference: str) -> str:
     if not row["available"]:
-        return "not installed" if row["reason"] == "not installed" else "no GPU"
+        return (
+            "not installed"
+            if row["reason"] == "not installed"
+            else row["reason"]
+            if row["reason"][:3] == "no "
+            else "no GPU"
+        )
     if row["framework"] == reference and row["mode"] == "naive":
         return "reference"
     if row["agree"]:
@@ -261,7 +315,9 @@ def print_table(
     where = args.device if args.device == "cpu" else "gpu (numpy on the cpu)"
     table = Table(
         title=f"kvports compare: {describe(config)}, {prompts.shape[0]} x {prompts.shape[1]}-token prompt, "
-        f"{args.new_tokens} new tokens, {describe_generation(generation)}, {args.dtype}, {where}; "
+        f"{args.new_tokens} new tokens, {describe_generation(generation)}, {args.dtype}"
+        + ("" if args.quant == "none" else f" {args.quant}")
+        + f", {where}; "
         f"reference: {reference} naive" + (", teacher-forced" if args.teacher_forced else ""),
         box=box.SIMPLE_HEAD,
         show_edge=False,
@@ -277,10 +333,13 @@ def print_table(
         ("vs\nnaive", "right"),
     ):
         table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    reduced = args.dtype == "bfloat16" or args.quant != "none"
+    if reduced:
+        table.add_column("vs float32\nmax |diff|, tokens", justify="right", no_wrap=True)
     for row in rows:
         cells = [row["framework"], row["mode"], tokens_cell(row, reference)]
         if not row["available"]:
-            table.add_row(*cells, *["-"] * 5)
+            table.add_row(*cells, *["-"] * (6 if reduced else 5))
             continue
         logits = row["logits"]
         cells += (
@@ -293,7 +352,7 @@ def print_table(
             ]
         )
         cells += [f"{row['seconds']:.4f}", "-" if row["cached_speedup"] is None else f"{row['cached_speedup']:.1f}x"]
-        table.add_row(*cells)
+        table.add_row(*cells, *([vs_float32_cell(row)] if reduced else []))
     console = console_for(table)
     console.print(table)
     for line in footnotes(rows, args):
