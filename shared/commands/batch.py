@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvports.shared.arguments import add_weights_arguments, positive_int
+from kvports.shared.arguments import add_quant_argument, add_weights_arguments, positive_int
 from kvports.shared.batching.blocks import blocks_for
 from kvports.shared.batching.engine import (
     BLOCK_SIZE,
@@ -31,6 +31,7 @@ from kvports.shared.batching.requests import BadLine, Request, parse_requests, s
 from kvports.shared.batching.scheduler import Sequence
 from kvports.shared.bench.batching import WORKLOADS, BatchingBench, choices, run_bench
 from kvports.shared.bench.presets import PRESETS
+from kvports.shared.checks import check_precision
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.devices import add_device_argument
 from kvports.shared.errors import UserError, echo_path
@@ -58,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--framework", choices=PORTS, default=REFERENCE, help=f"default {REFERENCE}")
     add_weights_arguments(parser)
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
+    add_quant_argument(parser)
     add_device_argument(parser)
     parser.add_argument(
         "--tokenizer",
@@ -126,9 +128,12 @@ def run(args: argparse.Namespace) -> int:
     if args.bench:
         if args.requests is not None:
             raise UserError("give --requests FILE or --bench (it makes its own requests), not both")
+        if args.quant != "none":
+            raise UserError(f"--bench times float weights; --quant {args.quant} is for --requests FILE")
         return run_bench(bench_inputs(args))
     if args.requests is None:
         raise UserError("give --requests FILE.jsonl (or --bench)")
+    check_precision(args.framework, args.dtype, args.quant)
     with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
         config = weights.config.validate_at(args.dtype)
         settings_of(args, None).validate(config)  # the flags, before the file: they decide what fits
@@ -140,8 +145,10 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"no request to run in {echo_path(args.requests)}")
         settings = settings_of(args, max(request.max_length for request in requests)).validate(config)
         check_bytes(run_bytes(config, args.dtype, settings), f"a batch of {len(requests)} requests in {args.dtype}")
-        tensors = weights.read(args.dtype)
-    loaded = load_model(args.framework, config, tensors, args.dtype, args.device)
+        if args.quant == "q4" and not weights.has_q4():
+            raise UserError("--quant q4 needs a GGUF file with Q4_0 or Q4_1 matrices (--model NAME or --weights)")
+        tensors = weights.read(args.dtype, args.quant)
+    loaded = load_model(args.framework, config, tensors, args.dtype, args.device, quant=args.quant)
     summary = run_requests(loaded.port, loaded.model, config, settings, requests, tokenizer)
     summary.update(framework=args.framework, dtype=args.dtype, device=args.device, bad_lines=len(bad))
     print(json.dumps({"summary": summary}), flush=True)
