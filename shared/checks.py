@@ -177,6 +177,15 @@ def check_precision(framework: str, dtype: str, quant: object, names: Names = CO
     return quant
 
 
+def check_q4_file(quant: str, has_q4: bool, source: str, names: Names = COMMAND_LINE) -> None:
+    """--quant q4 keeps a file's own 4-bit blocks: a file without any is refused (before it is read)."""
+    if quant == "q4" and not has_q4:
+        raise UserError(
+            f"{names.show('quant', repr(quant) if names.api else quant)} needs a GGUF file with Q4_0 or Q4_1 "
+            f"matrices; {echo_path(source)} has none"
+        )
+
+
 def missing_precision(framework: str, dtype: str, quant: str) -> str | None:
     """The dtype or quant asked for that `framework` does not offer, or None."""
     for value in (dtype, quant):

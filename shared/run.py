@@ -38,11 +38,12 @@ from kvports.shared.checks import (
     check_ngram,
     check_precision,
     check_prompts,
+    check_q4_file,
 )
 from kvports.shared.config import DTYPES, ModelConfig, host_dtype
 from kvports.shared.contract import OnToken, Port, Timed
 from kvports.shared.devices import DEVICES, check_device
-from kvports.shared.errors import UserError, echo_path
+from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, finish_reasons, pad_prompts, row_tokens
 from kvports.shared.limits import check_bytes, check_run
 from kvports.shared.weights import DEFAULT_WEIGHTS, open_weights, parameter_count
@@ -137,11 +138,7 @@ def read_model(
             check_bytes(
                 {"weights": 2 * count * np.dtype(host_dtype(dtype)).itemsize}, f"a model of {count:,} parameters"
             )
-        if quant == "q4" and not file.has_q4():
-            raise UserError(
-                f"{names.show('quant', repr(quant) if names.api else quant)} needs a GGUF file with Q4_0 or Q4_1 "
-                f"matrices; {echo_path(file.source)} has none"
-            )
+        check_q4_file(quant, file.has_q4(), file.source, names)
         return config, file.read(dtype, quant), checked
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvports.shared.checks import SEED_PROMPT, check_prompts
+from kvports.shared.checks import SEED_PROMPT, check_prompts, check_q4_file
 from kvports.shared.config import ModelConfig, host_dtype
 from kvports.shared.errors import UserError
 from kvports.shared.generation import pad_prompts
@@ -38,8 +38,7 @@ def load_bench_model(
     if weights is not None or config is None:
         with open_weights(weights if weights is not None else DEFAULT_WEIGHTS) as file:
             check(file.config)
-            if quant == "q4" and not file.has_q4():
-                raise UserError("--quant q4 needs a GGUF file with Q4_0 or Q4_1 matrices (--model NAME or --weights)")
+            check_q4_file(quant, file.has_q4(), file.source)
             name = weights.name if weights is not None else preset
             return name, file.config, file.read(dtype, quant)
     check(config)

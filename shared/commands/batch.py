@@ -31,7 +31,7 @@ from kvports.shared.batching.requests import BadLine, Request, parse_requests, s
 from kvports.shared.batching.scheduler import Sequence
 from kvports.shared.bench.batching import WORKLOADS, BatchingBench, choices, run_bench
 from kvports.shared.bench.presets import PRESETS
-from kvports.shared.checks import check_precision
+from kvports.shared.checks import check_precision, check_q4_file
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.devices import add_device_argument
 from kvports.shared.errors import UserError, echo_path
@@ -145,8 +145,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"no request to run in {echo_path(args.requests)}")
         settings = settings_of(args, max(request.max_length for request in requests)).validate(config)
         check_bytes(run_bytes(config, args.dtype, settings), f"a batch of {len(requests)} requests in {args.dtype}")
-        if args.quant == "q4" and not weights.has_q4():
-            raise UserError("--quant q4 needs a GGUF file with Q4_0 or Q4_1 matrices (--model NAME or --weights)")
+        check_q4_file(args.quant, weights.has_q4(), weights.source)
         tensors = weights.read(args.dtype, args.quant)
     loaded = load_model(args.framework, config, tensors, args.dtype, args.device, quant=args.quant)
     summary = run_requests(loaded.port, loaded.model, config, settings, requests, tokenizer)
