@@ -25,5 +25,6 @@ def scaled_dot_product_attention(
     scores = jnp.einsum("bkgtd,bksd->bkgts", q, key) / math.sqrt(Dh)  # [B, Hkv, G, T, S]
     if attn_mask is not None:
         scores = jnp.where(attn_mask[:, :, None], scores, -jnp.inf)  # [B, Hkv, G, T, S]
-    probs = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, G, T, S]
+    # [B, Hkv, G, T, S]: bfloat16 scores exponentiated and summed in float32
+    probs = jax.nn.softmax(scores.astype(jnp.promote_types(scores.dtype, jnp.float32)), axis=-1).astype(value.dtype)
     return jnp.einsum("bkgts,bksd->bkgtd", probs, value).reshape(B, H, T, Dh)  # [B, H, T, Dh]

@@ -170,7 +170,8 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype=dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x * lax.rsqrt(jnp.mean(x**2, axis=-1, keepdims=True) + self.eps) * self.weight[...]  # [B, T, D]
+        h = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # [B, T, D]: bfloat16 accumulates in float32
+        return (h * lax.rsqrt(jnp.mean(h**2, axis=-1, keepdims=True) + self.eps)).astype(x.dtype) * self.weight[...]
 
 
 def make_norm(config: ModelConfig, dtype: DTypeLike, rngs: nnx.Rngs) -> nnx.Module:

@@ -23,7 +23,7 @@ from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, RowSampling, as_generation
 
 NAME = "jax"
-JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64}
+JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64, "bfloat16": jnp.bfloat16}
 
 Params = ParamSpec("Params")
 Result = TypeVar("Result")
@@ -96,6 +96,11 @@ def _parameter_slots(model: TinyModel) -> dict[str, tuple[nnx.Variable, bool]]:
     return slots
 
 
+def as_host(logits: jax.Array) -> np.ndarray:
+    """Logits as NumPy: bfloat16's as float32 (as torch's port returns them), float64's as they are."""
+    return np.asarray(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)))
+
+
 @exact
 def load_model(
     config: ModelConfig,
@@ -103,8 +108,11 @@ def load_model(
     dtype: str = "float32",
     device: str = "cpu",
     *,
+    quant: str = "none",
     tensor_parallel: int = 1,
 ) -> TinyModel:
+    # No quantization here (shared.checks.PRECISIONS): refused before this is called.
+    assert quant == "none", quant
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     target = resolve_device(device)
     placement: Callable[[str], jax.Device | jax.sharding.Sharding] = lambda name: target  # noqa: E731
@@ -120,7 +128,7 @@ def load_model(
     for name, (variable, transpose) in slots.items():
         array = tensors[name].T if transpose else tensors[name]
         assert tuple(variable.shape) == array.shape, f"{name}: file {array.shape}, model {tuple(variable.shape)}"
-        variable.set_value(jax.device_put(np.ascontiguousarray(array, dtype=np.dtype(dtype)), placement(name)))
+        variable.set_value(jax.device_put(np.ascontiguousarray(array, dtype=JAX_DTYPES[dtype]), placement(name)))
     n_params = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n_params == len(slots), f"model has {n_params} parameters, the file fills {len(slots)}"
     model.eval()  # nnx's eval() sets dropout off in place and returns None
@@ -158,7 +166,7 @@ def generate(
         else:
             tokens, logits = generate_naive(model, prompt, as_generation(generation), return_logits, to_host)
     # [B, P + N], [B, steps, V]
-    return np.asarray(tokens, dtype=np.int64), None if logits is None else np.asarray(logits)
+    return np.asarray(tokens, dtype=np.int64), None if logits is None else as_host(logits)
 
 
 @exact
@@ -193,7 +201,7 @@ def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[i
     pieces, start = [], 0
     for size in chunk_sizes:
         logits, cache = prefill_step(model, tokens[:, start : start + size], cache)  # [B, size, V]
-        pieces.append(np.asarray(logits))
+        pieces.append(as_host(logits))
         start += size
     return np.concatenate(pieces, axis=1)  # [B, T, V]
 

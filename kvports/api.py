@@ -89,6 +89,7 @@ class Model:
             self.dtype,
             self.device,
             chosen,
+            quant=self.loaded.quant,
             tensor_parallel=self.loaded.tensor_parallel,
             logprobs=logprobs,
         )
@@ -148,14 +149,16 @@ def load(
     device: str = "cpu",
     *,
     model: str | None = None,
+    quant: str = "none",
     tensor_parallel: int = 1,
     threads: int | None = None,
 ) -> Model:
     """A framework's ("torch", "jax" or "numpy") model from a weights file, safetensors or GGUF
     (None: the seed's model), or a fetched model by name (`model="smollm2"`), in float32 or
-    float64, on the "cpu" or a "gpu", checked as `kvports generate` checks them; split across
-    `tensor_parallel` devices (torch and JAX; on the CPU, processes or simulated devices)."""
-    run.check_names(framework, dtype, device, API)
+    float64 (torch and JAX: bfloat16 too), on the "cpu" or a "gpu", checked as `kvports generate` checks
+    them; quant "int8" or "q4" (a Q4_0/Q4_1 GGUF file's own blocks): weight-only quantization (torch);
+    split across `tensor_parallel` devices (torch and JAX; on the CPU, processes or simulated devices)."""
+    run.check_names(framework, dtype, device, API, quant)
     check_tensor_parallel(tensor_parallel, framework, [], API)  # its range and its framework, before a file is read
     check_arguments(weights=weights, model=model)
     check_threads(threads, API)  # threads=N: every framework's thread count, set before it starts (shared.threads)
@@ -165,7 +168,9 @@ def load(
         if weights is not None:
             raise UserError("give weights= a file or model= a fetched model's name, not both")
         weights = model_path(model)
-    config, tensors, _ = run.read_model(None if weights is None else Path(os.fspath(weights)), dtype)
+    config, tensors, _ = run.read_model(None if weights is None else Path(os.fspath(weights)), dtype, None, quant, API)
     tensor_parallel = check_tensor_parallel(tensor_parallel, framework, [("the model", config)], API)
     use_threads(threads)
-    return Model(run.load_model(framework, config, tensors, dtype, device, API, tensor_parallel))
+    return Model(
+        run.load_model(framework, config, tensors, dtype, device, API, quant=quant, tensor_parallel=tensor_parallel)
+    )

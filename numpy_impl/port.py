@@ -35,9 +35,11 @@ def load_model(
     dtype: str = "float32",
     device: str = "cpu",
     *,
+    quant: str = "none",
     tensor_parallel: int = 1,
 ) -> TinyModel:
-    assert tensor_parallel == 1, "refused by shared.checks.check_tensor_parallel: NumPy runs on one device"
+    # No bfloat16, no quantization, one device (shared.checks): refused before this is called.
+    assert dtype != "bfloat16" and quant == "none" and tensor_parallel == 1, (dtype, quant, tensor_parallel)
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     resolve_device(device)
     model = TinyModel(config)  # placeholder weights: every tensor comes from the file

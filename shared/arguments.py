@@ -163,3 +163,16 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
         help="threads for every framework (torch, NumPy's BLAS, JAX's pool), at most 4 per CPU (default: each "
         "framework's own, a thread per CPU; on a busy machine 1 can be many times faster)",
     )
+
+
+def add_quant_argument(parser: argparse.ArgumentParser) -> None:
+    """--quant, the weight-only quantization (with --dtype float32)."""
+    from kvports.shared.config import QUANTS
+
+    parser.add_argument(
+        "--quant",
+        choices=QUANTS,
+        default="none",
+        help="weight-only quantization: int8 (symmetric, per output channel, at load) or q4 (a Q4_0/Q4_1 GGUF "
+        "file's own 4-bit blocks; its other matrices int8); torch only (default none)",
+    )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvports.shared.config import MAX_SIZE, ModelConfig
+from kvports.shared.config import MAX_SIZE, QUANTS, ModelConfig
 from kvports.shared.errors import UserError, echo, echo_path
 from kvports.shared.files import check_writable_folder, os_errors_as_user_errors
 from kvports.shared.limits import check_count, check_run
@@ -83,6 +83,7 @@ COMMAND_LINE = Names(
         ("logprobs", "--logprobs"),
         ("seeds", "--seed"),
         ("num_samples", "--num-samples"),
+        ("quant", "--quant"),
     ),
 )
 API = Names(api=True)
@@ -156,6 +157,48 @@ def check_prompts(
             f"prompt length {longest} + new tokens {new_tokens} = {total} exceeds max_seq_len {config.max_seq_len}"
         )
     return batch
+
+
+# The reduced precisions each port offers: where its framework has a fast product for them on the CPU
+# (NumPy has no bfloat16 and no integer matrix product that would beat its own float32 one).
+PRECISIONS = {"torch": ("bfloat16", "int8", "q4"), "jax": ("bfloat16",), "numpy": ()}
+
+
+def check_precision(framework: str, dtype: str, quant: object, names: Names = COMMAND_LINE) -> str:
+    """--dtype bfloat16 and --quant only where the framework offers them, and quant not over float64
+    activations: the same line for every port, before any framework code runs. The quant checked."""
+    quant = check_choice("quant", quant, QUANTS, names)
+    if quant != "none" and dtype == "float64":
+        raise UserError(
+            f"{names.show('quant', repr(quant) if names.api else quant)} needs float32 or bfloat16 activations, "
+            f"not {names.show('dtype', repr(dtype) if names.api else dtype)}: quantized weights have no float64 digits"
+        )
+    missing = missing_precision(framework, dtype, quant)
+    if missing is not None:
+        field = "dtype" if missing == dtype else "quant"
+        offered = [name for name, precisions in PRECISIONS.items() if missing in precisions]
+        raise UserError(  # the same line for every port without it
+            f"{names.show(field, repr(missing) if names.api else missing)} is offered by {', '.join(offered)} only, "
+            f"where the framework has a fast {missing} product"
+        )
+    return quant
+
+
+def check_q4_file(quant: str, has_q4: bool, source: str, names: Names = COMMAND_LINE) -> None:
+    """--quant q4 keeps a file's own 4-bit blocks: a file without any is refused (before it is read)."""
+    if quant == "q4" and not has_q4:
+        raise UserError(
+            f"{names.show('quant', repr(quant) if names.api else quant)} needs a GGUF file with Q4_0 or Q4_1 "
+            f"matrices; {echo_path(source)} has none"
+        )
+
+
+def missing_precision(framework: str, dtype: str, quant: str) -> str | None:
+    """The dtype or quant asked for that `framework` does not offer, or None."""
+    for value in (dtype, quant):
+        if any(value in precisions for precisions in PRECISIONS.values()) and value not in PRECISIONS[framework]:
+            return value
+    return None
 
 
 def check_chunk_sizes(chunk_sizes: Sequence[object], length: int) -> list[int]:

@@ -21,7 +21,18 @@ from kvports.shared.errors import UserError, echo
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
-DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64", "bfloat16")
+# What a weights file stores and NumPy holds: NumPy has no bfloat16, so a bfloat16 run reads its
+# weights at float32 and the port casts them (host_dtype).
+STORED_DTYPES = ("float32", "float64")
+QUANTS = ("none", "int8", "q4")  # weight-only: int8 per output channel at load; q4 a GGUF's own 4-bit blocks
+
+
+def host_dtype(dtype: str) -> str:
+    """The NumPy dtype a run at compute dtype `dtype` reads and checks its weights at."""
+    return "float32" if dtype == "bfloat16" else dtype
+
+
 # Every size and count (vocab, widths, heads, layers, positions; a run's batch, prompt and new
 # tokens) is at most this: JAX computes token ids, positions and cache slots in int32, and
 # 2**30 leaves room for the sums (a position plus a chunk) to stay in range.
@@ -147,7 +158,7 @@ class ModelConfig:
         """The floats a port computes with stay finite and positive in `dtype`: an epsilon of
         1e300 is finite, but inf in float32, and every token would come out 0."""
         with np.errstate(over="ignore", under="ignore"):  # the overflow is the finding, not a warning
-            eps = np.asarray(self.norm_eps, dtype=dtype)
+            eps = np.asarray(self.norm_eps, dtype=host_dtype(dtype))  # bfloat16 has float32's range
         if not (np.isfinite(eps) and eps > 0):
             raise UserError(
                 f"config field norm_eps={echo(self.norm_eps)} is not a finite number > 0 in {dtype}, the compute dtype"

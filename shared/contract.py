@@ -82,10 +82,14 @@ class Port(Timed, Protocol):
         dtype: str = "float32",
         device: str = "cpu",
         *,
+        quant: str = "none",
         tensor_parallel: int = 1,
     ) -> Model:
-        """`Timed.load_model`, split Megatron-style across `tensor_parallel` devices (checked beforehand
-        by `checks.check_tensor_parallel`; NumPy: 1 only)."""
+        """`Timed.load_model`, and dtype `"bfloat16"` (float32 tensors, cast; norms and softmax accumulate in
+        float32) and quant `"int8"` (per output channel, at load) or `"q4"` (a GGUF's own 4-bit blocks beside the
+        dequantized tensors, `shared.quant.q4_names`) where `shared.checks.PRECISIONS` lists them; elsewhere
+        they are refused before this is called. Split Megatron-style across `tensor_parallel` devices (checked
+        beforehand by `checks.check_tensor_parallel`; NumPy: 1 only)."""
         ...
 
     def generate(

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvports.shared.config import MAX_SIZE, ModelConfig, cache_slots, kv_cache_bytes
+from kvports.shared.config import MAX_SIZE, ModelConfig, cache_slots, host_dtype, kv_cache_bytes
 from kvports.shared.errors import UserError, echo
 from kvports.shared.weights import parameter_count
 
@@ -122,7 +122,7 @@ def check_run(
     check_count("batch", batch)
     check_count("prompt length", prompt_len)
     check_count("new tokens", new_tokens)
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = np.dtype(host_dtype(dtype)).itemsize  # bfloat16: the float32 arrays read, the larger
     largest: tuple[str, dict[str, int]] = ("", {})
     for mode in modes:
         parts = model_bytes(config, itemsize, batch, prompt_len, new_tokens, mode, draft_tokens)

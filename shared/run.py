@@ -38,12 +38,14 @@ from kvports.shared.checks import (
     check_logprobs,
     check_needed,
     check_ngram,
+    check_precision,
     check_prompts,
+    check_q4_file,
     check_samples,
     check_seeds,
     check_tensor_parallel,
 )
-from kvports.shared.config import DTYPES, ModelConfig
+from kvports.shared.config import DTYPES, ModelConfig, host_dtype
 from kvports.shared.contract import OnToken, Port, Timed
 from kvports.shared.devices import DEVICES, check_device, check_parallel_devices, prepare_tensor_parallel
 from kvports.shared.errors import UserError
@@ -77,6 +79,7 @@ class RunInputs:
     dtype: str = "float32"
     device: str = "cpu"
     draft: Draft | None = None  # speculative mode's draft
+    quant: str = "none"  # weight-only quantization: none, int8 (at load) or q4 (a GGUF's own 4-bit blocks)
     tensor_parallel: int = 1  # devices the model is split across (Megatron-style); 1: one device
     threads: int | None = None  # every framework's thread count (None: each one's default)
     logprobs: int = 0  # each step's chosen token's log-probability and the K likeliest alternatives
@@ -93,6 +96,7 @@ class LoadedModel:
     dtype: str
     device: str
     drafts: dict[str, tuple[ModelConfig, Any]] = field(default_factory=dict)  # source -> (config, model)
+    quant: str = "none"  # the model's (a draft runs unquantized)
     tensor_parallel: int = 1  # the draft is split across the same devices
 
     def add_draft(self, source: str, config: ModelConfig, tensors: Tensors) -> None:
@@ -116,19 +120,26 @@ class Generation:
     logprobs: list[list[dict[str, Any]]] | None = None  # per row, per generated token: see `step_logprobs`
 
 
-def check_names(framework: object, dtype: object, device: object, names: Names) -> None:
-    """The framework, dtype and device named (the command line's choices do this for its flags)."""
+def check_names(framework: object, dtype: object, device: object, names: Names, quant: object = "none") -> None:
+    """The framework, dtype, device and quant named (the command line's choices do this for its
+    flags), and the precision offered by the framework."""
     check_choice("framework", framework, ports.PORTS, names)
     check_choice("dtype", dtype, DTYPES, names)
     check_choice("device", device, DEVICES, names)
+    check_precision(str(framework), str(dtype), quant, names)
 
 
 def read_model(
-    weights: Path | None, dtype: str, check: Callable[[ModelConfig], T] | None = None
+    weights: Path | None,
+    dtype: str,
+    check: Callable[[ModelConfig], T] | None = None,
+    quant: str = "none",
+    names: Names = COMMAND_LINE,
 ) -> tuple[ModelConfig, Tensors, T | None]:
     """A weights file's config and tensors at `dtype`: the header checked, then `check(config)`
     (a run's inputs against the model; without one, the weights' own bytes against the limit),
-    all before any tensor is read. The third item is what `check` returned."""
+    all before any tensor is read. The third item is what `check` returned. quant "q4": the
+    file's 4-bit blocks too, beside the dequantized weights (a file without any is refused)."""
     with open_weights(weights if weights is not None else DEFAULT_WEIGHTS) as file:
         config = file.config.validate_at(dtype)
         checked = None
@@ -136,8 +147,11 @@ def read_model(
             checked = check(config)
         else:
             count = parameter_count(config)
-            check_bytes({"weights": 2 * count * np.dtype(dtype).itemsize}, f"a model of {count:,} parameters")
-        return config, file.read(dtype), checked
+            check_bytes(
+                {"weights": 2 * count * np.dtype(host_dtype(dtype)).itemsize}, f"a model of {count:,} parameters"
+            )
+        check_q4_file(quant, file.has_q4(), file.source, names)
+        return config, file.read(dtype, quant), checked
 
 
 def load_port(framework: str) -> Port:
@@ -157,15 +171,22 @@ def load_model(
     dtype: str,
     device: str,
     names: Names = COMMAND_LINE,
+    quant: str = "none",
     tensor_parallel: int = 1,
 ) -> LoadedModel:
     """`tensor_parallel` checked beforehand (`check_inputs`, or `check_tensor_parallel`)."""
+    check_precision(framework, dtype, quant, names)
+    if quant != "none" and tensor_parallel > 1:  # the ranks shard float Linear layers; a packed one has no plan
+        quant_shown = names.show("quant", quant if not names.api else repr(quant))
+        raise UserError(
+            f"{quant_shown} runs on one device: give it without {names.show('tensor_parallel', str(tensor_parallel))}"
+        )
     prepare_tensor_parallel(tensor_parallel, device, [framework])  # before the port's import starts JAX
     port = load_port(framework)
     check_device(port, device, names.show("device", device if not names.api else repr(device)))
     check_parallel_devices(framework, device, tensor_parallel, names.show("tensor_parallel", str(tensor_parallel)))
-    model = port.load_model(config, tensors, dtype, device, tensor_parallel=tensor_parallel)
-    return LoadedModel(port, model, config, framework, dtype, device, tensor_parallel=tensor_parallel)
+    model = port.load_model(config, tensors, dtype, device, quant=quant, tensor_parallel=tensor_parallel)
+    return LoadedModel(port, model, config, framework, dtype, device, quant=quant, tensor_parallel=tensor_parallel)
 
 
 def check_inputs(
@@ -182,6 +203,7 @@ def check_inputs(
     allocate. The prompts as one batch [B, P], left-padded with PAD (every row's last prompt
     token in the same column)."""
     modes = [check_choice("mode", inputs.mode, MODES, names)] if modes is None else list(modes)
+    check_precision(inputs.framework, inputs.dtype, inputs.quant, names)
     generation = inputs.generation
     rows = check_prompts(prompts, config, generation.max_new_tokens, names)
     check_generation(generation, config.vocab_size, names)

@@ -23,9 +23,10 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvports.shared.config import DTYPES, ModelConfig
+from kvports.shared.config import STORED_DTYPES, ModelConfig, host_dtype
 from kvports.shared.errors import UserError, echo, echo_path
 from kvports.shared.files import write_atomic
+from kvports.shared.quant import q4_names
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64", "F16": "float16", "BF16": "bfloat16"}
 DEFAULT_WEIGHTS = Path(__file__).parent / "data" / "seed_model.safetensors"
@@ -191,8 +192,8 @@ def check_entries(entries: Mapping[str, tuple[str, tuple[int, ...]]], config: Mo
         if name not in entries:
             raise UserError(f"weights {source}: missing tensor {name!r} (expected shape {list(shape)})")
         dtype, found = entries[name]
-        if SAFETENSORS_DTYPES.get(dtype, dtype) not in DTYPES:
-            raise UserError(f"tensor {name!r} has dtype {dtype}; supported: {', '.join(DTYPES)}")
+        if SAFETENSORS_DTYPES.get(dtype, dtype) not in STORED_DTYPES:
+            raise UserError(f"tensor {name!r} has dtype {dtype}; supported: {', '.join(STORED_DTYPES)}")
         if found != shape:
             raise UserError(
                 f"weights {source}: tensor {name!r} has shape {list(found)}, the config needs {list(shape)}"
@@ -222,6 +223,7 @@ def check_finite(name: str, array: np.ndarray, source: str) -> None:
 def cast_checked(name: str, array: np.ndarray, dtype: str, source: str) -> np.ndarray:
     """The array at `dtype`, refused if a finite value overflows there: float64 weights past
     float32's range would be inf in a float32 run, and every logit NaN."""
+    dtype = host_dtype(dtype)
     if array.dtype == np.dtype(dtype):
         return array
     with np.errstate(over="ignore"):  # the overflow is the finding, not a warning
@@ -268,9 +270,13 @@ class WeightsFile(Closing):
             self.file.close()
             raise
 
-    def read(self, dtype: str | None = None) -> dict[str, np.ndarray]:
-        """Every tensor, in state_dict order, finite, at `dtype` (None: the file's own)."""
+    def read(self, dtype: str | None = None, quant: str = "none") -> dict[str, np.ndarray]:
+        """Every tensor, in state_dict order, finite, at `dtype` (None: the file's own); quant as
+        GGUFWeights.read's (nothing here is stored in 4 bits)."""
         return read_checked(self.config, self.dtype if dtype is None else dtype, self.file.read, self.source)
+
+    def has_q4(self) -> bool:
+        return False
 
     def close(self) -> None:
         self.file.close()
@@ -290,9 +296,20 @@ class GGUFWeights(Closing):
         self.config = self.file.config
         self.dtype = "float32"
 
-    def read(self, dtype: str | None = None) -> dict[str, np.ndarray]:
-        """Every tensor, in state_dict order, finite, at `dtype` (None: float32)."""
-        return read_checked(self.config, self.dtype if dtype is None else dtype, self.file.read, self.source)
+    def read(self, dtype: str | None = None, quant: str = "none") -> dict[str, np.ndarray]:
+        """Every tensor, in state_dict order, finite, at `dtype` (None: float32); quant "q4": beside each
+        matrix stored in Q4_0/Q4_1, its own 4-bit blocks (`shared.quant.q4_names`)."""
+        tensors = read_checked(self.config, self.dtype if dtype is None else dtype, self.file.read, self.source)
+        if quant == "q4":
+            for name in self.file.plan:
+                blocks = self.file.q4_blocks(name)
+                if blocks is not None:
+                    tensors.update(zip(q4_names(name), blocks, strict=True))
+        return tensors
+
+    def has_q4(self) -> bool:
+        """Whether any of the model's matrices is stored in 4-bit blocks."""
+        return any(tensor.tensor_type.name in ("Q4_0", "Q4_1") for tensor in self.file.tensors.values())
 
     def close(self) -> None:
         self.file.close()

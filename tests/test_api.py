@@ -179,7 +179,11 @@ LOAD_CASES = {
         dict(framework="tensorflow"),
         "framework='tensorflow' is not one of torch, jax, numpy",
     ),
-    "dtype": (["--dtype", "float16"], dict(dtype="float16"), "dtype='float16' is not one of float32, float64"),
+    "dtype": (
+        ["--dtype", "float16"],
+        dict(dtype="float16"),
+        "dtype='float16' is not one of float32, float64, bfloat16",
+    ),
     "device": (["--device", "tpu"], dict(device="tpu"), "device='tpu' is not one of cpu, gpu"),
     "missing_weights": (
         ["--weights", "/no/such/model.safetensors"],

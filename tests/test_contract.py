@@ -104,7 +104,9 @@ def test_a_call_a_caller_could_not_make_is_reported(signature, problem):
 
 def test_a_different_default_is_reported():
     port = conforming_port()
-    port.load_model = with_signature("(config, tensors, dtype='float64', device='cpu', *, tensor_parallel=1)")
+    port.load_model = with_signature(
+        "(config, tensors, dtype='float64', device='cpu', *, quant='none', tensor_parallel=1)"
+    )
     assert contract.mismatches(port, contract.Port) == [
         "fake.load_model: dtype must default to 'float32' (found 'float64')"
     ]

@@ -160,7 +160,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight  # [B, T, D]
+        h = x.to(torch.promote_types(x.dtype, torch.float32))  # [B, T, D]: bfloat16 accumulates in float32
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight  # [B, T, D]
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -264,8 +265,9 @@ class TinyModel(nn.Module):
         if cache is not None:
             cache = cache.advance(positions)
         x = self.ln(x)  # [B, T, D]
-        head_weight = self.emb.weight if config.tie_embeddings else self.head.weight  # [V, D]
-        return linear(x, head_weight), cache  # [B, T, V]
+        if hasattr(self, "head"):  # a tied model has one only when quantized (quant.py): the lookup stays float
+            return self.head(x), cache  # [B, T, V]
+        return linear(x, self.emb.weight), cache  # [B, T, V]: the tied head
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -14,11 +14,13 @@ import torch
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, RowSampling, as_generation
+from kvports.shared.quant import float_tensors
 from kvports.torch_impl import onednn, speculative
 from kvports.torch_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
+from kvports.torch_impl.quant import quantize_model
 
 NAME = "torch"
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def versions() -> dict[str, str]:
@@ -44,12 +46,18 @@ def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     return device if device.type != "cpu" else contextlib.nullcontext()
 
 
+def as_host(logits: torch.Tensor) -> np.ndarray:
+    """Logits as NumPy: bfloat16's as float32 (NumPy has no bfloat16), float64's as they are."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)).cpu().numpy()
+
+
 def load_model(
     config: ModelConfig,
     tensors: dict[str, np.ndarray],
     dtype: str = "float32",
     device: str = "cpu",
     *,
+    quant: str = "none",
     tensor_parallel: int = 1,
 ) -> TinyModel:
     if tensor_parallel > 1:
@@ -61,8 +69,10 @@ def load_model(
         model = TinyModel(config)  # no random init: every tensor comes from the file
     # Copied into torch's own allocations: the file's arrays sit at arbitrary offsets, and MKL's
     # small matrix products run about twice as slow on memory not aligned to 64 bytes.
-    state = {name: torch.tensor(array) for name, array in tensors.items()}
+    state = {name: torch.tensor(array) for name, array in float_tensors(tensors).items()}
     model.load_state_dict(state, strict=True, assign=True)
+    if quant != "none":
+        model = quantize_model(model, tensors, quant)  # the Linear layers swapped: float32 activations
     return model.to(device=resolve_device(device), dtype=TORCH_DTYPES[dtype]).eval()
 
 
@@ -88,7 +98,8 @@ def generate(
             tokens, logits = generate_cached(model, prompt, as_generation(generation), return_logits, prefill, to_host)
         else:
             tokens, logits = generate_naive(model, prompt, as_generation(generation), return_logits, to_host)
-    return tokens.cpu().numpy(), None if logits is None else logits.cpu().numpy()  # [B, P + N], [B, steps, V]
+    # [B, P + N], [B, steps, V]: bfloat16 logits as float32 (NumPy has no bfloat16)
+    return tokens.cpu().numpy(), None if logits is None else as_host(logits)
 
 
 def generate_speculative(
@@ -129,7 +140,7 @@ def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[i
             logits, cache = prefill(model, tokens[:, start : start + size], cache)  # [B, size, V]
             pieces.append(logits)
             start += size
-    return torch.cat(pieces, dim=1).cpu().numpy()  # [B, T, V]
+    return as_host(torch.cat(pieces, dim=1))  # [B, T, V]: bfloat16 as float32
 
 
 def synchronize(model: TinyModel) -> None:

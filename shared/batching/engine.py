@@ -16,7 +16,7 @@ import numpy as np
 from kvports.shared.batching.blocks import BlockManager, blocks_for
 from kvports.shared.batching.requests import Request
 from kvports.shared.batching.scheduler import Scheduler, Sequence, Step
-from kvports.shared.config import MAX_SIZE, ModelConfig
+from kvports.shared.config import MAX_SIZE, ModelConfig, host_dtype
 from kvports.shared.contract import Port
 from kvports.shared.errors import NonFiniteLogits, UserError, echo
 from kvports.shared.generation import PAD
@@ -74,7 +74,7 @@ def run_bytes(config: ModelConfig, dtype: str, settings: BatchSettings) -> dict[
     """What a batch run cannot do without (shared.limits' rule: a floor, not a ceiling): the weights
     twice, the block pool, each row's blocks gathered for one layer, and the widest step's logits
     and attention scores (a prefill step's [B, T] up to the budget, or one prompt that exceeds it)."""
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = np.dtype(host_dtype(dtype)).itemsize
     longest = settings.longest(config)
     slots = settings.pool_blocks(config) * settings.block_size
     gathered = settings.max_batch * blocks_for(longest, settings.block_size) * settings.block_size

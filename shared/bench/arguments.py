@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvports.shared.arguments import (
     add_model_argument,
+    add_quant_argument,
     add_speculative_arguments,
     add_tensor_parallel_argument,
     add_threads_argument,
@@ -68,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--warmup", type=integer, default=1, help="untimed runs before timing (default 1)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
+    add_quant_argument(parser)
     add_device_argument(parser)
     add_tensor_parallel_argument(parser, several=True)
     parser.add_argument(

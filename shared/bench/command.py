@@ -28,6 +28,7 @@ from kvports.shared.checks import (
     check_draft,
     check_needed,
     check_ngram,
+    check_precision,
     check_tensor_parallel,
 )
 from kvports.shared.config import ModelConfig
@@ -95,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
         for tensor_parallel in args.tensor_parallel:
             check_tensor_parallel(tensor_parallel, "jax", [("the model", config)])
 
-    preset, config, tensors = load_bench_model(args.preset, args.weights, args.dtype, check)
+    for framework in frameworks:  # a port without --dtype or --quant's precision refuses it, as generate does
+        if framework in ports.PORTS:
+            check_precision(framework, args.dtype, args.quant)
+    preset, config, tensors = load_bench_model(args.preset, args.weights, args.dtype, check, args.quant)
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens)  # [B, P]
     draft_weights = None
     if "speculative" in modes:
@@ -118,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "dtype": args.dtype,
+        "quant": args.quant,
         "device": args.device,
         "tensor_parallel": list(args.tensor_parallel),
         "repeats": args.repeats,

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvports.shared.checks import SEED_PROMPT, check_prompts
-from kvports.shared.config import ModelConfig
+from kvports.shared.checks import SEED_PROMPT, check_prompts, check_q4_file
+from kvports.shared.config import ModelConfig, host_dtype
+from kvports.shared.errors import UserError
 from kvports.shared.generation import pad_prompts
 from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, open_weights
 
@@ -29,18 +30,21 @@ PRESETS: dict[str, ModelConfig | None] = {
 
 
 def load_bench_model(
-    preset: str, weights: Path | None, dtype: str, check: Callable[[ModelConfig], None]
+    preset: str, weights: Path | None, dtype: str, check: Callable[[ModelConfig], None], quant: str = "none"
 ) -> tuple[str, ModelConfig, dict[str, np.ndarray]]:
     """(the name the results go by, config, tensors at `dtype`) for a weights file or a preset;
-    check(config) runs before any tensor is read or drawn."""
+    check(config) runs before any tensor is read or drawn. quant "q4": a GGUF file's 4-bit blocks too."""
     config = PRESETS[preset]
     if weights is not None or config is None:
         with open_weights(weights if weights is not None else DEFAULT_WEIGHTS) as file:
             check(file.config)
+            check_q4_file(quant, file.has_q4(), file.source)
             name = weights.name if weights is not None else preset
-            return name, file.config, file.read(dtype)
+            return name, file.config, file.read(dtype, quant)
     check(config)
-    tensors = {name: array.astype(dtype, copy=False) for name, array in gpt2_init_weights(config).items()}
+    if quant == "q4":
+        raise UserError(f"--quant q4 needs a GGUF file with Q4_0 or Q4_1 matrices; preset {preset} has none")
+    tensors = {name: array.astype(host_dtype(dtype), copy=False) for name, array in gpt2_init_weights(config).items()}
     return preset, config, tensors
 
 

@@ -21,7 +21,7 @@ from kvports.shared.bench.measure import (
     peer_threads,
 )
 from kvports.shared.bench.runners import Runner, import_runner, note
-from kvports.shared.config import ModelConfig, kv_cache_bytes
+from kvports.shared.config import ModelConfig, host_dtype, kv_cache_bytes
 from kvports.shared.run import Draft
 from kvports.shared.threads import settle_threads
 
@@ -94,7 +94,7 @@ def run_rows(
     draft_weights: the speculative rows' draft (None: prompt lookup); no_device: runners (by
     label) that cannot reach --device, and why; on_runner_done(rows so far) after each runner."""
     no_device = no_device or {}
-    itemsize = np.dtype(args.dtype).itemsize
+    itemsize = np.dtype(host_dtype(args.dtype)).itemsize
     B, P = prompts.shape
     N = args.new_tokens
     calls_per_mode = 2 * args.warmup + args.repeats + len(sweep)
@@ -130,6 +130,8 @@ def run_rows(
         model = None
         # A peer is handed the weights file (llama.cpp runs the GGUF itself) and the bench's thread count.
         options = {"source": args.weights, "threads": peer_threads(), **dict(runner.options)} if runner.peer else {}
+        if args.quant != "none" and not runner.peer:
+            options["quant"] = args.quant  # a baseline without it fails to load: a row that says why
         if module is not None:
             try:
                 if tensor_parallel > 1:

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvports.shared import run
 from kvports.shared.arguments import (
+    add_quant_argument,
     add_tensor_parallel_argument,
     add_threads_argument,
     add_weights_arguments,
@@ -54,6 +55,7 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
         "--new-tokens", type=positive_int, default=100, metavar="N", help="tokens to generate (default 100)"
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
+    add_quant_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     add_tensor_parallel_argument(parser)
     add_threads_argument(parser)
@@ -179,11 +181,12 @@ def read_checked(
             threads=args.threads,
             logprobs=getattr(args, "logprobs", 0),
         )
+        inputs = dataclasses.replace(inputs, quant=args.quant)
         inputs, rows = run.with_samples(inputs, prompt_rows(args, tokenizer), getattr(args, "num_samples", 1))
         check_default_prompt(args, config)
         return inputs, tokenizer, run.check_inputs(inputs, config, rows, modes=modes, draft=draft)
 
-    config, tensors, checked = run.read_model(args.weights, args.dtype, check)
+    config, tensors, checked = run.read_model(args.weights, args.dtype, check, args.quant)
     assert checked is not None
     inputs, tokenizer, prompts = checked
     return CommandInputs(inputs, config, tensors, prompts, tokenizer, None)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvports.shared.arguments import (
+    add_quant_argument,
     add_tensor_parallel_argument,
     add_threads_argument,
     add_weights_arguments,
@@ -36,7 +37,7 @@ from kvports.shared.batching.requests import BadLine, Chat, Request, parse_reque
 from kvports.shared.batching.scheduler import Sequence
 from kvports.shared.bench.batching import WORKLOADS, BatchingBench, choices, run_bench
 from kvports.shared.bench.presets import PRESETS
-from kvports.shared.checks import check_tensor_parallel
+from kvports.shared.checks import check_precision, check_q4_file, check_tensor_parallel
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.devices import add_device_argument, prepare_tensor_parallel
 from kvports.shared.errors import UserError, echo_path
@@ -66,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--framework", choices=PORTS, default=REFERENCE, help=f"default {REFERENCE}")
     add_weights_arguments(parser)
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
+    add_quant_argument(parser)
     add_device_argument(parser)
     add_tensor_parallel_argument(parser)
     parser.add_argument(
@@ -136,10 +138,13 @@ def run(args: argparse.Namespace) -> int:
     if args.bench:
         if args.requests is not None:
             raise UserError("give --requests FILE or --bench (it makes its own requests), not both")
+        if args.quant != "none":
+            raise UserError(f"--bench times float weights; --quant {args.quant} is for --requests FILE")
         return run_bench(bench_inputs(args))
     if args.requests is None:
         raise UserError("give --requests FILE.jsonl (or --bench)")
     check_threads(args.threads)
+    check_precision(args.framework, args.dtype, args.quant)
     with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
         config = weights.config.validate_at(args.dtype)
         # The flags, before the file: they decide what fits. The default pool is sized below, for the
@@ -160,14 +165,23 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"no request to run in {echo_path(args.requests)}")
         settings = settings_of(args, max(request.max_length for request in requests)).validate(config)
         check_bytes(run_bytes(config, args.dtype, settings), f"a batch of {len(requests)} requests in {args.dtype}")
-        tensors = weights.read(args.dtype)
+        check_q4_file(args.quant, weights.has_q4(), weights.source)
+        tensors = weights.read(args.dtype, args.quant)
     use_threads(args.threads)
-    loaded = load_model(args.framework, config, tensors, args.dtype, args.device, tensor_parallel=args.tensor_parallel)
+    loaded = load_model(
+        args.framework,
+        config,
+        tensors,
+        args.dtype,
+        args.device,
+        quant=args.quant,
+        tensor_parallel=args.tensor_parallel,
+    )
     summary = run_requests(loaded.port, loaded.model, config, settings, requests, tokenizer, dtype=args.dtype)
     summary.update(
         framework=args.framework, dtype=args.dtype, device=args.device, threads=args.threads, bad_lines=len(bad)
     )
-    summary.update(tensor_parallel=args.tensor_parallel)
+    summary.update(tensor_parallel=args.tensor_parallel, quant=args.quant)
     print(json.dumps({"summary": summary}), flush=True)
     return EXIT_BAD_LINES if bad else 0
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvports.shared import ports
 from kvports.shared.arguments import add_speculative_arguments, positive_int
-from kvports.shared.checks import MODES
+from kvports.shared.checks import MODES, missing_precision
 from kvports.shared.commands.arguments import (
     add_generation_arguments,
     add_input_arguments,
@@ -44,6 +44,7 @@ from kvports.shared.families import describe
 from kvports.shared.generation import PAD, GenerationConfig, row_tokens
 from kvports.shared.limits import check_count
 from kvports.shared.progress import make_progress
+from kvports.shared.quant import float_tensors
 from kvports.shared.run import LoadedModel, RunInputs, draft_model, run_port, speculative_summary, timed
 from kvports.shared.terminal import console_for
 from kvports.shared.threads import describe_threads, settle_threads, use_threads
@@ -151,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
     usable, reasons = usable_ports(args.device)
     settle_threads()  # the ports are imported now: torch's pools exist
     usable = {name: port for name, port in usable.items() if name in frameworks}
+    for name in usable:  # a port without the run's precision gets rows that say so
+        missing = missing_precision(name, args.dtype, args.quant)
+        if usable[name] is not None and missing is not None:
+            usable[name], reasons[name] = None, f"no {missing}"
     if not any(usable.values()):
         unusable = "; ".join(f"{name}: {reasons[name]}" for name in frameworks)
         raise UserError(f"--frameworks {echo(args.frameworks)} names no framework that can run here ({unusable})")
@@ -183,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
                             tensors,
                             args.dtype,
                             placement(name, args.device),
+                            quant=args.quant,
                             tensor_parallel=args.tensor_parallel,
                         ),
                         config,
@@ -223,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
             difference = logit_difference(ref_logits, logits, comparable_steps(ref_tokens, tokens, P), False)
         row["logits"] = None if difference is None else difference.as_dict()
         row.update(speedups(rows, row))
+    if args.dtype == "bfloat16" or args.quant != "none":
+        compare_float32(rows, results, usable[reference], config, tensors, prompts, given.inputs, args.device)
     ok = all(row["explained"] for row in rows if row["available"])
     if args.json:
         print(
@@ -234,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
                     "threads": given.inputs.threads,
                     "family": config.family,
                     "dtype": args.dtype,
+                    "quant": args.quant,
                     "device": args.device,
                     "generation": dataclasses.asdict(generation),
                     "prompt": row_tokens(prompts),
@@ -311,13 +320,58 @@ def measure(
     }
 
 
+def compare_float32(
+    rows: list[dict[str, Any]],
+    results: dict[tuple[str, str], tuple[np.ndarray, np.ndarray | None]],
+    reference: Port | None,
+    config: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    prompts: np.ndarray,
+    inputs: RunInputs,
+    device: str,
+) -> None:
+    """What the run's bfloat16 or quantization costs: each row against the reference's float32 path on
+    the same weights (a GGUF's dequantized ones), as `vs_float32`: the largest |logit difference| up to
+    the first divergence, and that step (None: every token agrees). Reported, never a failure."""
+    assert reference is not None
+    model = reference.load_model(config, float_tensors(tensors), "float32", placement(reference.NAME, device))
+    tokens32, logits32 = reference.generate(model, prompts, inputs.generation, "naive", True)
+    assert logits32 is not None
+    P = prompts.shape[1]
+    for row in rows:
+        tokens, logits = results.get((row["framework"], row["mode"]), (None, None))
+        if not row["available"] or tokens is None or logits is None:
+            continue
+        agreement = compare_tokens(tokens32, tokens, P, logits32, inputs.generation)
+        difference = logit_difference(logits32, logits, comparable_steps(tokens32, tokens, P), False)
+        row["vs_float32"] = {
+            "max_abs_diff": None if difference is None else difference.max_abs_diff,
+            "first_divergent_step": agreement.first_divergent_step,
+            "reference_margin": agreement.reference_margin,
+        }
+
+
+def vs_float32_cell(row: dict[str, Any]) -> str:
+    figures = row.get("vs_float32")
+    if figures is None:
+        return "-"
+    step = figures["first_divergent_step"]
+    return f"{fmt_difference(figures['max_abs_diff'] or 0)}, " + ("agree" if step is None else f"@ {step}")
+
+
 def fmt_difference(value: float) -> str:
     return "0" if value == 0 else f"{value:.1e}"
 
 
 def tokens_cell(row: dict[str, Any], reference: str) -> str:
     if not row["available"]:
-        return "not installed" if row["reason"] == "not installed" else "no GPU"
+        return (
+            "not installed"
+            if row["reason"] == "not installed"
+            else row["reason"]
+            if row["reason"][:3] == "no "
+            else "no GPU"
+        )
     if f"{row['framework']} {row['mode']}" == reference:
         return "reference"
     if row["agree"]:
@@ -340,8 +394,9 @@ def print_table(
     speculative = any(row["mode"] == "speculative" and row["available"] for row in rows)
     table = Table(
         title=f"kvports compare: {describe(config)}, {describe_prompts(prompts)}, "
-        f"{args.new_tokens} new tokens, {describe_generation(generation)}, {args.dtype}, {where}, "
-        f"{describe_threads(args.threads)}; reference: {reference}"
+        f"{args.new_tokens} new tokens, {describe_generation(generation)}, {args.dtype}"
+        + ("" if args.quant == "none" else f" {args.quant}")
+        + f", {where}, {describe_threads(args.threads)}; reference: {reference}"
         + (", teacher-forced" if args.teacher_forced else ""),
         box=box.SIMPLE_HEAD,
         show_edge=False,
@@ -358,10 +413,13 @@ def print_table(
         *[("vs\ncached", "right"), ("draft\nkept", "right")] * speculative,
     ):
         table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    reduced = args.dtype == "bfloat16" or args.quant != "none"
+    if reduced:
+        table.add_column("vs float32\nmax |diff|, tokens", justify="right", no_wrap=True)
     for row in rows:
         cells = [row["framework"], row["mode"], tokens_cell(row, reference)]
         if not row["available"]:
-            table.add_row(*cells, *["-"] * (5 + 2 * speculative))
+            table.add_row(*cells, *["-"] * (5 + 2 * speculative + reduced))
             continue
         logits = row["logits"]
         cells += (
@@ -380,7 +438,7 @@ def print_table(
                 "-" if row["speculative_speedup"] is None else f"{row['speculative_speedup']:.2f}x",
                 "-" if counts is None else f"{counts['acceptance_rate']:.0%}",
             ]
-        table.add_row(*cells)
+        table.add_row(*cells, *([vs_float32_cell(row)] if reduced else []))
     console = console_for(table)
     console.print(table)
     for line in footnotes(rows, args):

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from kvports.shared.arguments import output_file
-from kvports.shared.config import DTYPES
+from kvports.shared.config import STORED_DTYPES
 from kvports.shared.errors import UserError, echo_path
 from kvports.shared.families import describe
 from kvports.shared.files import check_output_file, check_output_folder
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=DTYPES,
+        choices=STORED_DTYPES,
         default=None,
         help="cast to this dtype (needed for bf16/fp16 checkpoints; default: keep float32/float64)",
     )

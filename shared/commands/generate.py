@@ -94,7 +94,13 @@ def run(args: argparse.Namespace) -> int:
     warn_unused(args, args.mode == "speculative")
     use_threads(given.inputs.threads)
     loaded = load_model(
-        args.framework, given.config, given.tensors, args.dtype, args.device, tensor_parallel=args.tensor_parallel
+        args.framework,
+        given.config,
+        given.tensors,
+        args.dtype,
+        args.device,
+        quant=args.quant,
+        tensor_parallel=args.tensor_parallel,
     )
     if given.draft is not None:
         loaded.add_draft(args.draft, *given.draft)
@@ -113,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             "framework": args.framework,
             "mode": args.mode,
             "dtype": args.dtype,
+            "quant": args.quant,
             "device": args.device,
             "threads": given.inputs.threads,
             "family": given.config.family,

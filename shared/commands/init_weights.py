@@ -10,7 +10,7 @@ import numpy as np
 
 from kvports.shared import ports
 from kvports.shared.arguments import output_file, positive_int, seed
-from kvports.shared.config import DTYPES, ModelConfig
+from kvports.shared.config import STORED_DTYPES, ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.files import check_output_file
 from kvports.shared.limits import check_bytes
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ModelConfig()
     for name in SIZES:
         parser.add_argument("--" + name.replace("_", "-"), type=positive_int, default=getattr(defaults, name))
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--dtype", choices=STORED_DTYPES, default="float32")
     parser.add_argument(
         "--init",
         choices=INITS,

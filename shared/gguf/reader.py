@@ -336,6 +336,35 @@ class GGUFFile:
             array = unpermute(array, self.config.n_heads if ".attn_q." in name else self.config.kv_heads)
         return array
 
+    def q4_blocks(self, ours: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Our matrix `ours` as the file's own 4-bit blocks, where every GGUF tensor it stacks is Q4_0 or
+        Q4_1: codes [out, in] uint8 in [0, 15], scales and mins [out, in / 32] float32, the weight being
+        scale * code + min in each block of 32 (Q4_0: min = -8 scale, exact in float32). None otherwise."""
+        from gguf import GGMLQuantizationType
+
+        kinds = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}  # header bytes before the nibbles
+        if any(self.tensors[name].tensor_type not in kinds for name in self.plan[ours]):
+            return None
+        parts = []
+        for name in self.plan[ours]:
+            tensor = self.tensors[name]
+            rows, width = (int(n) for n in reversed(tensor.shape.tolist()))
+            header = kinds[tensor.tensor_type]
+            blocks = np.asarray(tensor.data).reshape(rows, width // 32, header + 16)  # [out, in / 32, bytes]
+            scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, in / 32]
+            if header == 4:
+                mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, in / 32]
+            else:
+                mins = -8 * scales  # [out, in / 32]
+            nibbles = blocks[..., header:]  # [out, in / 32, 16]: weight j in the low nibble, j + 16 in the high
+            codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, width)  # [out, in]
+            if ".attn_q." in name or ".attn_k." in name:
+                heads = self.config.n_heads if ".attn_q." in name else self.config.kv_heads
+                codes, scales, mins = (unpermute(array, heads) for array in (codes, scales, mins))
+            parts.append((codes, scales, mins))
+        codes, scales, mins = (np.ascontiguousarray(np.concatenate(arrays)) for arrays in zip(*parts, strict=True))
+        return codes, scales, mins
+
     def read(self, ours: str) -> np.ndarray:
         """Our tensor `ours` (a name of shared.weights.iter_expected's) at float32."""
         parts = [self.dequantized(name) for name in self.plan[ours]]
