@@ -33,7 +33,9 @@ def threads(result: dict[str, Any]) -> int:
 
 
 def engine(row: dict[str, Any]) -> str:
-    return row["framework"] if row["variant"] is None else f"{row['framework']} ({row['variant']})"
+    """The framework, with its variant where the weights column does not already say it (torch.compile)."""
+    plain = row["variant"] is None or row["variant"] == row["weights"]
+    return row["framework"] if plain else f"{row['framework']} ({row['variant']})"
 
 
 def lines(results: list[dict[str, Any]]) -> list[tuple[str, str, dict[int, dict[str, Any]]]]:
@@ -85,11 +87,16 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     height = 0.8 / len(counts)
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(table) + 1.6))
     colors = ("#0072B2", "#D55E00", "#009E73", "#CC79A7")
+    loads = {threads(result): result["machine"]["load_average"] for result in results}
     for index, n in enumerate(counts):
         values = [by_threads.get(n, {}).get("decode_ms_per_token") for _, _, by_threads in table]
         positions = [line + index * height for line in range(len(table))]
         bars = ax.barh(
-            positions, [v or 0 for v in values], height, color=colors[index % len(colors)], label=f"{n} thread(s)"
+            positions,
+            [v or 0 for v in values],
+            height,
+            color=colors[index % len(colors)],
+            label=f"{n} thread(s), load average {loads[n][0]} / {loads[n][1]} before / after",
         )
         ax.bar_label(bars, labels=[figure(v, ".1f") for v in values], padding=2, fontsize=7)
     ax.set_yticks([line + height * (len(counts) - 1) / 2 for line in range(len(table))])
