@@ -19,7 +19,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, kvports importable or not
 
-RUNS = [ROOT / "docs" / "data" / f"peers_smollm2_t{threads}.json" for threads in (1, 2)]
+# The committed runs, one per thread count (those that exist: a run at another count adds columns).
+RUNS = sorted((ROOT / "docs" / "data").glob("peers_smollm2_t*.json"))
 FIGURE = ROOT / "docs" / "img" / "peers_smollm2.png"
 
 
@@ -60,13 +61,22 @@ def markdown(results: list[dict[str, Any]]) -> str:
     header = (
         ["engine", "weights"]
         + [f"decode ms/token, {t}" for t in per_thread]
+        + [f"x llama.cpp F32, {t}" for t in per_thread]
         + [f"prefill ms, {t}" for t in per_thread]
         + [f"agree with {reference}, {t}" for t in per_thread]
     )
     out = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
-    for name, weights, by_threads in lines(results):
+    table = lines(results)
+    # The float32 floor each row is held to: llama.cpp on the F32 file written from the same weights.
+    floor = next((by_threads for name, weights, by_threads in table if (name, weights) == ("llama.cpp", "F32")), {})
+    for name, weights, by_threads in table:
+        decode = {n: by_threads.get(n, {}).get("decode_ms_per_token") for n in counts}
         cells = [name, weights]
-        cells += [figure(by_threads.get(n, {}).get("decode_ms_per_token"), ".1f") for n in counts]
+        cells += [figure(decode[n], ".1f") for n in counts]
+        cells += [
+            "-" if decode[n] is None or n not in floor else f"{decode[n] / floor[n]['decode_ms_per_token']:.2f}x"
+            for n in counts
+        ]
         cells += [figure(by_threads.get(n, {}).get("ttft_ms"), ".0f") for n in counts]
         cells += ["-" if n not in by_threads else f"{by_threads[n]['agree_steps']}/{new_tokens}" for n in counts]
         out.append("| " + " | ".join(cells) + " |")
@@ -85,7 +95,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     counts = sorted({threads(result) for result in results})
     table = lines(results)
     height = 0.8 / len(counts)
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(table) + 1.6))
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(table) + 2.2))
     colors = ("#0072B2", "#D55E00", "#009E73", "#CC79A7")
     loads = {threads(result): result["machine"]["load_average"] for result in results}
     for index, n in enumerate(counts):
@@ -109,7 +119,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         f"{settings['new_tokens']} new tokens",
         fontsize=9,
     )
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=8)  # below the axis, off the bars
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
