@@ -8,8 +8,6 @@ every port runs, at the precision of a float32 engine.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,7 @@ import numpy as np
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError, echo_path
-from kvports.shared.files import os_errors_as_user_errors, terminated_as_exit, usual_mode
+from kvports.shared.files import os_errors_as_user_errors, temp_beside
 from kvports.shared.gguf.reader import gguf_plan, gguf_shapes, open_reader
 
 OUT_TYPES = ("f32", "f16")
@@ -75,27 +73,18 @@ def write_gguf(
         raise UserError(f"GGUF out type {out_type!r} is not one of {', '.join(OUT_TYPES)}")
     reader = open_reader(Path(source))
     matrix_dtype = np.float16 if out_type == "f16" else np.float32
-    with terminated_as_exit(), os_errors_as_user_errors(path):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            writer = GGUFWriter(tmp, "llama")
-            copy_metadata(writer, reader)
-            writer.add_file_type(LlamaFileType.MOSTLY_F16 if out_type == "f16" else LlamaFileType.ALL_F32)
-            for name, array in gguf_tensors(config, tensors):
-                dtype = np.float32 if array.ndim == 1 else matrix_dtype
-                kind = GGMLQuantizationType.F32 if dtype == np.float32 else GGMLQuantizationType.F16
-                writer.add_tensor(name, np.ascontiguousarray(array, dtype=dtype), raw_dtype=kind)
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
-            writer.close()
-            usual_mode(tmp, 0o666)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+    with temp_beside(path) as tmp:
+        writer = GGUFWriter(tmp, "llama")
+        copy_metadata(writer, reader)
+        writer.add_file_type(LlamaFileType.MOSTLY_F16 if out_type == "f16" else LlamaFileType.ALL_F32)
+        for name, array in gguf_tensors(config, tensors):
+            dtype = np.float32 if array.ndim == 1 else matrix_dtype
+            kind = GGMLQuantizationType.F32 if dtype == np.float32 else GGMLQuantizationType.F16
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=dtype), raw_dtype=kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
     return path
 
 
