@@ -57,6 +57,11 @@ class CTranslate2Model:
     generator: Any  # ctranslate2.Generator
     compute_type: str
 
+    @property
+    def weights(self) -> str:
+        """The weight format the bench reports: the compute type the weights were loaded at."""
+        return self.compute_type
+
 
 def versions() -> dict[str, str]:
     return {"ctranslate2": ctranslate2.__version__}

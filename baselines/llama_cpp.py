@@ -1,5 +1,7 @@
-"""llama.cpp, through llama-cpp-python's low-level API, on the GGUF file itself: a peer the
-bench times beside the ports (`kvports bench --peers`), in the file's own quantization.
+"""llama.cpp, through llama-cpp-python's low-level API: a peer the bench times beside the ports
+(`kvports bench --peers`), on the GGUF file itself (in the file's own quantization) and on F16
+and F32 GGUF files kvports writes from the same weights every port runs (shared.gguf.writer,
+cached under $KVPORTS_HOME/gguf).
 
 The model is loaded through `llama_model_load_from_file` rather than `Llama()`: the wheel's
 native build crashes in its AMX weight-repacking path on some CPUs unless
@@ -11,6 +13,7 @@ is the argmax of the last logits (greedy, as every row), chosen here in NumPy.
 from __future__ import annotations
 
 import ctypes
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,8 @@ import numpy as np
 
 from kvports.numpy_impl import port as numpy_port
 from kvports.shared.config import ModelConfig
+from kvports.shared.gguf.reader import open_reader
+from kvports.shared.gguf.writer import cached_gguf
 
 NAME = "llama.cpp"
 MODES = ("cached",)
@@ -32,6 +37,7 @@ class LlamaCppModel:
     context: Any  # llama_context_p
     n_vocab: int
     n_ctx: int
+    weights: str  # the GGUF file's weight format: its matrices' most common type (Q4_1, F16, F32)
     log_callback: Any  # kept alive: llama.cpp calls it for as long as the library is loaded
 
 
@@ -51,13 +57,17 @@ def load_model(
     device: str = "cpu",
     source: Path | None = None,
     threads: int | None = None,
+    weights: str = "file",
 ) -> LlamaCppModel:
-    """The GGUF file `source` (the file `tensors` were read from) as llama.cpp loads it; `threads` for its
+    """The GGUF file `source` (the file `tensors` were read from) as llama.cpp loads it, or with weights
+    "f16" / "f32" the GGUF file kvports writes from `tensors` with source's metadata; `threads` for its
     decode and its prompt batch. dtype is the file's own: llama.cpp computes on its quantized blocks."""
     if source is None or Path(source).suffix.lower() != ".gguf":
         raise ValueError("llama.cpp runs a GGUF file: give --weights FILE.gguf or --model smollm2")
     if device != "cpu":
         raise ValueError("llama.cpp's row runs on the CPU here")
+    if weights != "file":
+        source = cached_gguf(Path(source), config, tensors, weights)
     llama_cpp.llama_log_set(_quiet, ctypes.c_void_p())
     llama_cpp.llama_backend_init()
     model_params = llama_cpp.llama_model_default_params()
@@ -79,7 +89,14 @@ def load_model(
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     if n_vocab != config.vocab_size:
         raise ValueError(f"llama.cpp reads a vocabulary of {n_vocab}, the bench's config {config.vocab_size}")
-    return LlamaCppModel(model, context, n_vocab, llama_cpp.llama_n_ctx(context), _quiet)
+    return LlamaCppModel(model, context, n_vocab, llama_cpp.llama_n_ctx(context), weight_format(Path(source)), _quiet)
+
+
+def weight_format(path: Path) -> str:
+    """The most common type among the file's matrices (its norms are F32 whatever the format)."""
+    reader = open_reader(path)
+    kinds = Counter(tensor.tensor_type.name for tensor in reader.tensors if len(tensor.shape) > 1)
+    return kinds.most_common(1)[0][0]
 
 
 def decode_next(model: LlamaCppModel, tokens: list[int]) -> int:

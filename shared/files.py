@@ -55,11 +55,19 @@ def write_synced(path: str | Path, payload: bytes, fd: int | None = None) -> Non
 def write_atomic(path: os.PathLike, payload: bytes) -> None:
     """A temp file in the target's folder, flushed to disk, then renamed over the target:
     readers see the old file or the new one, never a torn one."""
-    path = Path(path)
+    with temp_beside(Path(path)) as tmp:
+        write_synced(tmp, payload)
+
+
+@contextlib.contextmanager
+def temp_beside(path: Path) -> Iterator[str]:
+    """A temp file's name in the target's folder, for the block to write (a library's writer, say);
+    renamed over the target when the block ends, removed when it raises or is interrupted."""
     with terminated_as_exit(), os_errors_as_user_errors(path):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
         try:
-            write_synced(tmp, payload, fd)
+            yield tmp
             usual_mode(tmp, 0o666)
             os.replace(tmp, path)
         except BaseException:

@@ -425,3 +425,21 @@ def test_gpt2_small_preset_is_gpt2_small_as_published():
     assert (config.activation, config.tie_embeddings, config.family) == ("gelu_tanh", True, "gpt2")
     assert sum(array.size for array in gpt2_init_weights(config).values()) == 124_439_808  # GPT-2 small's count
     assert load_weights()[0] == ModelConfig()  # and the seed preset is the shipped seed model
+
+
+def test_chat_prompt_is_the_gguf_files_own_template_tokenized(capsys, tmp_path):
+    from kvports.shared.chat import chat_ids
+    from kvports.shared.gguf.tokenizer import gguf_tokenizer
+    from tests.helpers import write_gguf
+
+    path = write_gguf(tmp_path / "tiny.gguf", "F32")
+    argv = ["bench", "--weights", path, "--new-tokens", "2", "--repeats", "1", "--frameworks", "numpy"]
+    code, out, _ = run_cli(capsys, *argv, "--modes", "cached", "--chat", "hello there", "--json")
+    settings = json.loads(out)["settings"]
+    expected = chat_ids(path, [{"role": "user", "content": "hello there"}], gguf_tokenizer(path))
+    assert code == 0 and settings["prompt"] == expected and settings["prompt_len"] == len(expected)
+
+
+def test_chat_prompt_without_a_gguf_file_is_one_error_line(capsys):
+    code, out, err = run_cli(capsys, "bench", "--new-tokens", "2", "--chat", "hello")
+    assert "--chat renders a GGUF file's own chat template" in assert_one_error_line(code, out, err)

@@ -66,3 +66,10 @@ def test_documents_point_only_inside_the_repository(document):
     missing = [target for target in local if not (document.parent / target).resolve().is_relative_to(ROOT)]
     missing += [target for target in local if not (document.parent / target).exists()]
     assert missing == [] and "../shared/" not in text
+
+
+def test_bench_md_peers_table_is_the_committed_runs():
+    from tools import peers_report
+
+    table = peers_report.markdown(peers_report.read_runs(peers_report.RUNS))
+    assert table in (ROOT / "docs" / "BENCH.md").read_text(), "regenerate it: python tools/peers_report.py"

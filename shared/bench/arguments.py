@@ -61,8 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peers",
         action="store_true",
-        help="add rows for other engines: llama.cpp on the GGUF file itself, CTranslate2 float32 and int8 "
-        "(pip install 'kvports[peers]'), their tokens compared step by step with the float32 reference's",
+        help="add rows for other engines: llama.cpp on the GGUF file itself and on F16 and F32 files written from "
+        "the same weights, CTranslate2 float32 and int8 (pip install 'kvports[peers]'), their tokens compared step "
+        "by step with the float32 reference's",
+    )
+    parser.add_argument(
+        "--chat",
+        default=None,
+        metavar="TEXT",
+        help="a real prompt: TEXT as one user turn in the GGUF file's own chat template, tokenized by its own "
+        "tokenizer (instead of the seed's prompt repeated to --prompt-len)",
     )
     parser.add_argument(
         "--repeats", type=integer, default=3, help="timed runs per figure; figures are medians (default 3)"

@@ -16,7 +16,7 @@ from kvports.shared.bench.arguments import parse_choices, parse_sweep
 from kvports.shared.bench.measure import load_average, threads_info
 from kvports.shared.bench.output import print_result
 from kvports.shared.bench.plots import write_plots
-from kvports.shared.bench.presets import bench_prompts, load_bench_model
+from kvports.shared.bench.presets import bench_prompts, chat_prompt, load_bench_model
 from kvports.shared.bench.rows import run_rows
 from kvports.shared.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, PEER_RUNNERS, RUNNERS, Runner
 from kvports.shared.bench.targets import targets
@@ -99,8 +99,11 @@ def run(args: argparse.Namespace) -> int:
     for framework in frameworks:  # a port without --dtype or --quant's precision refuses it, as generate does
         if framework in ports.PORTS:
             check_precision(framework, args.dtype, args.quant)
+    chat = None if args.chat is None else chat_prompt(args.weights, args.chat)  # its length is the prompt's
+    if chat is not None:
+        args.prompt_len = len(chat)
     preset, config, tensors = load_bench_model(args.preset, args.weights, args.dtype, check, args.quant)
-    prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens)  # [B, P]
+    prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens, chat)  # [B, P]
     draft_weights = None
     if "speculative" in modes:
         draft = Draft(args.draft, args.draft_tokens, args.ngram)
@@ -132,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         "draft": None if draft_weights is None and args.draft != "ngram" else str(args.draft),
         "draft_tokens": args.draft_tokens if "speculative" in modes else None,
         "peers": args.peers,
+        "chat": args.chat,
     }
     plots: list[str] = []
 

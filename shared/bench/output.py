@@ -21,6 +21,7 @@ CSV_FIELDS = (
     "available",
     "device",
     "dtype",
+    "weights",
     "ttft_ms",
     "decode_ms_per_token",
     "decode_ms_p90",

@@ -48,7 +48,24 @@ def load_bench_model(
     return preset, config, tensors
 
 
-def bench_prompts(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> np.ndarray:
-    # The seed's prompt, repeated to length; ids past a small vocab wrap into it.
-    row = [int(token) % config.vocab_size for token in np.resize(np.asarray(SEED_PROMPT), prompt_len)]
+def chat_prompt(weights: Path | None, text: str) -> list[int]:
+    """--chat TEXT: one user turn in the GGUF file's own template, as its own tokenizer encodes it."""
+    from kvports.shared.chat import chat_ids
+    from kvports.shared.errors import UserError
+    from kvports.shared.gguf.tokenizer import gguf_tokenizer
+
+    if weights is None:
+        raise UserError("--chat renders a GGUF file's own chat template: give --model NAME or --weights FILE.gguf")
+    return chat_ids(weights, [{"role": "user", "content": text}], gguf_tokenizer(weights))
+
+
+def bench_prompts(
+    config: ModelConfig, batch: int, prompt_len: int, new_tokens: int, chat: list[int] | None = None
+) -> np.ndarray:
+    # The chat prompt's ids, else the seed's prompt repeated to length (ids past a small vocab wrap into it).
+    row = (
+        chat
+        if chat is not None
+        else [int(t) % config.vocab_size for t in np.resize(np.asarray(SEED_PROMPT), prompt_len)]
+    )
     return pad_prompts(check_prompts([row] * batch, config, new_tokens))[0]  # [B, P]

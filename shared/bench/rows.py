@@ -68,6 +68,7 @@ def unavailable_row(runner: Runner, mode: str, reason: str | None) -> dict[str, 
         "framework": runner.framework,
         "variant": runner.variant,
         "mode": mode,
+        "weights": None,
         "available": False,
         "reason": reason,
         **dict.fromkeys(MEASURES),
@@ -151,10 +152,14 @@ def run_rows(
             bandwidth[runner.library] = matvec_bandwidth(matvec[runner.library])
             bandwidth_device[runner.library] = device
         for mode in runner_modes:
+            # The weight format the row computes on: a peer's own (llama.cpp's file: Q4_1, say, which names its
+            # row), else the bench's dtype.
+            weights = getattr(model, "weights", None) if runner.peer else args.dtype
             row = {
                 "framework": runner.framework,
-                "variant": runner.variant,
+                "variant": weights if runner.peer and runner.variant is None else runner.variant,
                 "mode": mode,
+                "weights": weights,
                 "available": True,
                 "device": device,
                 "dtype": args.dtype,

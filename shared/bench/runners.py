@@ -62,7 +62,11 @@ COMPILED_RUNNER = Runner(
 )
 FRAMEWORKS = tuple(runner.framework for runner in RUNNERS)
 PEER_RUNNERS = (
+    # The GGUF file's own quantization (its row's variant is the file's weight format), then F16 and F32
+    # files kvports writes from the same weights.
     Runner("llama.cpp", "kvports.baselines.llama_cpp", ("cached",), peer=True),
+    Runner("llama.cpp", "kvports.baselines.llama_cpp", ("cached",), "F16", peer=True, options=(("weights", "f16"),)),
+    Runner("llama.cpp", "kvports.baselines.llama_cpp", ("cached",), "F32", peer=True, options=(("weights", "f32"),)),
     Runner(
         "ctranslate2",
         "kvports.baselines.ctranslate2",
@@ -121,12 +125,18 @@ CTRANSLATE2_NOTE = (
     "CTranslate2's Generator.generate_tokens on kvports' Hugging Face export of the same weights, converted by "
     "TransformersConverter, intra_threads = the bench's thread count; int8 is quantized as it loads"
 )
+LLAMA_CPP_WRITTEN = (
+    "llama.cpp as above, on a GGUF file kvports writes from the weights every port runs (the source file's "
+    "metadata and tokenizer, llama.cpp's names and q/k row order; norms F32), cached under $KVPORTS_HOME/gguf"
+)
 NOTES.update(
     {
         ("torch (torch.compile)", "cached"): COMPILED_NOTE,
         ("llama.cpp", "cached"): "llama.cpp (llama-cpp-python's low-level API) on the GGUF file itself, in its own "
         "quantization: the prompt in one llama_decode, then one per token, argmax of its logits; n_threads = the "
         "bench's thread count; its f16 cache is its own (KV cache not counted)",
+        ("llama.cpp (F16)", "cached"): LLAMA_CPP_WRITTEN,
+        ("llama.cpp (F32)", "cached"): LLAMA_CPP_WRITTEN,
         ("ctranslate2 (float32)", "cached"): CTRANSLATE2_NOTE,
         ("ctranslate2 (int8)", "cached"): CTRANSLATE2_NOTE,
     }

@@ -11,6 +11,32 @@ def fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def row_name(row: dict) -> str:
+    name = row["framework"] if row["variant"] is None else f"{row['framework']} ({row['variant']})"
+    return name + (f" tp={row['tensor_parallel']}" if row.get("tensor_parallel", 1) > 1 else "")
+
+
+def differ_causes(rows: list[dict], dtype: str) -> str:
+    """Why each row's tokens differ, by its weight format: at the bench's precision (float32, or an F32
+    file) near-ties part frameworks; on weights rounded to fewer bits, the rounding does."""
+    full = (dtype, dtype.replace("float", "F"))  # float32 and llama.cpp's F32 name one format
+    near = [row for row in rows if row.get("weights") in (*full, None)]
+    rounded = [row for row in rows if row not in near]
+    causes = []
+    if near:
+        causes.append(
+            f"{', '.join(map(row_name, near))}: {dtype} near-ties part frameworks (kvports compare reports the "
+            "step and margin)"
+        )
+    if rounded:
+        formats = ", ".join(dict.fromkeys(row["weights"] for row in rounded))
+        causes.append(
+            f"{', '.join(row_name(row) for row in rounded)}: weights rounded to {formats}, not {dtype}; the "
+            "rounding, not a near-tie, changes their tokens"
+        )
+    return "; ".join(causes)
+
+
 def print_table(result: dict, show_targets: bool = False) -> None:
     """The rows, then what the columns mean, the notes, the machine; the development targets
     only when asked for (--targets: they are the project's, not a user's)."""
@@ -54,9 +80,7 @@ def print_table(result: dict, show_targets: bool = False) -> None:
         table.add_column("reason", justify="left", overflow="fold")  # text: never inside a number column
     notes: list[str] = []
     for row in rows:
-        name = row["framework"] if row["variant"] is None else f"{row['framework']} ({row['variant']})"
-        if row.get("tensor_parallel", 1) > 1:
-            name += f" tp={row['tensor_parallel']}"
+        name = row_name(row)
         if not row["available"]:
             table.add_row(name, row["mode"], *["-"] * (len(columns) - 2), f"unavailable: {row['reason']}")
             continue
@@ -117,10 +141,10 @@ def print_table(result: dict, show_targets: bool = False) -> None:
         from kvports.shared.bench.rows import DISTURBED
 
         console.print(f"! roofline {DISTURBED}", highlight=False, markup=False)
-    if any(not row["tokens_agree"] for row in live):
+    differ = [row for row in live if not row["tokens_agree"]]
+    if differ:
         console.print(
-            f"* tokens differ from {live[0]['tokens_reference']}'s (float32 near-ties part frameworks; "
-            "kvports compare reports the step and margin)",
+            f"* tokens differ from {live[0]['tokens_reference']}'s: " + differ_causes(differ, s["dtype"]),
             highlight=False,
             markup=False,
         )
