@@ -62,6 +62,15 @@ def resolve_device(device: str) -> jax.Device:
     return jax.devices("cpu")[0]
 
 
+def device_count(device: str) -> int | None:
+    """The devices a model can be split across: JAX's of that platform (on the CPU, the simulated
+    devices it started with)."""
+    try:
+        return len(jax.devices(device))
+    except RuntimeError:  # no such platform here
+        return 0
+
+
 def _parameter_slots(model: TinyModel) -> dict[str, tuple[nnx.Variable, bool]]:
     """Every torch state_dict name -> (the nnx parameter it fills, transpose?).
     nnx.Linear keeps its kernel (in, out), the transpose of torch's (out, in) weight;

@@ -29,6 +29,11 @@ def resolve_device(device: str) -> str:
     return "cpu"
 
 
+def device_count(device: str) -> int | None:
+    """The devices a model can be split across: NumPy runs on one."""
+    return 1
+
+
 def load_model(
     config: ModelConfig,
     tensors: dict[str, np.ndarray],

@@ -75,6 +75,11 @@ class Port(Timed, Protocol):
         """`"cpu"` or `"gpu"` -> the framework's device object; a GPU the machine lacks is an error."""
         ...
 
+    def device_count(self, device: str) -> int | None:
+        """How many devices of `device`'s kind a model can be split across (`tensor_parallel`); None: no
+        bound (torch on the CPU runs a process per shard)."""
+        ...
+
     def load_model(
         self,
         config: ModelConfig,

@@ -88,8 +88,7 @@ def prepare_tensor_parallel(tensor_parallel: int, device: str, frameworks: Seque
         rest = re.sub(rf"\s*{SIMULATED_DEVICES}=\d+", "", flags).strip()
         os.environ["XLA_FLAGS"] = f"{rest} {SIMULATED_DEVICES}={count}".strip()
         return
-    import jax
-
+    jax = sys.modules["jax"]  # imported already: shared imports no framework itself
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:  # JAX's CPU backend has started: its device count is fixed
@@ -111,18 +110,7 @@ def tensor_parallel_layout(config: ModelConfig, tensor_parallel: int) -> str:
 def parallel_devices(framework: str, device: str) -> int | None:
     """How many devices `framework` can split a model across on `device`; None: no bound (torch
     on the CPU runs one process per shard)."""
-    if framework == "jax":
-        import jax
-
-        try:
-            return len(jax.devices(device))
-        except RuntimeError:
-            return 0
-    if framework == "torch" and device == "gpu":
-        import torch
-
-        return int(torch.cuda.device_count())
-    return None
+    return ports.load_port(framework).device_count(device)
 
 
 def check_parallel_devices(framework: str, device: str, tensor_parallel: int, shown: str) -> None:

@@ -536,7 +536,7 @@ def tensor_parallel_runs(out: str, dtype: str = "float64", cases: tuple[str, ...
                     )
             with jax.enable_x64(True):
                 prompt = jax.device_put(np.asarray(prompts, np.int32), model.emb.embedding[...].sharding)
-                decoding, tokens = jax_model.start_generation(prompt, GenerationConfig(2))
+                decoding, tokens = jax_model.start_generation(prompt, GenerationConfig(2), dtype)
                 state, _ = jax_model._start_cached(*split_model(model), prompt, tokens, decoding, False, True)
             for name, array in (("cache", state.cache.keys), ("qkv", model.blocks[0].qkv.kernel[...])):
                 spec = getattr(array.sharding, "spec", ())

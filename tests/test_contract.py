@@ -114,7 +114,7 @@ def test_a_different_default_is_reported():
 
 def test_a_port_that_cannot_split_its_model_is_reported():
     port = conforming_port()
-    port.load_model = with_signature("(config, tensors, dtype='float32', device='cpu')")
+    port.load_model = with_signature("(config, tensors, dtype='float32', device='cpu', *, quant='none')")
     assert contract.mismatches(port, contract.Port) == ["fake.load_model: has no keyword parameter 'tensor_parallel'"]
 
 
@@ -137,6 +137,7 @@ def test_members_lists_the_port_contract_in_order():
         "synchronize",
         "matvec_seconds",
         "resolve_device",
+        "device_count",
         "generate_speculative",
         "forward_chunks",
         "clear_compiled",

@@ -40,6 +40,7 @@ CORE = {"kvports", "kvports.version", "kvports.shared"} | {
         "limits",
         "ports",
         "progress",
+        "quant",
         "weights",
     )
 }

@@ -114,14 +114,30 @@ def shard(model: Any, mesh: Any, n: int, rank: int) -> Any:
     return model
 
 
+@dataclasses.dataclass(frozen=True)
+class PortCalls:
+    """The port's own functions a rank runs, handed over by the port: this module imports no port (the
+    port imports it), and spawn pickles module-level functions by name, so a rank imports the port itself."""
+
+    load_model: Callable[..., Any]
+    generate: Callable[..., Any]
+    generate_speculative: Callable[..., Any]
+    forward_chunks: Callable[..., Any]
+
+
 def load_shard(
-    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, device: str, n: int, rank: int, store: Any
+    config: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    dtype: str,
+    device: str,
+    n: int,
+    rank: int,
+    store: Any,
+    port: PortCalls,
 ) -> Any:
     """This process's shard, once it has joined the group of n (store None: torchrun's environment)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-
-    from kvports.torch_impl import port
 
     if device == "gpu":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -153,17 +169,16 @@ def serve(
     weights: dict[str, torch.Tensor],
     conn: Connection,
     parent: int,
+    port: PortCalls,
 ) -> None:
     """A rank's life: join the group, build its shard, then run each call the parent sends until None."""
     threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
     try:
         import torch.distributed as dist
 
-        from kvports.torch_impl import port
-
         store = dist.TCPStore("127.0.0.1", store_port, None, False, timeout=TIMEOUT)
         tensors = {name: tensor.numpy() for name, tensor in weights.items()}
-        model = load_shard(config, tensors, dtype, device, n, rank, store)
+        model = load_shard(config, tensors, dtype, device, n, rank, store, port)
         del tensors, weights
         drafts: dict[int, Any] = {}  # replicated, whole on every rank: a draft is small
         conn.send(("done", None))
@@ -216,7 +231,9 @@ def stop(processes: list[Any], conns: list[Connection]) -> None:
 class ParallelModel:
     """A model sharded over N spawned ranks; the port's functions take it where they take a TinyModel."""
 
-    def __init__(self, config: ModelConfig, dtype: str, device: str, n: int, weights: dict[str, torch.Tensor]):
+    def __init__(
+        self, config: ModelConfig, dtype: str, device: str, n: int, weights: dict[str, torch.Tensor], port: PortCalls
+    ):
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
@@ -229,7 +246,7 @@ class ParallelModel:
         self.processes = [
             context.Process(
                 target=serve,
-                args=(rank, n, self._store.port, device, dtype, config, weights, child, os.getpid()),
+                args=(rank, n, self._store.port, device, dtype, config, weights, child, os.getpid(), port),
                 daemon=True,
                 name=f"kvports-tp-rank{rank}",
             )
@@ -321,18 +338,22 @@ def exit_description(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-def load_parallel(config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, device: str, n: int) -> Any:
+def load_parallel(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, device: str, n: int, port: PortCalls
+) -> Any:
     """The model sharded over n ranks; `Any`: the port's functions take it where they take a TinyModel.
     The caller has checked n against the model (shared/checks.py): it divides the query heads and the
     FFN width, and divides the key/value heads or is a multiple of them."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        return load_under_torchrun(config, tensors, dtype, device, n)
+        return load_under_torchrun(config, tensors, dtype, device, n, port)
     # Into shared memory once: each rank maps the same pages instead of receiving a copy.
     weights = {name: torch.from_numpy(np.array(array)).share_memory_() for name, array in tensors.items()}
-    return ParallelModel(config, dtype, device, n, weights)
+    return ParallelModel(config, dtype, device, n, weights, port)
 
 
-def load_under_torchrun(config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, device: str, n: int) -> Any:
+def load_under_torchrun(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, device: str, n: int, port: PortCalls
+) -> Any:
     """Under torchrun every rank runs the whole command, this process being one of them: its shard,
     a TinyModel the port's functions run as they run any (every rank computes the same tokens).
     Only rank 0's output shows; torchrun ends every rank when one fails."""
@@ -346,7 +367,7 @@ def load_under_torchrun(config: ModelConfig, tensors: dict[str, np.ndarray], dty
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if world != n:
         raise UserError(f"tensor_parallel={n} must equal torchrun's number of processes ({world})")
-    model = load_shard(config, tensors, dtype, device, n, rank, None)
+    model = load_shard(config, tensors, dtype, device, n, rank, None, port)
     atexit.register(dist.destroy_process_group)
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # for the rest of the process

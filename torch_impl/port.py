@@ -39,6 +39,12 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cpu")
 
 
+def device_count(device: str) -> int | None:
+    """The devices a model can be split across: the GPUs, one rank each; None on the CPU (no bound:
+    one process per shard)."""
+    return int(torch.cuda.device_count()) if device == "gpu" else None
+
+
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     # The model makes its cache, positions and masks with factory calls on the default
     # device; on a GPU this context puts them beside the weights. It costs Python time on
@@ -61,9 +67,10 @@ def load_model(
     tensor_parallel: int = 1,
 ) -> TinyModel:
     if tensor_parallel > 1:
-        from kvports.torch_impl.parallel import load_parallel
+        from kvports.torch_impl.parallel import PortCalls, load_parallel
 
-        return load_parallel(config, tensors, dtype, device, tensor_parallel)
+        calls = PortCalls(load_model, generate, generate_speculative, forward_chunks)  # what each rank runs
+        return load_parallel(config, tensors, dtype, device, tensor_parallel, calls)
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     with torch.device("meta"):
         model = TinyModel(config)  # no random init: every tensor comes from the file
