@@ -1,6 +1,7 @@
-"""The one piece of torch.nn.functional the JAX port writes itself, imported as `F` so
-model.py's attention reads as the reference's: jax.nn.dot_product_attention takes its
-softmax in float32 even in a float64 run, and float64 must agree with torch exactly."""
+"""The pieces of torch.nn.functional the JAX port writes itself, imported as `F` so model.py
+reads as the reference: attention, because jax.nn.dot_product_attention takes its softmax in
+float32 even in a float64 run, and float64 must agree with torch exactly; linear, for the layout
+XLA's CPU dot is fast in."""
 
 from __future__ import annotations
 
@@ -8,6 +9,16 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+
+def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """torch's F.linear: x [..., in], weight [out, in] -> [..., out]."""
+    # One matrix of rows: XLA's CPU runtime sends a bfloat16 dot over a 2-d operand to its fast
+    # kernels, but one over [B, T, in] to a float32 dot on a converted copy of the whole weight,
+    # each call (20x slower at one row; float32 runs the same either way).
+    out = x.reshape(-1, x.shape[-1]) @ weight.T  # [B * T, out]
+    out = out.reshape(*x.shape[:-1], weight.shape[0])  # [..., out]
+    return out if bias is None else out + bias
 
 
 def scaled_dot_product_attention(

@@ -313,9 +313,9 @@ class TinyModel(nnx.Module):
         if cache is not None:
             cache = cache.advance(positions)
         x = self.ln(x)  # [B, T, D]
-        # nnx.Linear stores (in, out), the transpose of torch's weight: flip it back to [V, D].
-        head_weight = self.emb.embedding[...] if config.tie_embeddings else self.head.kernel[...].T  # [V, D]
-        return x @ head_weight.T, cache  # [B, T, V]
+        if hasattr(self, "head"):  # a tied model has one only when quantized (quant.py): the lookup stays float
+            return self.head(x), cache  # [B, T, V]
+        return F.linear(x, self.emb.embedding[...]), cache  # [B, T, V]: the tied head
 
 
 def greedy(logits: jax.Array) -> jax.Array:

@@ -18,9 +18,11 @@ from flax import nnx
 from kvports.jax_impl import speculative
 from kvports.jax_impl.model import TinyModel, generate_cached, generate_naive, init_cache
 from kvports.jax_impl.model import prefill as prefill_step
+from kvports.jax_impl.quant import quantize_model
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, RowSampling, as_generation
+from kvports.shared.quant import float_tensors
 
 NAME = "jax"
 JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64, "bfloat16": jnp.bfloat16}
@@ -120,8 +122,6 @@ def load_model(
     quant: str = "none",
     tensor_parallel: int = 1,
 ) -> TinyModel:
-    # No quantization here (shared.checks.PRECISIONS): refused before this is called.
-    assert quant == "none", quant
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     target = resolve_device(device)
     placement: Callable[[str], jax.Device | jax.sharding.Sharding] = lambda name: target  # noqa: E731
@@ -133,13 +133,19 @@ def load_model(
         # every parameter is overwritten below
         model = TinyModel(config, dtype=JAX_DTYPES[dtype], rngs=nnx.Rngs(0), shards=tensor_parallel)
     slots = _parameter_slots(model)
-    assert set(slots) == set(tensors), f"names differ: {sorted(set(slots) ^ set(tensors))}"
+    weights = float_tensors(tensors)
+    assert set(slots) == set(weights), f"names differ: {sorted(set(slots) ^ set(weights))}"
     for name, (variable, transpose) in slots.items():
-        array = tensors[name].T if transpose else tensors[name]
+        array = weights[name].T if transpose else weights[name]
         assert tuple(variable.shape) == array.shape, f"{name}: file {array.shape}, model {tuple(variable.shape)}"
         variable.set_value(jax.device_put(np.ascontiguousarray(array, dtype=JAX_DTYPES[dtype]), placement(name)))
     n_params = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n_params == len(slots), f"model has {n_params} parameters, the file fills {len(slots)}"
+    if quant != "none" or (dtype == "bfloat16" and tensor_parallel == 1):
+        # The Linear layers swapped (quant.py): quantized, or bfloat16 in the layout XLA's CPU dot is fast in.
+        # Not under tensor parallelism, whose shardings name nnx's kernels (quant is refused there).
+        with jax.default_device(target):
+            model = quantize_model(model, tensors, quant, JAX_DTYPES[dtype])
     model.eval()  # nnx's eval() sets dropout off in place and returns None
     return model
 

@@ -161,7 +161,7 @@ def check_prompts(
 
 # The reduced precisions each port offers: where its framework has a fast product for them on the CPU
 # (NumPy has no bfloat16 and no integer matrix product that would beat its own float32 one).
-PRECISIONS = {"torch": ("bfloat16", "int8", "q4"), "jax": ("bfloat16",), "numpy": ()}
+PRECISIONS = {"torch": ("bfloat16", "int8", "q4"), "jax": ("bfloat16", "int8", "q4"), "numpy": ()}
 
 
 def check_precision(framework: str, dtype: str, quant: object, names: Names = COMMAND_LINE) -> str:

@@ -45,11 +45,12 @@ def step_logits(port, config, tensors, dtype: str, quant: str, prompts: np.ndarr
     return port.generate(model, prompts, GREEDY, "cached", return_logits=True)  # tokens [B, P + N], logits
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])  # biases and a tied head; GQA and RMSNorm
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_reduced_precision_tokens_agree_with_float32_up_to_the_measured_difference(port, mode):
+def test_reduced_precision_tokens_agree_with_float32_up_to_the_measured_difference(port, mode, family):
     if not offers(port, mode):
         pytest.skip(f"{port.NAME} offers no {mode}")
-    config = TINY_FAMILIES["llama"]
+    config = TINY_FAMILIES[family]
     tensors = random_weights(config)
     prompts = random_prompts(config.vocab_size, 2, 6)  # [2, 6]
     tokens32, logits32 = step_logits(port, config, tensors, "float32", "none", prompts)
@@ -91,6 +92,27 @@ def test_q4_tokens_equal_the_dequantized_path(port, tmp_path, qtype):
     agreement = assert_tokens_agree(tokens32, logits32, tokens, prompts.shape[1], f"{port.NAME} {qtype}")
     # The same weights, summed in another order: float32 noise, not a rounding of the weights
     assert_logits_close(logits32, logits, 1e-4 * np.abs(logits32).max(), agreement, f"{port.NAME} {qtype}")
+
+
+@pytest.mark.parametrize("quant", ["int8", "q4"])
+def test_a_quantized_model_gives_the_same_logits_in_every_port_that_offers_it(tmp_path, quant):
+    # The same codes and scales everywhere (shared.quant): only the order of the float32 sums differs.
+    offered = [port_or_skip(name) for name, precisions in PRECISIONS.items() if quant in precisions]
+    if len(offered) < 2:
+        pytest.skip(f"{quant}: fewer than two ports offer it")
+    path = write_gguf(tmp_path / "tiny.gguf", "Q4_1", tokenizer=False)
+    with GGUFWeights(path) as weights:
+        config, tensors = weights.config, weights.read("float32", "q4")
+    if quant == "int8":
+        tensors = float_tensors(tensors)
+    prompts = random_prompts(config.vocab_size, 2, 6)  # [2, 6]
+    reference, *others = offered
+    tokens0, logits0 = step_logits(reference, config, tensors, "float32", quant, prompts)
+    for port in others:
+        label = f"{port.NAME} {quant} against {reference.NAME} {quant}"
+        tokens, logits = step_logits(port, config, tensors, "float32", quant, prompts)
+        agreement = assert_tokens_agree(tokens0, logits0, tokens, prompts.shape[1], label)
+        assert_logits_close(logits0, logits, 1e-4 * np.abs(logits0).max(), agreement, label)
 
 
 def test_float64_is_unaffected(port):
