@@ -29,15 +29,15 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
     cached = getattr(weight, "_onednn_packed", None)
     if cached is None or cached[0] != version:
         cached = (version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS))
-        weight._onednn_packed = cached  # type: ignore[attr-defined]
+        weight._onednn_packed = cached
     return cached[1]  # an opaque oneDNN tensor: only _linear_pointwise reads it
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear: x [..., in], weight [out, in] -> [..., out]."""
     # Not under torch.compile: inductor lowers F.linear itself (and cannot lower this op unfrozen).
-    onednn = _onednn_linear is not None and x.is_cpu and not torch.is_grad_enabled()
-    if onednn and not torch.compiler.is_compiling():
+    eager_cpu = x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    if _onednn_linear is not None and eager_cpu:
         if x.dtype == torch.bfloat16:
             return _onednn_linear(x, packed(weight), bias, "none", [], "")  # [..., out]: no fused activation
         if x.dtype == torch.float32 and weight.numel() >= STREAMED and weight.is_contiguous():
