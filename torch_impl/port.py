@@ -163,6 +163,8 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> l
     call: the matrix's bytes over this time is the streaming bandwidth a roofline divides by."""
     target = resolve_device(device)
     matrix = torch.ones((rows, cols), dtype=torch.float32, device=target)  # [rows, cols]
+    if target.type == "cpu":
+        matrix = matrix.t().contiguous().t()  # laid out [cols, rows], as load_model lays out the model's weights
     vector = torch.ones(cols, dtype=torch.float32, device=target)  # [cols]
     seconds = []
     for _ in range(repeats + 1):
@@ -170,7 +172,7 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> l
             torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.inference_mode():
-            onednn.linear(vector[None], matrix)  # [1, rows]: the model's own path (oneDNN on the CPU)
+            onednn.linear(vector[None], matrix)  # [1, rows]: the model's own path (MKL on the CPU)
         if target.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
