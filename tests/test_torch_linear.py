@@ -1,5 +1,6 @@
-"""The torch port's linear(): weights of GPT-2 small's size go to oneDNN on the CPU (MKL's
-sgemm streams a batch-1 product on one thread). The route must not change what is computed."""
+"""The torch port's linear(): on the CPU, float32 weights of GPT-2 small's size stored [out, in] go
+to oneDNN, bfloat16 weights to oneDNN reordered once, float32 weights the loader stored [in, out]
+to MKL. The route must not change what is computed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ onednn = pytest.importorskip("kvports.torch_impl.onednn")
 
 needs_onednn = pytest.mark.skipif(not onednn.ONEDNN, reason="this torch build has no oneDNN linear")
 
-# The FFN's matrices (256 x 1024 = 2**18 elements) and the head (1100 x 256) take the oneDNN route.
+# Matrices large enough (the FFN's 256 x 1024 = 2**18 elements, the 1100 x 256 head) for oneDNN stored [out, in].
 STREAMED_CONFIG = ModelConfig(vocab_size=1100, d_model=256, n_heads=4, n_layers=1, max_seq_len=64)
 
 
@@ -43,9 +44,41 @@ def test_linear_takes_onednn_only_for_large_float32_weights_without_autograd(mon
     assert calls == [large.shape]
 
 
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 7])
+def test_bfloat16_linear_through_a_packed_weight_equals_f_linear(rows):
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=generator).bfloat16()
+    bias, x = torch.randn(96, generator=generator).bfloat16(), torch.randn(2, rows, 64, generator=generator).bfloat16()
+    with torch.inference_mode():
+        routed = onednn.linear(x, weight, bias)  # [2, rows, 96]
+    expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(routed.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_onednn
+def test_bfloat16_packed_weight_follows_an_in_place_change():
+    weight, x = torch.ones(96, 64, dtype=torch.bfloat16), torch.ones(1, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        before = onednn.linear(x, weight)  # packs the weight
+    weight.mul_(2)
+    with torch.inference_mode():
+        after = onednn.linear(x, weight)  # [1, 96]
+    torch.testing.assert_close(after.float(), 2 * before.float())
+
+
+def test_float32_weights_load_laid_out_in_out_with_the_same_values():
+    torch_port = port_or_skip("torch")
+    tensors = random_weights(STREAMED_CONFIG)
+    model = torch_port.load_model(STREAMED_CONFIG, tensors)
+    weight = model.blocks[0].qkv.weight  # [out, in]
+    assert weight.t().is_contiguous()
+    torch.testing.assert_close(weight.detach(), torch.from_numpy(tensors["blocks.0.qkv.weight"]), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("mode", ["naive", "cached"])
 def test_torch_on_streamed_weights_matches_numpy(mode):
-    """A model whose large matrices take the oneDNN route gives NumPy's tokens and logits."""
+    """A model whose weights the loader laid out for MKL gives NumPy's tokens and logits."""
     torch_port, numpy_port = port_or_skip("torch"), port_or_skip("numpy")
     tensors = random_weights(STREAMED_CONFIG)
     prompts = random_prompts(STREAMED_CONFIG.vocab_size, 2, 5)

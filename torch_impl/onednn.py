@@ -1,10 +1,13 @@
-"""oneDNN's linear for large float32 CPU weights: F.linear and nn.Linear otherwise.
+"""The CPU's fastest route for each linear at batch 1: F.linear and nn.Linear otherwise.
 
-Torch only: a matrix-vector product through a weight too big for the caches (GPT-2 small's
-every matrix) streams it from memory. F.linear sends it to MKL's sgemm, which runs it on one
-thread (~13 GB/s on the 2-core machine); oneDNN's linear, the op torch.compile emits for a CPU
-linear, runs it on every core (~22-30 GB/s, NumPy's figure). Small weights stay with F.linear,
-whose call costs less (~7 us against ~20-35 us).
+Torch only: a matrix-vector product streams its weight from memory, and how fast depends on the
+kernel and on the weight's layout (measured at 1 and 2 threads, tools/profile_decode.py):
+- float32: MKL's sgemm streams a weight stored [in, out] (`x @ w.T` with w.T contiguous) ~1.2-2x
+  faster than one stored [out, in]; `transpose_weights` lays a loaded model's weights out so,
+  and F.linear then takes that route by itself. A large weight still stored [out, in] goes to
+  oneDNN's linear (the op torch.compile emits for a CPU linear), faster there than MKL.
+- bfloat16: F.linear at one row is a slow fallback, and oneDNN's linear reorders a plain weight
+  at every call; reordered once into oneDNN's own blocked layout (`packed`) it runs ~2-4x faster.
 """
 
 from __future__ import annotations
@@ -16,15 +19,42 @@ import torch.nn.functional as F
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _onednn_linear = torch.ops.mkldnn._linear_pointwise if ONEDNN else None
 STREAMED = 1 << 18  # weight elements (1 MiB in float32) from which oneDNN measured faster, 1 to 1024 rows
+PACKED_ROWS = 1  # the row count oneDNN picks its blocked layout for: a decode step's; more rows run as well
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] in oneDNN's blocked layout: reordered at the first call and kept on the
+    tensor itself (again if the tensor has changed in place since), so the model holds no copy."""
+    version = 0 if weight.is_inference() else weight._version  # an inference tensor cannot change
+    cached = getattr(weight, "_onednn_packed", None)
+    if cached is None or cached[0] != version:
+        cached = (version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS))
+        weight._onednn_packed = cached
+    return cached[1]  # an opaque oneDNN tensor: only _linear_pointwise reads it
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear: x [..., in], weight [out, in] -> [..., out]."""
     # Not under torch.compile: inductor lowers F.linear itself (and cannot lower this op unfrozen).
-    streamed = weight.numel() >= STREAMED and x.is_cpu and x.dtype == torch.float32
-    if _onednn_linear is not None and streamed and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        return _onednn_linear(x, weight, bias, "none", [], "")  # [..., out]: no fused activation
-    return F.linear(x, weight, bias)  # [..., out]
+    eager_cpu = x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    if _onednn_linear is not None and eager_cpu:
+        if x.dtype == torch.bfloat16:
+            return _onednn_linear(x, packed(weight), bias, "none", [], "")  # [..., out]: no fused activation
+        if x.dtype == torch.float32 and weight.numel() >= STREAMED and weight.is_contiguous():
+            return _onednn_linear(x, weight, bias, "none", [], "")  # [..., out]
+    return F.linear(x, weight, bias)  # [..., out]; a transposed weight: MKL's sgemm, no transpose
+
+
+def transpose_weights(model: nn.Module, tied: bool) -> nn.Module:
+    """Each Linear's float32 weight (and a tied head's embedding) stored [in, out]: the same
+    [out, in] tensor, a transposed view, whose product MKL streams faster."""
+    weights = [module.weight for module in model.modules() if isinstance(module, nn.Linear)]
+    if tied:
+        weights.append(model.get_submodule("emb").weight)  # the lookup reads a strided row: one token's cost
+    for weight in weights:
+        if weight.dtype == torch.float32 and weight.is_cpu:
+            weight.data = weight.data.t().contiguous().t()  # [out, in], laid out [in, out]
+    return model
 
 
 class Linear(nn.Linear):
