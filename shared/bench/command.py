@@ -101,12 +101,20 @@ def run(args: argparse.Namespace) -> int:
             check_tensor_parallel(tensor_parallel, "jax", [("the model", config)])
 
     # A port without a single --dtype or --quant value's precision refuses it, as generate does.
-    formats.check([framework for framework in frameworks if framework in ports.PORTS])
+    port_names = [framework for framework in frameworks if framework in ports.PORTS]
+    formats.check(port_names)
+    port_formats = formats.offered(port_names)  # the formats some port will run, in the rows' order
     chat = None if args.chat is None else chat_prompt(args.weights, args.chat)  # its length is the prompt's
     if chat is not None:
         args.prompt_len = len(chat)
     preset, config, tensors = load_bench_model(
-        args.preset, args.weights, formats.read_dtype, check, "q4" if "q4" in formats.quants else "none", formats.dtypes
+        # A GGUF file's 4-bit blocks too when a q4 row will run (a file without any refused, as --quant q4 alone).
+        args.preset,
+        args.weights,
+        formats.read_dtype,
+        check,
+        "q4" if any(quant == "q4" for _, quant in port_formats) else "none",
+        formats.dtypes,
     )
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens, chat)  # [B, P]
     draft_weights = None
@@ -131,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         "new_tokens": args.new_tokens,
         "dtype": dtype,
         "quant": quant,
-        "formats": [format_name(*pair) for pair in formats.offered([name for name in frameworks if name in ports.PORTS])],
+        "formats": [format_name(*pair) for pair in port_formats],
         "device": args.device,
         "tensor_parallel": list(args.tensor_parallel),
         "repeats": args.repeats,

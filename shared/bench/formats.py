@@ -5,7 +5,9 @@ the quantization after a plus (`float32`, `bfloat16`, `float32+int8`, `bfloat16+
 
 A flag given one value is checked as `generate` checks it: a port without it is refused in the
 same one line. A flag given a list skips, silently, the pairs a port does not offer, and every
-pair that puts a quantization over float64. The baselines, the compiled row and the peers run
+pair that puts a quantization over float64. q4 keeps a GGUF file's own 4-bit blocks: when a port
+will run a q4 row, a file without any is refused in `--quant q4`'s line, listed or not (a row the
+file cannot give is not a format to skip quietly). The baselines, the compiled row and the peers run
 once, at the first format (the lists are taken in DTYPES' and QUANTS' order: float32 first)."""
 
 from __future__ import annotations
