@@ -327,7 +327,8 @@ def test_a_framework_that_finds_no_gpu_gets_rows_that_say_why_in_the_reason_colu
     assert code == 0 and len(jax_lines) == 2
     for line in jax_lines:
         cells = [cell.strip() for cell in line.strip("│").split("│")]
-        assert cells[2:-1] == ["-"] * (len(cells) - 3)  # every number column intact, none holding text
+        assert cells[2] == "float32"  # the format it would have run
+        assert cells[3:-1] == ["-"] * (len(cells) - 4)  # every number column intact, none holding text
         assert cells[-1] == "unavailable: no jax GPU"
 
 
@@ -481,7 +482,10 @@ def test_a_format_list_gives_each_port_a_row_per_format_it_offers_and_the_baseli
         for quant in ("none", "int8", "q4")
         if missing_precision(framework, dtype, quant) is None
     ]
-    expected = [(framework, dtype if quant == "none" else f"{dtype}+{quant}", dtype, quant) for framework, dtype, quant in offered]
+    expected = [
+        (framework, dtype if quant == "none" else f"{dtype}+{quant}", dtype, quant)
+        for framework, dtype, quant in offered
+    ]
     expected.append(("seed-concat", "float32", "float32", "none"))  # a baseline once, at the first format
     assert code == 0 and [(row["framework"], row["weights"], row["dtype"], row["quant"]) for row in rows] == expected
     assert ("torch", "bfloat16+q4") in [(row["framework"], row["weights"]) for row in rows]

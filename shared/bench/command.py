@@ -121,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
     if "speculative" in modes:
         draft = Draft(args.draft, args.draft_tokens, args.ngram)
         generation = GenerationConfig(args.new_tokens)
-        inputs = RunInputs(frameworks[0], "speculative", generation, args.weights, formats.read_dtype, args.device, draft)
+        inputs = RunInputs(
+            frameworks[0], "speculative", generation, args.weights, formats.read_dtype, args.device, draft
+        )
         check_draft("speculative", args.draft, args.draft_tokens, args.ngram, COMMAND_LINE)
         check_ngram(args.ngram, args.prompt_len, args.new_tokens)
         check_needed(args.prompt_len, args.new_tokens, args.draft_tokens, [("the model", config)])

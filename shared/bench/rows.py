@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvports.shared import ports
+from kvports.shared.bench.formats import Formats, format_name
 from kvports.shared.bench.measure import (
     MATVEC_REPEATS,
     MATVEC_SHAPE,
@@ -20,7 +21,6 @@ from kvports.shared.bench.measure import (
     measure_row,
     peer_threads,
 )
-from kvports.shared.bench.formats import Formats, format_name
 from kvports.shared.bench.runners import Runner, import_runner, note
 from kvports.shared.config import ModelConfig, host_dtype, kv_cache_bytes
 from kvports.shared.quant import float_tensors, is_q4_part
@@ -71,7 +71,9 @@ def format_tensors(tensors: dict[str, np.ndarray], dtype: str, quant: str) -> di
     """The tensors one row loads: the float ones at `dtype`'s host dtype (no copy where they are read at
     it; the casts were checked as they were read), and a GGUF file's 4-bit blocks only for a q4 row."""
     floats = {name: array.astype(host_dtype(dtype), copy=False) for name, array in float_tensors(tensors).items()}
-    return {**floats, **{name: array for name, array in tensors.items() if is_q4_part(name)}} if quant == "q4" else floats
+    return (
+        {**floats, **{name: array for name, array in tensors.items() if is_q4_part(name)}} if quant == "q4" else floats
+    )
 
 
 def parallel_option(tensor_parallel: int) -> dict[str, Any]:
@@ -361,6 +363,8 @@ def add_comparisons(rows: list[dict[str, Any]], prompt_len: int) -> None:
         row["tokens_agree"] = bool(np.array_equal(row["tokens"], reference["tokens"]))
         row["tokens_reference"] = f"{reference['framework']} {reference['mode']}"
         row["agree_steps"] = agree_steps(row["tokens"], agree_reference["tokens"], prompt_len)
-        row["agree_reference"] = f"{agree_reference['framework']} {agree_reference['mode']} {agree_reference['weights']}"
+        row["agree_reference"] = (
+            f"{agree_reference['framework']} {agree_reference['mode']} {agree_reference['weights']}"
+        )
     for row in live:
         del row["tokens"]

@@ -25,8 +25,8 @@ def differ_causes(rows: list[dict], dtype: str) -> str:
     causes = []
     if near:
         causes.append(
-            f"{', '.join(dict.fromkeys(map(row_name, near)))}: {dtype} near-ties part frameworks (kvports compare reports the "
-            "step and margin)"
+            f"{', '.join(dict.fromkeys(map(row_name, near)))}: {dtype} near-ties part frameworks (kvports compare "
+            "reports the step and margin)"
         )
     if rounded:
         formats = ", ".join(dict.fromkeys(row["weights"] for row in rounded))
@@ -78,7 +78,9 @@ def print_table(result: dict, show_targets: bool = False) -> None:
     )
     table = Table(title=title)
     for column in columns:
-        table.add_column(column, justify="left" if column in ("framework", "mode", "weights") else "right", no_wrap=True)
+        table.add_column(
+            column, justify="left" if column in ("framework", "mode", "weights") else "right", no_wrap=True
+        )
     if unavailable:
         table.add_column("reason", justify="left", overflow="fold")  # text: never inside a number column
     notes: list[str] = []
