@@ -535,3 +535,23 @@ def test_q4_in_a_list_on_a_file_without_4_bit_blocks_is_refused_as_q4_alone(caps
     alone = assert_one_error_line(*run_cli(capsys, *argv, "--quant", "q4"))
     listed = assert_one_error_line(*run_cli(capsys, *argv, "--quant", "none,int8,q4"))
     assert listed == alone and "--quant q4 needs a GGUF file with Q4_0 or Q4_1" in listed
+
+
+SIZES = (("float32", 4), ("bfloat16", 2))  # bytes per weight and cache entry as the port computes
+
+
+def test_each_formats_cache_bytes_and_roofline_are_at_its_own_dtype(capsys):
+    port_or_skip("torch")
+    argv = ["bench", "--frameworks", "torch", "--modes", "cached", "--new-tokens", "2", "--repeats", "1", "--roofline"]
+    code, out, _ = run_cli(capsys, *argv, "--dtype", "float32,bfloat16", "--json")
+    result = json.loads(out)
+    config, (float32, bfloat16) = ModelConfig.from_dict(result["settings"]["config"]), result["rows"]
+    step_bytes = result["machine"]["decode_bytes_per_step_by_dtype"]
+    tensors = gpt2_init_weights(config)  # only the sizes count
+    assert code == 0 and step_bytes == {name: decode_bytes(config, tensors, 1, 5, 2, size) for name, size in SIZES}
+    assert (float32["kv_cache_bytes"], bfloat16["kv_cache_bytes"]) == tuple(
+        kv_cache_bytes(config, 1, 5 + 2, size) for _, size in SIZES
+    )
+    assert bfloat16["roofline_ms"] / float32["roofline_ms"] == pytest.approx(
+        step_bytes["bfloat16"] / step_bytes["float32"]
+    )
