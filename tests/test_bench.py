@@ -225,9 +225,9 @@ def test_development_targets_are_printed_only_when_asked_for(capsys):
         (["--plot", "/no/such/folder/img"], "error: folder '/no/such/folder' does not exist"),
         (["--csv", "/no/such/folder/b.csv"], "error: folder '/no/such/folder' does not exist"),
         (["--plot", "pyproject.toml"], "error: --plot 'pyproject.toml' is a file, not a folder"),
-        (["--dtype", "float32,float16"], "error: --dtype value 'float16' is not one of float32, float64, bfloat16"),
-        (["--quant", "none,int4"], "error: --quant value 'int4' is not one of none, int8, q4"),
-        (["--dtype", ","], "error: --dtype is empty: give one or more of float32,float64,bfloat16"),
+        (["--dtype", "float32,float16"], "error: unknown dtype 'float16'; known: float32, float64, bfloat16"),
+        (["--quant", "none,int4"], "error: unknown quant 'int4'; known: none, int8, q4"),
+        (["--dtype", ","], "error: --dtype is empty: give some of float32,float64,bfloat16"),
         (
             ["--dtype", "float64", "--quant", "int8,q4"],
             "error: --dtype float64 --quant int8,q4 leave no format to run for numpy",

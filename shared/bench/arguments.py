@@ -16,7 +16,6 @@ from kvports.shared.arguments import (
 )
 from kvports.shared.batching.engine import BatchSettings
 from kvports.shared.bench.batching import WORKLOADS, BatchingBench
-from kvports.shared.bench.formats import parse_list
 from kvports.shared.bench.presets import PRESETS
 from kvports.shared.bench.runners import DEFAULT_MODES, FRAMEWORKS, MODES
 from kvports.shared.checks import SEED_PROMPT, check_at_least
@@ -158,7 +157,7 @@ def batching_inputs(
         raise UserError(
             f"--requests times the ports ({','.join(ports)}); --frameworks {echo(args.frameworks)} names none"
         )
-    dtypes = parse_list("--dtype", args.dtype, DTYPES)
+    dtypes = parse_choices(args.dtype, DTYPES, "dtypes", "--dtype")
     if len(dtypes) > 1:
         raise UserError(f"--requests runs the batching workloads at one dtype, not --dtype {echo(args.dtype)}")
     return BatchingBench(
@@ -175,11 +174,12 @@ def batching_inputs(
     )
 
 
-def parse_choices(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    """A comma-separated subset of `allowed`, in `allowed`'s order."""
+def parse_choices(text: str, allowed: Sequence[str], what: str, flag: str | None = None) -> list[str]:
+    """A comma-separated subset of `allowed`, in `allowed`'s order; `what` names its items (plural),
+    `flag` the flag (default --what)."""
     chosen = [part.strip() for part in text.split(",") if part.strip()]
     if not chosen:
-        raise UserError(f"--{what} is empty: give some of {','.join(allowed)}")
+        raise UserError(f"{flag or '--' + what} is empty: give some of {','.join(allowed)}")
     for name in chosen:
         if name not in allowed:
             raise UserError(f"unknown {what[:-1]} {name!r}; known: {', '.join(allowed)}")

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvports.shared.bench.arguments import parse_choices
 from kvports.shared.checks import check_precision, missing_precision
 from kvports.shared.config import DTYPES, QUANTS
-from kvports.shared.errors import UserError, echo
+from kvports.shared.errors import UserError
 
 
 def format_name(dtype: str, quant: str) -> str:
@@ -79,16 +80,10 @@ class Formats:
             )
 
 
-def parse_list(flag: str, text: str, allowed: Sequence[str]) -> tuple[str, ...]:
-    """One value or a comma-separated list of `allowed`, in `allowed`'s order, each once."""
-    chosen = [part.strip() for part in text.split(",") if part.strip()]
-    if not chosen:
-        raise UserError(f"{flag} is empty: give one or more of {','.join(allowed)}")
-    for name in chosen:
-        if name not in allowed:
-            raise UserError(f"{flag} value {echo(name)} is not one of {', '.join(allowed)}")
-    return tuple(name for name in allowed if name in chosen)
-
-
 def parse_formats(dtype: str, quant: str) -> Formats:
-    return Formats(parse_list("--dtype", dtype, DTYPES), parse_list("--quant", quant, QUANTS))
+    """--dtype's and --quant's values: one each, or comma-separated lists."""
+    dtypes, quants = (
+        parse_choices(dtype, DTYPES, "dtypes", "--dtype"),
+        parse_choices(quant, QUANTS, "quants", "--quant"),
+    )
+    return Formats(tuple(dtypes), tuple(quants))
