@@ -107,14 +107,10 @@ def run(args: argparse.Namespace) -> int:
     chat = None if args.chat is None else chat_prompt(args.weights, args.chat)  # its length is the prompt's
     if chat is not None:
         args.prompt_len = len(chat)
+    # A GGUF file's 4-bit blocks too when a q4 row will run (a file without any refused, as --quant q4 alone).
+    blocks = "q4" if ("q4" in {pair[1] for pair in port_formats}) else "none"
     preset, config, tensors = load_bench_model(
-        # A GGUF file's 4-bit blocks too when a q4 row will run (a file without any refused, as --quant q4 alone).
-        args.preset,
-        args.weights,
-        formats.read_dtype,
-        check,
-        "q4" if any(quant == "q4" for _, quant in port_formats) else "none",
-        formats.dtypes,
+        args.preset, args.weights, formats.read_dtype, check, blocks, formats.dtypes
     )
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens, chat)  # [B, P]
     draft_weights = None

@@ -51,10 +51,11 @@ def parallel_runs(
 ) -> list[tuple[Runner, int, tuple[str, str]]]:
     """Every runner at N = 1; the ports that split a model (torch, jax) again at each N > 1 asked for.
     A port at every weight format it offers (its N > 1 runs unquantized: a split model keeps float
-    weights), every other runner at the first format."""
+    weights), a peer at the first dtype (its weights are its own), every other runner at the first format."""
     runs = []
     for runner in runners:
-        pairs = formats.of(runner.framework) if runs_formats(runner) else [formats.first]
+        first = (formats.first[0], "none") if runner.peer else formats.first
+        pairs = formats.of(runner.framework) if runs_formats(runner) else [first]
         for dtype, quant in pairs:
             runs.append((runner, 1, (dtype, quant)))
             if runner.framework in ("torch", "jax") and runs_formats(runner) and quant == "none":
