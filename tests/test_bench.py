@@ -17,9 +17,19 @@ from kvports.shared.bench import command
 from kvports.shared.bench.measure import decode_bytes, fit_slope
 from kvports.shared.bench.presets import PRESETS
 from kvports.shared.bench.runners import DEFAULT_MODES, RUNNERS
+from kvports.shared.checks import PRECISIONS, missing_precision
 from kvports.shared.config import ModelConfig, kv_cache_bytes
 from kvports.shared.weights import gpt2_init_weights, load_weights
-from tests.helpers import GOLDEN, SEED_PROMPT, TINY_FAMILIES, assert_one_error_line, hide_port, port_or_skip, run_cli
+from tests.helpers import (
+    GOLDEN,
+    SEED_PROMPT,
+    TINY_FAMILIES,
+    assert_one_error_line,
+    hide_port,
+    port_or_skip,
+    run_cli,
+    write_gguf,
+)
 
 NEW_TOKENS = 4
 ROW_FIELDS = {
@@ -215,6 +225,13 @@ def test_development_targets_are_printed_only_when_asked_for(capsys):
         (["--plot", "/no/such/folder/img"], "error: folder '/no/such/folder' does not exist"),
         (["--csv", "/no/such/folder/b.csv"], "error: folder '/no/such/folder' does not exist"),
         (["--plot", "pyproject.toml"], "error: --plot 'pyproject.toml' is a file, not a folder"),
+        (["--dtype", "float32,float16"], "error: unknown dtype 'float16'; known: float32, float64, bfloat16"),
+        (["--quant", "none,int4"], "error: unknown quant 'int4'; known: none, int8, q4"),
+        (["--dtype", ","], "error: --dtype is empty: give some of float32,float64,bfloat16"),
+        (
+            ["--dtype", "float64", "--quant", "int8,q4"],
+            "error: --dtype float64 --quant int8,q4 leave no format to run for numpy",
+        ),
     ],
 )
 def test_bad_bench_input_is_one_error_line(capsys, argv, message):
@@ -259,6 +276,10 @@ def test_requests_runs_the_batching_workloads_for_the_ports_among_the_frameworks
         (
             ["--requests", "2", "--frameworks", "seed-concat"],
             "error: --requests times the ports (torch,jax,numpy); --frameworks 'seed-concat' names none",
+        ),
+        (
+            ["--requests", "2", "--dtype", "float32,float64"],
+            "error: --requests runs the batching workloads at one dtype, not --dtype 'float32,float64'",
         ),
     ],
 )
@@ -306,7 +327,8 @@ def test_a_framework_that_finds_no_gpu_gets_rows_that_say_why_in_the_reason_colu
     assert code == 0 and len(jax_lines) == 2
     for line in jax_lines:
         cells = [cell.strip() for cell in line.strip("│").split("│")]
-        assert cells[2:-1] == ["-"] * (len(cells) - 3)  # every number column intact, none holding text
+        assert cells[2] == "float32"  # the format it would have run
+        assert cells[3:-1] == ["-"] * (len(cells) - 4)  # every number column intact, none holding text
         assert cells[-1] == "unavailable: no jax GPU"
 
 
@@ -430,7 +452,6 @@ def test_gpt2_small_preset_is_gpt2_small_as_published():
 def test_chat_prompt_is_the_gguf_files_own_template_tokenized(capsys, tmp_path):
     from kvports.shared.chat import chat_ids
     from kvports.shared.gguf.tokenizer import gguf_tokenizer
-    from tests.helpers import write_gguf
 
     path = write_gguf(tmp_path / "tiny.gguf", "F32")
     argv = ["bench", "--weights", path, "--new-tokens", "2", "--repeats", "1", "--frameworks", "numpy"]
@@ -443,3 +464,94 @@ def test_chat_prompt_is_the_gguf_files_own_template_tokenized(capsys, tmp_path):
 def test_chat_prompt_without_a_gguf_file_is_one_error_line(capsys):
     code, out, err = run_cli(capsys, "bench", "--new-tokens", "2", "--chat", "hello")
     assert "--chat renders a GGUF file's own chat template" in assert_one_error_line(code, out, err)
+
+
+FORMAT_LISTS = ["--dtype", "float32,bfloat16", "--quant", "none,int8,q4"]
+
+
+def test_a_format_list_gives_each_port_a_row_per_format_it_offers_and_the_baselines_one(capsys, tmp_path):
+    port_or_skip("torch")
+    path = write_gguf(tmp_path / "tiny.gguf", "Q4_1", tokenizer=False)
+    argv = ["bench", "--weights", path, "--frameworks", "torch,numpy,seed-concat", "--modes", "cached"]
+    code, out, _ = run_cli(capsys, *argv, "--new-tokens", "2", "--repeats", "1", *FORMAT_LISTS, "--json")
+    rows = json.loads(out)["rows"]
+    offered = [
+        (framework, dtype, quant)
+        for framework in ("torch", "numpy")
+        for dtype in ("float32", "bfloat16")
+        for quant in ("none", "int8", "q4")
+        if missing_precision(framework, dtype, quant) is None
+    ]
+    expected = [
+        (framework, dtype if quant == "none" else f"{dtype}+{quant}", dtype, quant)
+        for framework, dtype, quant in offered
+    ]
+    expected.append(("seed-concat", "float32", "float32", "none"))  # a baseline once, at the first format
+    assert code == 0 and [(row["framework"], row["weights"], row["dtype"], row["quant"]) for row in rows] == expected
+    assert ("torch", "bfloat16+q4") in [(row["framework"], row["weights"]) for row in rows]
+
+
+def test_every_format_is_held_to_the_float32_reference_step_by_step(capsys):
+    port_or_skip("torch")
+    argv = ["bench", "--frameworks", "torch", "--modes", "cached", "--new-tokens", "2", "--repeats", "1"]
+    code, out, _ = run_cli(capsys, *argv, "--dtype", "bfloat16,float32", "--quant", "int8,none", "--json")
+    rows = json.loads(out)["rows"]
+    assert code == 0 and [row["weights"] for row in rows] == ["float32", "float32+int8", "bfloat16", "bfloat16+int8"]
+    assert {row["agree_reference"] for row in rows} == {"torch cached float32"}
+    assert rows[0]["agree_steps"] == 2 and all(0 <= row["agree_steps"] <= 2 for row in rows)
+
+
+def test_the_table_names_each_rows_weight_format(capsys):
+    port_or_skip("torch")
+    argv = ["bench", "--frameworks", "torch", "--modes", "cached", "--new-tokens", "2", "--repeats", "1"]
+    code, out, _ = run_cli(capsys, *argv, "--quant", "none,int8")
+    lines = [line for line in out.splitlines() if line.startswith("│ torch")]
+    assert code == 0 and [line.split("│")[3].strip() for line in lines] == ["float32", "float32+int8"]
+    assert "agree" in out.splitlines()[2]
+
+
+@pytest.mark.parametrize(
+    "wanted, other",
+    [
+        (["--dtype", "bfloat16"], []),
+        (["--dtype", "bfloat16"], ["--quant", "none,int8"]),
+        (["--quant", "int8"], []),
+        (["--quant", "int8"], ["--dtype", "float32,bfloat16"]),
+    ],
+)
+def test_a_single_value_a_port_lacks_is_refused_in_generates_line_even_beside_a_list(
+    capsys, no_port_may_load, wanted, other
+):
+    lacking = [framework for framework, offered in PRECISIONS.items() if wanted[1] not in offered]
+    generate = ["generate", "--framework", lacking[0], "--mode", "cached", *wanted]
+    expected = assert_one_error_line(*run_cli(capsys, *generate))
+    argv = ["bench", "--frameworks", ",".join(lacking), "--modes", "cached", *wanted, *other]
+    assert assert_one_error_line(*run_cli(capsys, *argv)) == expected
+
+
+def test_q4_in_a_list_on_a_file_without_4_bit_blocks_is_refused_as_q4_alone(capsys, tmp_path, no_port_may_load):
+    path = write_gguf(tmp_path / "tiny.gguf", "F32", tokenizer=False)
+    argv = ["bench", "--weights", path, "--frameworks", "torch", "--modes", "cached", "--new-tokens", "2"]
+    alone = assert_one_error_line(*run_cli(capsys, *argv, "--quant", "q4"))
+    listed = assert_one_error_line(*run_cli(capsys, *argv, "--quant", "none,int8,q4"))
+    assert listed == alone and "--quant q4 needs a GGUF file with Q4_0 or Q4_1" in listed
+
+
+SIZES = (("float32", 4), ("bfloat16", 2))  # bytes per weight and cache entry as the port computes
+
+
+def test_each_formats_cache_bytes_and_roofline_are_at_its_own_dtype(capsys):
+    port_or_skip("torch")
+    argv = ["bench", "--frameworks", "torch", "--modes", "cached", "--new-tokens", "2", "--repeats", "1", "--roofline"]
+    code, out, _ = run_cli(capsys, *argv, "--dtype", "float32,bfloat16", "--json")
+    result = json.loads(out)
+    config, (float32, bfloat16) = ModelConfig.from_dict(result["settings"]["config"]), result["rows"]
+    step_bytes = result["machine"]["decode_bytes_per_step_by_dtype"]
+    tensors = gpt2_init_weights(config)  # only the sizes count
+    assert code == 0 and step_bytes == {name: decode_bytes(config, tensors, 1, 5, 2, size) for name, size in SIZES}
+    assert (float32["kv_cache_bytes"], bfloat16["kv_cache_bytes"]) == tuple(
+        kv_cache_bytes(config, 1, 5 + 2, size) for _, size in SIZES
+    )
+    assert bfloat16["roofline_ms"] / float32["roofline_ms"] == pytest.approx(
+        step_bytes["bfloat16"] / step_bytes["float32"]
+    )

@@ -134,3 +134,15 @@ def test_llama_cpp_greedy_tokens_on_a_written_f32_model_equal_float32_ports(tmp_
     assert model.weights == "F32"
     tokens, _ = llama_cpp.generate(model, prompts, 24)
     assert_tokens_agree(reference, logits, tokens, prompts.shape[1], "llama.cpp F32")
+
+
+def test_the_peers_report_gives_one_line_per_engine_and_weight_format_of_one_run(capsys, peers_absent):
+    from tools import peers_report
+
+    port_or_skip("torch")
+    argv = [*ARGV, "--frameworks", "torch,numpy", "--quant", "none,int8", "--threads", "1", "--json"]
+    code, out, _ = run_cli(capsys, *argv)
+    table = peers_report.markdown([json.loads(out)]).splitlines()[2:]  # past the header and the rule
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+    expected = [["torch", "float32"], ["torch", "float32+int8"], ["numpy", "float32"]]
+    assert code == 0 and [line[:2] for line in cells] == expected

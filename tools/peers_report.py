@@ -1,7 +1,9 @@
 """docs/BENCH.md's table and figure of kvports beside llama.cpp and CTranslate2, from the JSON of
 `kvports bench --peers --json` runs (one per thread count): one line per engine and weight
 format, decode ms per token and prefill at each thread count, and the leading tokens that agree
-with the float32 reference. A run with more rows (another weight format, say) adds lines.
+with the float32 reference. A run given several formats (`--dtype float32,bfloat16 --quant
+none,int8,q4`) has a row per port and format, each named by its `weights` field (`float32`,
+`bfloat16+int8`, ...): each is a line of its own.
 
     python tools/peers_report.py docs/data/peers_smollm2_t1.json docs/data/peers_smollm2_t2.json \\
         --plot docs/img/peers_smollm2.png
@@ -34,9 +36,11 @@ def threads(result: dict[str, Any]) -> int:
 
 
 def engine(row: dict[str, Any]) -> str:
-    """The framework, with its variant where the weights column does not already say it (torch.compile)."""
+    """The framework, with its variant where the weights column does not already say it (torch.compile),
+    and a split model's device count (a line apart from the one-device row at the same format)."""
     plain = row["variant"] is None or row["variant"] == row["weights"]
-    return row["framework"] if plain else f"{row['framework']} ({row['variant']})"
+    name = row["framework"] if plain else f"{row['framework']} ({row['variant']})"
+    return name + (f" tp={row['tensor_parallel']}" if row.get("tensor_parallel", 1) > 1 else "")
 
 
 def lines(results: list[dict[str, Any]]) -> list[tuple[str, str, dict[int, dict[str, Any]]]]:

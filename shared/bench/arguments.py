@@ -8,7 +8,6 @@ from pathlib import Path
 
 from kvports.shared.arguments import (
     add_model_argument,
-    add_quant_argument,
     add_speculative_arguments,
     add_tensor_parallel_argument,
     add_threads_argument,
@@ -20,7 +19,7 @@ from kvports.shared.bench.batching import WORKLOADS, BatchingBench
 from kvports.shared.bench.presets import PRESETS
 from kvports.shared.bench.runners import DEFAULT_MODES, FRAMEWORKS, MODES
 from kvports.shared.checks import SEED_PROMPT, check_at_least
-from kvports.shared.config import DTYPES, MAX_SIZE, ModelConfig
+from kvports.shared.config import DTYPES, MAX_SIZE, QUANTS, ModelConfig
 from kvports.shared.devices import add_device_argument
 from kvports.shared.errors import UserError, echo
 
@@ -76,8 +75,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=integer, default=3, help="timed runs per figure; figures are medians (default 3)"
     )
     parser.add_argument("--warmup", type=integer, default=1, help="untimed runs before timing (default 1)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
-    add_quant_argument(parser)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        metavar="D1,D2,...",
+        help=f"compute dtype, or a comma-separated list of {','.join(DTYPES)}: each port runs each one it offers, "
+        "a row per format (default float32)",
+    )
+    parser.add_argument(
+        "--quant",
+        default="none",
+        metavar="Q1,Q2,...",
+        help=f"weight-only quantization, or a comma-separated list of {','.join(QUANTS)}, crossed with --dtype: "
+        "int8 (per output channel, at load) or q4 (a Q4_0/Q4_1 GGUF file's own 4-bit blocks; a file without any "
+        "is refused, listed or not); each port runs the formats it offers, a row each, weights named "
+        "float32, bfloat16+int8, float32+q4, ...; a single value a port lacks is refused, a listed one skipped; "
+        "the baselines and --peers run once, at the first format (default none)",
+    )
     add_device_argument(parser)
     add_tensor_parallel_argument(parser, several=True)
     parser.add_argument(
@@ -143,6 +157,9 @@ def batching_inputs(
         raise UserError(
             f"--requests times the ports ({','.join(ports)}); --frameworks {echo(args.frameworks)} names none"
         )
+    dtypes = parse_choices(args.dtype, DTYPES, "dtypes", "--dtype")
+    if len(dtypes) > 1:
+        raise UserError(f"--requests runs the batching workloads at one dtype, not --dtype {echo(args.dtype)}")
     return BatchingBench(
         tuple(chosen),
         WORKLOADS,
@@ -150,18 +167,19 @@ def batching_inputs(
         BatchSettings(),
         args.preset,
         args.weights,
-        args.dtype,
+        dtypes[0],
         args.device,
         args.json,
         args.threads,
     )
 
 
-def parse_choices(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    """A comma-separated subset of `allowed`, in `allowed`'s order."""
+def parse_choices(text: str, allowed: Sequence[str], what: str, flag: str | None = None) -> list[str]:
+    """A comma-separated subset of `allowed`, in `allowed`'s order; `what` names its items (plural),
+    `flag` the flag (default --what)."""
     chosen = [part.strip() for part in text.split(",") if part.strip()]
     if not chosen:
-        raise UserError(f"--{what} is empty: give some of {','.join(allowed)}")
+        raise UserError(f"{flag or '--' + what} is empty: give some of {','.join(allowed)}")
     for name in chosen:
         if name not in allowed:
             raise UserError(f"unknown {what[:-1]} {name!r}; known: {', '.join(allowed)}")

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvports.shared import ports
 from kvports.shared.bench.arguments import parse_choices, parse_sweep
+from kvports.shared.bench.formats import format_name, parse_formats
 from kvports.shared.bench.measure import load_average, threads_info
 from kvports.shared.bench.output import print_result
 from kvports.shared.bench.plots import write_plots
@@ -28,7 +29,6 @@ from kvports.shared.checks import (
     check_draft,
     check_needed,
     check_ngram,
-    check_precision,
     check_tensor_parallel,
 )
 from kvports.shared.config import ModelConfig
@@ -36,6 +36,7 @@ from kvports.shared.devices import check_gpu_reachable, device_problem, prepare_
 from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.progress import make_progress
+from kvports.shared.quant import float_tensors
 from kvports.shared.run import Draft, RunInputs, read_draft
 from kvports.shared.threads import check_threads, use_threads
 
@@ -77,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     check_threads(args.threads)
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
+    formats = parse_formats(args.dtype, args.quant)
+    dtype, quant = formats.first  # the baselines', the peers' and the reference's
     check_bench_outputs(args.plot, args.csv, args.json)
     if "speculative" in modes and args.draft is None:
         raise UserError("--modes speculative needs --draft FILE (a smaller model) or --draft ngram")
@@ -92,27 +95,35 @@ def run(args: argparse.Namespace) -> int:
     def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
         sweep.extend(parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None))
         longest = max([args.new_tokens, *sweep])
-        check_bench_run(config, modes, longest, args.dtype, args.batch, args.prompt_len, args.new_tokens)
+        for listed in formats.dtypes:  # each format's model and run, one at a time
+            check_bench_run(config, modes, longest, listed, args.batch, args.prompt_len, args.new_tokens)
         for tensor_parallel in args.tensor_parallel:
             check_tensor_parallel(tensor_parallel, "jax", [("the model", config)])
 
-    for framework in frameworks:  # a port without --dtype or --quant's precision refuses it, as generate does
-        if framework in ports.PORTS:
-            check_precision(framework, args.dtype, args.quant)
+    # A port without a single --dtype or --quant value's precision refuses it, as generate does.
+    port_names = [framework for framework in frameworks if framework in ports.PORTS]
+    formats.check(port_names)
+    port_formats = formats.offered(port_names)  # the formats some port will run, in the rows' order
     chat = None if args.chat is None else chat_prompt(args.weights, args.chat)  # its length is the prompt's
     if chat is not None:
         args.prompt_len = len(chat)
-    preset, config, tensors = load_bench_model(args.preset, args.weights, args.dtype, check, args.quant)
+    # A GGUF file's 4-bit blocks too when a q4 row will run (a file without any refused, as --quant q4 alone).
+    blocks = "q4" if ("q4" in {pair[1] for pair in port_formats}) else "none"
+    preset, config, tensors = load_bench_model(
+        args.preset, args.weights, formats.read_dtype, check, blocks, formats.dtypes
+    )
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens, chat)  # [B, P]
     draft_weights = None
     if "speculative" in modes:
         draft = Draft(args.draft, args.draft_tokens, args.ngram)
         generation = GenerationConfig(args.new_tokens)
-        inputs = RunInputs(frameworks[0], "speculative", generation, args.weights, args.dtype, args.device, draft)
+        inputs = RunInputs(
+            frameworks[0], "speculative", generation, args.weights, formats.read_dtype, args.device, draft
+        )
         check_draft("speculative", args.draft, args.draft_tokens, args.ngram, COMMAND_LINE)
         check_ngram(args.ngram, args.prompt_len, args.new_tokens)
         check_needed(args.prompt_len, args.new_tokens, args.draft_tokens, [("the model", config)])
-        draft_weights = read_draft(inputs, config, prompts)  # at --dtype
+        draft_weights = read_draft(inputs, config, prompts)  # read as the model is; each row casts it
         if draft_weights is not None:
             for tensor_parallel in args.tensor_parallel:
                 check_tensor_parallel(tensor_parallel, "jax", [("the draft", draft_weights[0])])
@@ -120,12 +131,13 @@ def run(args: argparse.Namespace) -> int:
     settings: dict[str, Any] = {
         "preset": preset,
         "config": json.loads(config.to_json()),
-        "parameters": int(sum(a.size for a in tensors.values())),
+        "parameters": int(sum(a.size for a in float_tensors(tensors).values())),
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "dtype": args.dtype,
-        "quant": args.quant,
+        "dtype": dtype,
+        "quant": quant,
+        "formats": [format_name(*pair) for pair in port_formats],
         "device": args.device,
         "tensor_parallel": list(args.tensor_parallel),
         "repeats": args.repeats,
@@ -155,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
             tensors,
             prompts,
             args,
+            formats,
             sweep,
             roofline,
             progress,

@@ -22,6 +22,7 @@ CSV_FIELDS = (
     "device",
     "dtype",
     "weights",
+    "quant",
     "ttft_ms",
     "decode_ms_per_token",
     "decode_ms_p90",

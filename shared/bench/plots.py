@@ -32,8 +32,19 @@ def row_name(row: dict[str, Any]) -> str:
     return row["framework"] if row["variant"] is None else row["variant"]
 
 
-def line_label(row: dict[str, Any]) -> str:
-    return f"{row_name(row)} {row['mode']}"
+FORMAT_MARKERS = ("", "o", "s", "^", "v", "D", "x", "+")  # a port's first weight format unmarked, the others marked
+
+
+def line_label(row: dict[str, Any], s: dict[str, Any]) -> str:
+    """The framework and mode, and a port's weight format when the run has several."""
+    several = len(s.get("formats") or ()) > 1 and row["variant"] is None and row.get("weights") is not None
+    return f"{row_name(row)} {row['mode']}" + f" {row['weights']}" * several
+
+
+def format_marker(row: dict[str, Any], s: dict[str, Any]) -> str:
+    formats = list(s.get("formats") or ())
+    index = formats.index(row["weights"]) if row.get("weights") in formats and row["variant"] is None else 0
+    return FORMAT_MARKERS[index % len(FORMAT_MARKERS)]
 
 
 def write_plots(result: dict[str, Any], folder: Path) -> list[Path]:
@@ -78,8 +89,11 @@ def per_step_figure(plt: Any, s: dict[str, Any], rows: list[dict[str, Any]]) -> 
                 MODE_STYLES.get(row["mode"], "-"),
                 color=FRAMEWORK_COLORS.get(row_name(row), "gray"),
                 linewidth=1.2,
+                marker=format_marker(row, s) or None,
+                markevery=max(1, len(steps) // 8),
+                markersize=3,
             )
-            handles.setdefault(line_label(row), line)
+            handles.setdefault(line_label(row, s), line)
         roofline = [row["roofline_ms"] for row in shown if row.get("roofline_ms")]
         if roofline:
             line = axis.axhline(min(roofline), color="black", linestyle="-.", linewidth=0.9)
@@ -91,8 +105,9 @@ def per_step_figure(plt: Any, s: dict[str, Any], rows: list[dict[str, Any]]) -> 
         axis.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("ms per decode step (log)")
     figure.suptitle(
-        f"per-step decode latency, {s['preset']}, batch {s['batch']}, prompt {s['prompt_len']}, {s['dtype']}, "
-        f"{s['device']} (median of {s['repeats']}); colour: framework, dashed: naive, solid: cached",
+        f"per-step decode latency, {s['preset']}, batch {s['batch']}, prompt {s['prompt_len']}, "
+        f"{s['device']} (median of {s['repeats']}), {', '.join(s.get('formats') or [s['dtype']])}\ncolour: framework, "
+        "dashed: naive, solid: cached" + ", marker: weight format" * (len(s.get("formats") or ()) > 1),
         fontsize=9,
     )
     legend_below(figure, handles, columns=4)
@@ -117,7 +132,7 @@ def total_figure(plt: Any, s: dict[str, Any], rows: list[dict[str, Any]]) -> Any
             color=FRAMEWORK_COLORS.get(row_name(row), "gray"),
         )
         slope = "" if sweep["slope"] is None else f" (slope {sweep['slope']:.2f})"
-        handles[line_label(row) + slope] = line
+        handles[line_label(row, s) + slope] = line
     axis.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axis.set_xticks(rows[0]["sweep"]["new_tokens"])

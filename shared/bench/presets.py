@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +12,8 @@ from kvports.shared.checks import SEED_PROMPT, check_prompts, check_q4_file
 from kvports.shared.config import ModelConfig, host_dtype
 from kvports.shared.errors import UserError
 from kvports.shared.generation import pad_prompts
-from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, open_weights
+from kvports.shared.quant import float_tensors
+from kvports.shared.weights import DEFAULT_WEIGHTS, cast_checked, gpt2_init_weights, open_weights
 
 PRESETS: dict[str, ModelConfig | None] = {
     "seed": None,  # the seed's model, shipped as the default weights file
@@ -30,22 +31,41 @@ PRESETS: dict[str, ModelConfig | None] = {
 
 
 def load_bench_model(
-    preset: str, weights: Path | None, dtype: str, check: Callable[[ModelConfig], None], quant: str = "none"
+    preset: str,
+    weights: Path | None,
+    dtype: str,
+    check: Callable[[ModelConfig], None],
+    quant: str = "none",
+    cast_to: Sequence[str] = (),
 ) -> tuple[str, ModelConfig, dict[str, np.ndarray]]:
     """(the name the results go by, config, tensors at `dtype`) for a weights file or a preset;
-    check(config) runs before any tensor is read or drawn. quant "q4": a GGUF file's 4-bit blocks too."""
+    check(config) runs before any tensor is read or drawn. quant "q4": a GGUF file's 4-bit blocks too.
+    cast_to: the other dtypes the rows will cast these tensors to, each checked here (a float64 value
+    beyond float32's range is refused now, not when its row loads)."""
     config = PRESETS[preset]
     if weights is not None or config is None:
         with open_weights(weights if weights is not None else DEFAULT_WEIGHTS) as file:
             check(file.config)
             check_q4_file(quant, file.has_q4(), file.source)
             name = weights.name if weights is not None else preset
-            return name, file.config, file.read(dtype, quant)
+            tensors = file.read(dtype, quant)
+            check_casts(file.config, tensors, dtype, cast_to, file.source)
+            return name, file.config, tensors
     check(config)
     if quant == "q4":
         raise UserError(f"--quant q4 needs a GGUF file with Q4_0 or Q4_1 matrices; preset {preset} has none")
     tensors = {name: array.astype(host_dtype(dtype), copy=False) for name, array in gpt2_init_weights(config).items()}
     return preset, config, tensors
+
+
+def check_casts(
+    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, cast_to: Sequence[str], source: str
+) -> None:
+    """Every float tensor, read at `dtype`, stays finite at each of `cast_to`; nothing is kept."""
+    for other in dict.fromkeys(host_dtype(name) for name in cast_to if host_dtype(name) != host_dtype(dtype)):
+        config.validate_at(other)
+        for name, array in float_tensors(tensors).items():
+            cast_checked(name, array, other, source)
 
 
 def chat_prompt(weights: Path | None, text: str) -> list[int]:

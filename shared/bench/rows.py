@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvports.shared import ports
+from kvports.shared.bench.formats import Formats, format_name
 from kvports.shared.bench.measure import (
     MATVEC_REPEATS,
     MATVEC_SHAPE,
@@ -22,6 +23,7 @@ from kvports.shared.bench.measure import (
 )
 from kvports.shared.bench.runners import Runner, import_runner, note
 from kvports.shared.config import ModelConfig, host_dtype, kv_cache_bytes
+from kvports.shared.quant import float_tensors, is_q4_part
 from kvports.shared.run import Draft
 from kvports.shared.threads import settle_threads
 
@@ -39,14 +41,40 @@ MEASURES = (
 )
 
 
-def parallel_runs(runners: list[Runner], sizes: tuple[int, ...]) -> list[tuple[Runner, int]]:
-    """Every runner at N = 1; the ports that split a model (torch, jax) again at each N > 1 asked for."""
+def runs_formats(runner: Runner) -> bool:
+    """A port's own rows run at each weight format asked for; a baseline's, the compiled row's and a peer's once."""
+    return runner.framework in ports.PORTS and runner.variant is None and not runner.peer
+
+
+def parallel_runs(
+    runners: list[Runner], sizes: tuple[int, ...], formats: Formats
+) -> list[tuple[Runner, int, tuple[str, str]]]:
+    """Every runner at N = 1; the ports that split a model (torch, jax) again at each N > 1 asked for.
+    A port at every weight format it offers (its N > 1 runs unquantized: a split model keeps float
+    weights), a peer at the first dtype (its weights are its own), every other runner at the first format."""
     runs = []
     for runner in runners:
-        runs.append((runner, 1))
-        if runner.framework in ("torch", "jax") and runner.variant is None and not runner.baseline and not runner.peer:
-            runs.extend((runner, n) for n in sizes if n > 1)
+        first = (formats.first[0], "none") if runner.peer else formats.first
+        pairs = formats.of(runner.framework) if runs_formats(runner) else [first]
+        for dtype, quant in pairs:
+            runs.append((runner, 1, (dtype, quant)))
+            if runner.framework in ("torch", "jax") and runs_formats(runner) and quant == "none":
+                runs.extend((runner, n, (dtype, quant)) for n in sizes if n > 1)
     return runs
+
+
+def compute_itemsize(dtype: str) -> int:
+    """The bytes of one weight or cache entry as the port computes: bfloat16's 2, though it is read at float32."""
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+
+
+def format_tensors(tensors: dict[str, np.ndarray], dtype: str, quant: str) -> dict[str, np.ndarray]:
+    """The tensors one row loads: the float ones at `dtype`'s host dtype (no copy where they are read at
+    it; the casts were checked as they were read), and a GGUF file's 4-bit blocks only for a q4 row."""
+    floats = {name: array.astype(host_dtype(dtype), copy=False) for name, array in float_tensors(tensors).items()}
+    return (
+        {**floats, **{name: array for name, array in tensors.items() if is_q4_part(name)}} if quant == "q4" else floats
+    )
 
 
 def parallel_option(tensor_parallel: int) -> dict[str, Any]:
@@ -62,13 +90,17 @@ def parallel_note(tensor_parallel: int, device: str) -> str:
     return f"split across {tensor_parallel} GPUs (Megatron-style, all-reduce after each row-parallel product)"
 
 
-def unavailable_row(runner: Runner, mode: str, reason: str | None) -> dict[str, Any]:
-    # Every field a row has, empty: a reader of the JSON need not special-case it.
+def unavailable_row(
+    runner: Runner, mode: str, reason: str | None, dtype: str = "float32", quant: str = "none"
+) -> dict[str, Any]:
+    # Every field a row has, empty: a reader of the JSON need not special-case it. A peer's weights are its own.
     return {
         "framework": runner.framework,
         "variant": runner.variant,
         "mode": mode,
-        "weights": None,
+        "weights": None if runner.peer else format_name(dtype, quant),
+        "dtype": dtype,
+        "quant": quant,
         "available": False,
         "reason": reason,
         **dict.fromkeys(MEASURES),
@@ -84,6 +116,7 @@ def run_rows(
     tensors: dict[str, np.ndarray],
     prompts: np.ndarray,
     args: argparse.Namespace,
+    formats: Formats,
     sweep: list[int],
     roofline: bool,
     progress: Any,
@@ -92,15 +125,16 @@ def run_rows(
     on_runner_done: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(rows, what the machine did: versions, bandwidths, the roofline's bytes per step).
-    draft_weights: the speculative rows' draft (None: prompt lookup); no_device: runners (by
-    label) that cannot reach --device, and why; on_runner_done(rows so far) after each runner."""
+    formats: the weight formats each port runs (the others run at the first); draft_weights: the
+    speculative rows' draft (None: prompt lookup); no_device: runners (by label) that cannot reach
+    --device, and why; on_runner_done(rows so far) after each runner."""
     no_device = no_device or {}
-    itemsize = np.dtype(host_dtype(args.dtype)).itemsize
     B, P = prompts.shape
     N = args.new_tokens
     calls_per_mode = 2 * args.warmup + args.repeats + len(sweep)
+    runs = parallel_runs(runners, getattr(args, "tensor_parallel", (1,)), formats)
     task = progress.add_task(
-        "bench", total=sum(calls_per_mode * len([m for m in runner.modes if m in modes]) for runner in runners)
+        "bench", total=sum(calls_per_mode * len([m for m in runner.modes if m in modes]) for runner, _, _ in runs)
     )
 
     def tick(description: str) -> None:
@@ -119,10 +153,11 @@ def run_rows(
         bandwidth["numpy"] = matvec_bandwidth(matvec["numpy"])
         bandwidth_device["numpy"] = "cpu"
     versions: dict[str, str] = {"numpy": np.__version__}
-    for runner, tensor_parallel in parallel_runs(runners, getattr(args, "tensor_parallel", (1,))):
+    for runner, tensor_parallel, (dtype, quant) in runs:
         runner_modes = [mode for mode in runner.modes if mode in modes]
         if not runner_modes:
             continue
+        itemsize = compute_itemsize(dtype)
         device = args.device if runner.gpu else "cpu"
         module, reason = import_runner(runner)
         settle_threads()  # torch's pools exist once it is imported
@@ -131,17 +166,17 @@ def run_rows(
         model = None
         # A peer is handed the weights file (llama.cpp runs the GGUF itself) and the bench's thread count.
         options = {"source": args.weights, "threads": peer_threads(), **dict(runner.options)} if runner.peer else {}
-        if args.quant != "none" and not runner.peer:
-            options["quant"] = args.quant  # a baseline without it fails to load: a row that says why
+        if quant != "none" and not runner.peer:
+            options["quant"] = quant  # a baseline without it fails to load: a row that says why
         if module is not None:
             try:
                 if tensor_parallel > 1:
                     options["tensor_parallel"] = tensor_parallel
-                model = module.load_model(config, tensors, args.dtype, device, **options)
+                model = module.load_model(config, format_tensors(tensors, dtype, quant), dtype, device, **options)
             except Exception as exc:  # a missing GPU, or a config this baseline cannot run
                 reason = f"{type(exc).__name__}: {exc}"
         if module is None or model is None:
-            rows.extend(unavailable_row(runner, mode, reason) for mode in runner_modes)
+            rows.extend(unavailable_row(runner, mode, reason, dtype, quant) for mode in runner_modes)
             progress.update(task, advance=calls_per_mode * len(runner_modes))
             continue
         versions.update(module.versions())
@@ -153,8 +188,8 @@ def run_rows(
             bandwidth_device[runner.library] = device
         for mode in runner_modes:
             # The weight format the row computes on: a peer's own (llama.cpp's file: Q4_1, say, which names its
-            # row), else the bench's dtype.
-            weights = getattr(model, "weights", None) if runner.peer else args.dtype
+            # row), else its dtype and quantization (formats.format_name).
+            weights = getattr(model, "weights", None) if runner.peer else format_name(dtype, quant)
             row = {
                 "framework": runner.framework,
                 "variant": weights if runner.peer and runner.variant is None else runner.variant,
@@ -162,7 +197,8 @@ def run_rows(
                 "weights": weights,
                 "available": True,
                 "device": device,
-                "dtype": args.dtype,
+                "dtype": dtype,
+                "quant": quant,
                 "tensor_parallel": tensor_parallel,
             }
             call = RowCall(mode)
@@ -170,7 +206,7 @@ def run_rows(
                 draft = (
                     None
                     if draft_weights is None
-                    else module.load_model(*draft_weights, args.dtype, device, **parallel_option(tensor_parallel))
+                    else module.load_model(*draft_weights, dtype, device, **parallel_option(tensor_parallel))
                 )
                 call = RowCall(mode, draft, Draft(str(args.draft), args.draft_tokens, args.ngram))
             try:
@@ -180,7 +216,8 @@ def run_rows(
                     raise  # a port that fails is a bug to see whole
                 # A baseline, a peer or the compiled row that cannot run this model (torch.compile failing to
                 # lower it, say) is a row that says why, not the end of the bench.
-                rows.append(unavailable_row(runner, mode, f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
+                why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+                rows.append(unavailable_row(runner, mode, why, dtype, quant))
                 continue
             row["kv_cache_bytes"] = cache_bytes_held(runner, mode, config, B, P, N, itemsize, args.draft_tokens)
             row["note"] = note(runner, mode) if tensor_parallel == 1 else parallel_note(tensor_parallel, device)
@@ -189,7 +226,12 @@ def run_rows(
         gc.collect()  # gpt2-small: free one framework's copy of the weights before the next loads
         if on_runner_done is not None:
             on_runner_done(rows)
-    step_bytes = decode_bytes(config, tensors, B, P, N, itemsize) if roofline else None
+    # A decode step's bytes at each dtype a row computes in (every quantized row is counted at its dtype).
+    row_dtypes = dict.fromkeys(row["dtype"] for row in rows)
+    floats = float_tensors(tensors)
+    step_bytes = (
+        {name: decode_bytes(config, floats, B, P, N, compute_itemsize(name)) for name in row_dtypes} if roofline else {}
+    )
     best = add_rooflines(rows, bandwidth, bandwidth_device, step_bytes)
     probed = 1
     if any(row.get("roofline_ratio") is not None and row["roofline_ratio"] < 1 for row in rows):
@@ -206,7 +248,8 @@ def run_rows(
         "bandwidth_gb_s": {f"{name} ({bandwidth_device[name]})": value / 1e9 for name, value in bandwidth.items()}
         or None,
         "roofline_bandwidth_gb_s": {device: value / 1e9 for device, value in best.items()} or None,
-        "decode_bytes_per_step": step_bytes,
+        "decode_bytes_per_step": step_bytes.get(formats.first[0]),
+        "decode_bytes_per_step_by_dtype": step_bytes or None,
         "matvec": {"shape": list(MATVEC_SHAPE), "dtype": "float32", "seconds": matvec} if matvec else None,
         "bandwidth_probes": probed if matvec else 0,
     }
@@ -218,10 +261,11 @@ DISTURBED = "below 1: decode ran faster than the bandwidth probe allows, so the 
 
 
 def add_rooflines(
-    rows: list[dict[str, Any]], bandwidth: dict[str, float], device_of: dict[str, str], step_bytes: float | None
+    rows: list[dict[str, Any]], bandwidth: dict[str, float], device_of: dict[str, str], step_bytes: dict[str, float]
 ) -> dict[str, float]:
     """Each live row's roofline (ms) and its decode ms over it; the best bandwidth per device, returned.
-    One roofline per device: the best streaming bandwidth any framework reached on it."""
+    One roofline per device: the best streaming bandwidth any framework reached on it; step_bytes: a
+    decode step's bytes by the row's dtype (empty: no roofline)."""
     best: dict[str, float] = {}
     for name, value in bandwidth.items():
         best[device_of[name]] = max(value, best.get(device_of[name], 0.0))
@@ -229,8 +273,9 @@ def add_rooflines(
         if row["available"]:
             # A decode step's bytes over the bandwidth; a speculative round reads the weights once for several
             # tokens, so its per-token time has no roofline of this kind.
-            measured = step_bytes is not None and row["device"] in best and row["mode"] != "speculative"
-            row["roofline_ms"] = 1e3 * step_bytes / best[row["device"]] if step_bytes is not None and measured else None
+            row_bytes = step_bytes.get(row["dtype"])
+            measured = row_bytes is not None and row["device"] in best and row["mode"] != "speculative"
+            row["roofline_ms"] = 1e3 * row_bytes / best[row["device"]] if row_bytes is not None and measured else None
             row["roofline_ratio"] = (
                 None if row["roofline_ms"] is None else row["decode_ms_per_token"] / row["roofline_ms"]
             )
@@ -278,15 +323,26 @@ def add_comparisons(rows: list[dict[str, Any]], prompt_len: int) -> None:
         return
     seed = next((row for row in live if row["framework"] == "seed-concat"), None)
     reference = next((row for row in live if row["framework"] == "torch" and row["variant"] is None), live[0])
-    # The float32 reference a quantized peer is held to, step by step: torch cached, else the first port's row.
+    # The float32 reference every row (a peer's, a port's in fewer bits) is held to, step by step: torch cached
+    # at float32, else torch cached at the first format, else the first port's row.
     ports_live = [row for row in live if row["framework"] in ports.PORTS and row["variant"] is None] or live
+    torch_cached = [row for row in ports_live if row["framework"] == "torch" and row["mode"] == "cached"]
     agree_reference = next(
-        (row for row in ports_live if row["framework"] == "torch" and row["mode"] == "cached"), ports_live[0]
+        (row for row in torch_cached if row["weights"] == "float32" and row.get("tensor_parallel", 1) == 1),
+        torch_cached[0] if torch_cached else ports_live[0],
     )
 
     def same_port(row: dict[str, Any], mode: str) -> dict[str, Any] | None:
+        """The row's own port, format and split in another mode."""
         return next(
-            (r for r in live if r["framework"] == row["framework"] and r["variant"] is None and r["mode"] == mode),
+            (
+                r
+                for r in live
+                if (r["framework"], r["weights"], r.get("tensor_parallel", 1))
+                == (row["framework"], row["weights"], row.get("tensor_parallel", 1))
+                and r["variant"] is None
+                and r["mode"] == mode
+            ),
             None,
         )
 
@@ -308,6 +364,8 @@ def add_comparisons(rows: list[dict[str, Any]], prompt_len: int) -> None:
         row["tokens_agree"] = bool(np.array_equal(row["tokens"], reference["tokens"]))
         row["tokens_reference"] = f"{reference['framework']} {reference['mode']}"
         row["agree_steps"] = agree_steps(row["tokens"], agree_reference["tokens"], prompt_len)
-        row["agree_reference"] = f"{agree_reference['framework']} {agree_reference['mode']}"
+        row["agree_reference"] = (
+            f"{agree_reference['framework']} {agree_reference['mode']} {agree_reference['weights']}"
+        )
     for row in live:
         del row["tokens"]

@@ -25,13 +25,13 @@ def differ_causes(rows: list[dict], dtype: str) -> str:
     causes = []
     if near:
         causes.append(
-            f"{', '.join(map(row_name, near))}: {dtype} near-ties part frameworks (kvports compare reports the "
-            "step and margin)"
+            f"{', '.join(dict.fromkeys(map(row_name, near)))}: {dtype} near-ties part frameworks (kvports compare "
+            "reports the step and margin)"
         )
     if rounded:
         formats = ", ".join(dict.fromkeys(row["weights"] for row in rounded))
         causes.append(
-            f"{', '.join(row_name(row) for row in rounded)}: weights rounded to {formats}, not {dtype}; the "
+            f"{', '.join(dict.fromkeys(map(row_name, rounded)))}: weights rounded to {formats}, not {dtype}; the "
             "rounding, not a near-tie, changes their tokens"
         )
     return "; ".join(causes)
@@ -46,12 +46,14 @@ def print_table(result: dict, show_targets: bool = False) -> None:
     live = [row for row in rows if row["available"]]
     title = (
         f"kvports bench: {s['preset']} ({s['parameters'] / 1e6:.1f}M parameters), batch {s['batch']}, "
-        f"prompt {s['prompt_len']}, {s['new_tokens']} new tokens, {s['dtype']}, {s['device']}; "
+        f"prompt {s['prompt_len']}, {s['new_tokens']} new tokens, {', '.join(s.get('formats') or [s['dtype']])}, "
+        f"{s['device']}; "
         f"median of {s['repeats']} after {s['warmup']} warm-up"
     )
     columns = [
         "framework",
         "mode",
+        "weights",
         "ttft ms",
         "decode ms",
         "p90 ms",
@@ -66,7 +68,8 @@ def print_table(result: dict, show_targets: bool = False) -> None:
     swept = any(row["sweep"] for row in live)
     speculative = any(row["mode"] == "speculative" for row in live)
     unavailable = any(not row["available"] for row in rows)
-    peers = bool(s.get("peers"))  # the leading tokens each row shares with the float32 reference
+    # The leading tokens each row shares with the float32 reference: beside the peers or other weight formats.
+    peers = bool(s.get("peers")) or len(s.get("formats") or ()) > 1
     columns += (
         ["agree"] * peers
         + ["roofline"] * roofline
@@ -75,14 +78,17 @@ def print_table(result: dict, show_targets: bool = False) -> None:
     )
     table = Table(title=title)
     for column in columns:
-        table.add_column(column, justify="left" if column in ("framework", "mode") else "right", no_wrap=True)
+        table.add_column(
+            column, justify="left" if column in ("framework", "mode", "weights") else "right", no_wrap=True
+        )
     if unavailable:
         table.add_column("reason", justify="left", overflow="fold")  # text: never inside a number column
     notes: list[str] = []
     for row in rows:
         name = row_name(row)
         if not row["available"]:
-            table.add_row(name, row["mode"], *["-"] * (len(columns) - 2), f"unavailable: {row['reason']}")
+            weights = row.get("weights") or "-"
+            table.add_row(name, row["mode"], weights, *["-"] * (len(columns) - 3), f"unavailable: {row['reason']}")
             continue
         if row["note"]:
             if row["note"] not in notes:
@@ -93,6 +99,7 @@ def print_table(result: dict, show_targets: bool = False) -> None:
         cells = [
             name,
             row["mode"],
+            str(row["weights"] or "-"),
             fmt(row["ttft_ms"], ".2f"),
             fmt(row["decode_ms_per_token"], ".3f"),
             fmt(row["decode_ms_p90"], ".3f"),
@@ -151,10 +158,12 @@ def print_table(result: dict, show_targets: bool = False) -> None:
     machine = result["machine"]
     if machine["bandwidth_gb_s"]:
         measured = ", ".join(f"{name} {value:.1f}" for name, value in machine["bandwidth_gb_s"].items())
+        by_dtype = machine.get("decode_bytes_per_step_by_dtype") or {s["dtype"]: machine["decode_bytes_per_step"]}
+        read = ", ".join(f"{value / 1e6:.1f} MB at {name}" for name, value in by_dtype.items())
         console.print(
             f"streaming bandwidth, GB/s, float32 {MATVEC_SHAPE[0]}x{MATVEC_SHAPE[1]} matrix-vector product: "
-            f"{measured}. Roofline: {machine['decode_bytes_per_step'] / 1e6:.1f} MB read per decode step "
-            "(weights + KV cache so far) over the best bandwidth on the row's device.",
+            f"{measured}. Roofline: {read} read per decode step (weights + KV cache so far, at the row's dtype) "
+            "over the best bandwidth on the row's device.",
             highlight=False,
             markup=False,
         )

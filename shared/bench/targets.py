@@ -8,8 +8,12 @@ from typing import Any
 
 def targets(rows: list[dict[str, Any]], settings: dict[str, Any]) -> list[dict[str, Any]]:
     """The development targets, at the settings they were set for (seed preset, batch 1; 500 new
-    tokens for cached against naive; gpt2-small for the roofline). Reported, never asserted."""
-    live = {(row["framework"], row["variant"], row["mode"]): row for row in rows if row["available"]}
+    tokens for cached against naive; gpt2-small for the roofline; the first weight format asked
+    for, float32 by default). Reported, never asserted."""
+    live: dict[tuple[str, str | None, str], dict[str, Any]] = {}
+    for row in rows:  # a port's first row per mode: at the first format, on one device
+        if row["available"]:
+            live.setdefault((row["framework"], row["variant"], row["mode"]), row)
     found = []
 
     def get(framework: str, mode: str, key: str) -> Any:
