@@ -161,7 +161,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         # NumPy has no rsqrt. sum / D, not mean: the same float, without ndarray.mean's Python bookkeeping.
-        return x * (1.0 / np.sqrt(np.square(x).sum(-1, keepdims=True) / x.shape[-1] + self.eps)) * self.weight  # [B, T, D]
+        mean_square = np.square(x).sum(-1, keepdims=True) / x.shape[-1]  # [B, T, 1]
+        return x * (1.0 / np.sqrt(mean_square + self.eps)) * self.weight  # [B, T, D]
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -183,7 +184,8 @@ class FeedForward(nn.Module):
     def forward(self, x: np.ndarray) -> np.ndarray:
         h = getattr(self, "0")(x)  # [B, T, ffn_dim] (swiglu: [B, T, 2 * ffn_dim])
         if self.activation == "swiglu":
-            gate, up = h[..., : h.shape[-1] // 2], h[..., h.shape[-1] // 2 :]  # [B, T, ffn_dim] each: slices, as qkv's
+            half = h.shape[-1] // 2
+            gate, up = h[..., :half], h[..., half:]  # [B, T, ffn_dim] each: slices, not np.split, as qkv's
             h = F.silu(gate) * up
         elif self.activation == "gelu_tanh":
             h = F.gelu_tanh(h)
