@@ -160,8 +160,9 @@ class RMSNorm(nn.Module):
         self.weight = np.ones((dim,), dtype=np.float32)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        # NumPy has no rsqrt.
-        return x * (1.0 / np.sqrt((x**2).mean(-1, keepdims=True) + self.eps)) * self.weight  # [B, T, D]
+        # NumPy has no rsqrt. sum / D, not mean: the same float, without ndarray.mean's Python bookkeeping.
+        mean_square = np.square(x).sum(-1, keepdims=True) / x.shape[-1]  # [B, T, 1]
+        return x * (1.0 / np.sqrt(mean_square + self.eps)) * self.weight  # [B, T, D]
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -183,7 +184,8 @@ class FeedForward(nn.Module):
     def forward(self, x: np.ndarray) -> np.ndarray:
         h = getattr(self, "0")(x)  # [B, T, ffn_dim] (swiglu: [B, T, 2 * ffn_dim])
         if self.activation == "swiglu":
-            gate, up = np.split(h, 2, axis=-1)  # [B, T, ffn_dim] each
+            half = h.shape[-1] // 2
+            gate, up = h[..., :half], h[..., half:]  # [B, T, ffn_dim] each: slices, not np.split, as qkv's
             h = F.silu(gate) * up
         elif self.activation == "gelu_tanh":
             h = F.gelu_tanh(h)
@@ -209,7 +211,8 @@ class Block(nn.Module):
         B, T, D = x.shape
         H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
         qkv = self.qkv(x).reshape(B, T, H + 2 * Hkv, Dh).transpose(0, 2, 1, 3)  # [B, H + 2 Hkv, T, Dh]
-        q, k, v = np.split(qkv, [H, H + Hkv], axis=1)  # [B, H, T, Dh], [B, Hkv, T, Dh], [B, Hkv, T, Dh]
+        # Slices, not np.split: its Python bookkeeping costs more than a decode step's views.
+        q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]  # [B, H, T, Dh], [B, Hkv, T, Dh], [B, Hkv, T, Dh]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
