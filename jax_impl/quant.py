@@ -60,17 +60,19 @@ class Int4Linear(nnx.Module):
         self, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray, bias: jax.Array | None, dtype: DTypeLike
     ):
         self.codes = nnx.Variable(jnp.asarray(codes, dtype=jnp.uint8))  # [out, in], 0..15
-        self.scales = nnx.Variable(jnp.asarray(scales, dtype=dtype))  # [out, in / 32]
-        self.mins = nnx.Variable(jnp.asarray(mins, dtype=dtype))  # [out, in / 32]
+        # float32 even for bfloat16 activations: each weight is made at float32 and rounded once, as torch's kernel does
+        self.scales = nnx.Variable(jnp.asarray(scales, dtype=jnp.promote_types(dtype, jnp.float32)))  # [out, in / 32]
+        self.mins = nnx.Variable(jnp.asarray(mins, dtype=jnp.promote_types(dtype, jnp.float32)))  # [out, in / 32]
         self.bias = None if bias is None else nnx.Param(bias)  # [out]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         codes = self.codes[...]
         out_features, in_features = codes.shape
-        groups = codes.reshape(out_features, in_features // Q4_GROUP, Q4_GROUP).astype(x.dtype)  # [out, in / 32, 32]
+        scales, mins = self.scales[...], self.mins[...]
+        groups = codes.reshape(out_features, -1, Q4_GROUP).astype(scales.dtype)  # [out, in / 32, 32]
         # w = scale * code + min, made inside the dot's loop (XLA fuses it): never a float copy of the weight
-        weight = groups * self.scales[...][..., None] + self.mins[...][..., None]  # [out, in / 32, 32]
-        out = F.linear(x, weight.reshape(out_features, in_features))  # [..., out]
+        weight = groups * scales[..., None] + mins[..., None]  # [out, in / 32, 32]
+        out = F.linear(x, weight.reshape(out_features, in_features).astype(x.dtype))  # [..., out]
         return out if self.bias is None else out + self.bias[...]
 
 

@@ -156,7 +156,7 @@ def load(
     """A framework's ("torch", "jax" or "numpy") model from a weights file, safetensors or GGUF
     (None: the seed's model), or a fetched model by name (`model="smollm2"`), in float32 or
     float64 (torch and JAX: bfloat16 too), on the "cpu" or a "gpu", checked as `kvports generate` checks
-    them; quant "int8" or "q4" (a Q4_0/Q4_1 GGUF file's own blocks): weight-only quantization (torch);
+    them; quant "int8" or "q4" (a Q4_0/Q4_1 GGUF file's own blocks): weight-only quantization (torch and JAX);
     split across `tensor_parallel` devices (torch and JAX; on the CPU, processes or simulated devices)."""
     run.check_names(framework, dtype, device, API, quant)
     check_tensor_parallel(tensor_parallel, framework, [], API)  # its range and its framework, before a file is read

@@ -174,5 +174,5 @@ def add_quant_argument(parser: argparse.ArgumentParser) -> None:
         choices=QUANTS,
         default="none",
         help="weight-only quantization: int8 (symmetric, per output channel, at load) or q4 (a Q4_0/Q4_1 GGUF "
-        "file's own 4-bit blocks; its other matrices int8); torch only (default none)",
+        "file's own 4-bit blocks; its other matrices int8); torch and jax (default none)",
     )
