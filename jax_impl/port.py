@@ -251,7 +251,7 @@ def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> l
 
 
 # ---------------------------------------------------------------- continuous batching
-# What shared/batching's engine calls: a pool of KV blocks shared by the running sequences,
+# What kvports/batching's engine calls: a pool of KV blocks shared by the running sequences,
 # and one step of the running batch over it (jax_impl/paged.py; docs/BATCHING.md).
 
 

@@ -4,9 +4,11 @@
     model = kvports.load("numpy")          # or load("torch", "model.safetensors", device="gpu")
     model.generate([160, 248, 104, 209, 394], new_tokens=8).generated
 
-Installed, everything lives under this one name (`kvports.shared`, `kvports.torch_impl`,
-`kvports.jax_impl`, `kvports.numpy_impl`, `kvports.baselines`), so nothing collides with
-another project's `shared`. In the repository those folders sit beside this one.
+This package is the application: the command line (`cli`, `commands/`), the run layer
+(`run`, `validation`), the bench, continuous batching, the checker and the file formats. The
+ports and what they share install under this one name too (`kvports.torch_impl`,
+`kvports.jax_impl`, `kvports.numpy_impl`, `kvports.shared`), so nothing collides with another
+project's `shared`; in the repository those folders sit beside this one.
 """
 
 import os as _os

@@ -6,7 +6,7 @@
     out.generated                                  # [[315, 391, 221, 120, 342, 371, 223, 418]]
     model.generate(prompts, kvports.GenerationConfig(8, temperature=0.8))  # nano-vllm's shape
 
-Both go straight to the run layer (`shared.run`) that the command line parses its flags into:
+Both go straight to the run layer (`kvports.run`) that the command line parses its flags into:
 the same checks, run once, and the same messages, except that a message names this API's
 argument (`new_tokens=0`) where the command line names its flag (`--new-tokens`).
 """
@@ -19,13 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kvports.shared import run
-from kvports.shared.checks import API, SEED_PROMPT, check_tensor_parallel, parse_prompt
+from kvports import run
+from kvports.run import Generation
+from kvports.shared.checks import API
 from kvports.shared.contract import OnToken
 from kvports.shared.errors import NonFiniteLogits, UserError, echo
 from kvports.shared.generation import GenerationConfig
-from kvports.shared.run import Generation
-from kvports.shared.threads import check_threads, use_threads
+from kvports.threads import check_threads, use_threads
+from kvports.validation import SEED_PROMPT, check_tensor_parallel, parse_prompt
 
 __all__ = ["Generation", "GenerationConfig", "Model", "UserError", "load"]
 
@@ -161,9 +162,9 @@ def load(
     run.check_names(framework, dtype, device, API, quant)
     check_tensor_parallel(tensor_parallel, framework, [], API)  # its range and its framework, before a file is read
     check_arguments(weights=weights, model=model)
-    check_threads(threads, API)  # threads=N: every framework's thread count, set before it starts (shared.threads)
+    check_threads(threads, API)  # threads=N: every framework's thread count, set before it starts (kvports.threads)
     if model is not None:
-        from kvports.shared.fetch import model_path
+        from kvports.hub import model_path
 
         if weights is not None:
             raise UserError("give weights= a file or model= a fetched model's name, not both")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from kvports.shared.checker import Report, run_check
+from kvports.checker import Report, run_check
 
 
 def check_implementation(path_or_module: str | ModuleType, family: str = "seed") -> Report:

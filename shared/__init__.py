@@ -1,24 +1,13 @@
-"""Framework-neutral parts of kvports. Imports NumPy (and safetensors, rich) and nothing
-heavier: matplotlib, tokenizers and transformers only inside the functions that need them.
+"""What the three ports share, framework-neutral: NumPy and nothing of the application.
 
-The core, which the ports import:
 - `config`: ModelConfig, the hyperparameters every port reads; KV-cache sizes
-- `weights`: the safetensors weights file every port loads
-- `checks`: every input check, with its message, before any framework code runs
-- `compare`: token comparison with float32's near-ties explained; logit differences
-- `generation`: how to generate (sampling settings, stop ids, seed), the shared random draws, ragged prompts
+- `shapes`: the model's tensors by name and shape (the state_dict every port's TinyModel holds)
+- `generation`: how to generate (sampling settings, stop ids, seeds), the shared random draws, padding
+- `quant`: int8 and 4-bit codes, made once for every port that quantizes
+- `checks`: the checks the ports' own calls make (generation settings, chunk sizes, key/value layout)
 - `contract`: what a port must provide (`Port`), and a bench baseline (`Baseline`)
-- `ports`: ports imported by name, lazily; one whose framework is not installed is reported as unavailable
-- `limits`: the bytes a run may allocate
-- `errors`, `files`, `families`, `progress`: small pieces the above and the tools share
+- `errors`, `files`: the one-line user error, and files written atomically
 
-The tools, which no port imports:
-- `run`: the run layer under the command line and the Python API: typed inputs, checked once,
-  one `generate` for every mode, a typed result
-- `cli`: the `kvports` command line (parses and dispatches); `arguments`: the argparse types
-- `commands/`: generate, compare, batch, init-weights, convert
-- `bench/`: `kvports bench`, one module per job (measuring, rows, targets, table, plots, batching)
-- `batching/`: the continuous-batching engine (requests, blocks, scheduler, engine)
-- `hf/`: Hugging Face directories in and out (config and tensor mapping, import, export, text)
-- `devices`: `--device` (where each framework runs, and why one cannot); `terminal`: tables printed whole
+The application (the command line, the run layer, the bench, batching, the checker, file
+formats) is the `kvports` package beside this folder, built on top of it.
 """

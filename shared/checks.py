@@ -1,32 +1,31 @@
-"""Input checks that run before any framework code.
+"""The checks the ports share, before any framework code runs: the generation settings every
+port's generators take (`GenerationConfig.validate`), forward_chunks' chunk sizes, and how N
+devices hold the key/value heads. Each names its value the way its caller does (`Names`: a
+command-line flag, or the Python API's own argument).
 
-JAX clamps an out-of-range gather or cache write without a word and NumPy wraps a
-negative index, so a bad id would give plausible, wrong tokens. Every check lives
-here, once, and every port gets the same message.
+JAX clamps an out-of-range gather or cache write without a word and NumPy wraps a negative
+index, so a bad value would give plausible, wrong tokens: every port gets the same message.
+The application's checks of a whole run (prompts, precision, drafts, devices) are
+kvports/validation.py's.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvports.shared.config import MAX_SIZE, QUANTS, ModelConfig
-from kvports.shared.errors import UserError, echo, echo_path
-from kvports.shared.files import check_writable_folder, os_errors_as_user_errors
-from kvports.shared.limits import check_count, check_run
+from kvports.shared.config import MAX_SIZE, ModelConfig
+from kvports.shared.errors import UserError, echo
 
 if TYPE_CHECKING:  # generation.py imports this module: its validate() is check_generation
     from kvports.shared.generation import GenerationConfig
 
-SEED_PROMPT = (160, 248, 104, 209, 394)
-MAX_ID_DIGITS = 30  # far past any vocabulary (config.MAX_SIZE has 10)
 MAX_SEED = 2**64 - 1  # Philox keys are 64-bit words
+
+
 # Every port divides the logits, cast to float64, by the temperature, and softmax subtracts
 # the largest. XLA computes x / T as x * (1 / T) in one fusion and as x / T in another: the two
 # differ by an ulp of x / T, which exp makes a factor e**ulp; once logits / T pass about 6e18
@@ -37,15 +36,12 @@ MAX_SEED = 2**64 - 1  # Philox keys are 64-bit words
 # The top is far past where sampling is already uniform (torch and JAX fail on a whole-number
 # temperature past int64, where NumPy runs).
 MAX_EXACT_LOGIT = 2**13
+
+
 MIN_TEMPERATURE = 1e-12  # a round number above MAX_EXACT_LOGIT / 2**53 = MAX_EXACT_LOGIT * finfo(float64).eps / 2
+
+
 MAX_TEMPERATURE = 1e18
-MAX_DRAFT_TOKENS = 16  # a verified chunk is K + 1 wide; past this the draft is the bottleneck anyway
-# Prompt lookup matches a few tokens; JAX compares n shifted copies of the token buffer, unrolled
-# in its compiled loop, so a huge n would compile without end (and one past the buffer fails).
-MAX_NGRAM = 64
-MODES = ("naive", "cached", "speculative")
-MAX_TENSOR_PARALLEL = 64  # devices one model is split across: far past any one machine's GPUs
-MAX_SAMPLES = 1024  # copies of one prompt: the batch they make is bounded again, in bytes, by check_run
 
 
 @dataclass(frozen=True)
@@ -86,25 +82,9 @@ COMMAND_LINE = Names(
         ("quant", "--quant"),
     ),
 )
+
+
 API = Names(api=True)
-
-
-def parse_prompt(text: str) -> list[int]:
-    """'1,2,3' -> [1, 2, 3]; anything but comma-separated integers in ASCII digits is refused
-    (Python's int() would also read `1_0`, Arabic-Indic and fullwidth digits)."""
-    parts = [part.strip() for part in text.split(",")]
-    if parts == [""]:
-        raise UserError("empty prompt: give at least one token id")
-    ids = []
-    for part in parts:
-        if part == "":
-            raise UserError(f"prompt {echo(text)} has an empty token id (stray comma?)")
-        if re.fullmatch(r"-?[0-9]+", part, flags=re.ASCII) is None:
-            raise UserError(f"prompt token {echo(part)} is not an integer")
-        if len(part.lstrip("-")) > MAX_ID_DIGITS:  # thousands of digits would only be slow to read and to echo
-            raise UserError(f"prompt token {echo(part)} has {len(part.lstrip('-'))} digits: no token id is that long")
-        ids.append(int(part))
-    return ids
 
 
 def is_integer(value: object) -> bool:
@@ -127,78 +107,6 @@ def check_choice(field: str, value: object, choices: Sequence[str], names: Names
     if not isinstance(value, str) or value not in choices:
         raise UserError(f"{names.show(field, repr(value))} is not one of {', '.join(choices)}")
     return value
-
-
-def check_prompts(
-    prompts: Sequence[Sequence[object]], config: ModelConfig, new_tokens: object, names: Names = COMMAND_LINE
-) -> list[list[int]]:
-    """The prompts as rows of ids, or a UserError naming the value and the limit."""
-    new_tokens = check_range("new_tokens", new_tokens, 1, names)
-    if len(prompts) == 0:
-        raise UserError("no prompt given")
-    batch: list[list[int]] = []
-    for index, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise UserError(f"prompt {index} is empty: give at least one token id")
-        batch.append([])
-        for token in prompt:
-            if not isinstance(token, (int, np.integer)) or isinstance(token, bool):
-                raise UserError(f"token id {echo(token)} in prompt {index} is not an integer")
-            if not 0 <= token < config.vocab_size:
-                raise UserError(
-                    f"token id {echo(int(token))} in prompt {index} is outside [0, {config.vocab_size}) "
-                    f"(vocab_size {config.vocab_size})"
-                )
-            batch[-1].append(int(token))
-    longest = max(len(prompt) for prompt in batch)
-    total = longest + new_tokens
-    if total > config.max_seq_len:
-        raise UserError(
-            f"prompt length {longest} + new tokens {new_tokens} = {total} exceeds max_seq_len {config.max_seq_len}"
-        )
-    return batch
-
-
-# The reduced precisions each port offers: where its framework has a fast product for them on the CPU
-# (NumPy has no bfloat16 and no integer matrix product that would beat its own float32 one).
-PRECISIONS = {"torch": ("bfloat16", "int8", "q4"), "jax": ("bfloat16", "int8", "q4"), "numpy": ()}
-
-
-def check_precision(framework: str, dtype: str, quant: object, names: Names = COMMAND_LINE) -> str:
-    """--dtype bfloat16 and --quant only where the framework offers them, and quant not over float64
-    activations: the same line for every port, before any framework code runs. The quant checked."""
-    quant = check_choice("quant", quant, QUANTS, names)
-    if quant != "none" and dtype == "float64":
-        raise UserError(
-            f"{names.show('quant', repr(quant) if names.api else quant)} needs float32 or bfloat16 activations, "
-            f"not {names.show('dtype', repr(dtype) if names.api else dtype)}: quantized weights have no float64 digits"
-        )
-    missing = missing_precision(framework, dtype, quant)
-    if missing is not None:
-        field = "dtype" if missing == dtype else "quant"
-        offered = [name for name, precisions in PRECISIONS.items() if missing in precisions]
-        raise UserError(  # the same line for every port without it
-            f"{names.show(field, repr(missing) if names.api else missing)} is offered by {', '.join(offered)} only, "
-            f"where the framework has a fast {missing} product"
-        )
-    return quant
-
-
-def check_q4_file(quant: str, has_q4: bool, source: str, names: Names = COMMAND_LINE) -> None:
-    """--quant q4 keeps a file's own 4-bit blocks: a file without any is refused (before it is read)."""
-    if quant == "q4" and not has_q4:
-        raise UserError(
-            f"{names.show('quant', repr(quant) if names.api else quant)} needs a GGUF file with Q4_0 or Q4_1 "
-            f"matrices; {echo_path(source)} has none"
-        )
-
-
-def missing_precision(framework: str, dtype: str, quant: str) -> str | None:
-    """The dtype or quant asked for that `framework` does not offer, or None."""
-    for value in (dtype, quant):
-        if any(value in precisions for precisions in PRECISIONS.values()) and value not in PRECISIONS[framework]:
-            return value
-    return None
 
 
 def check_chunk_sizes(chunk_sizes: Sequence[object], length: int) -> list[int]:
@@ -241,27 +149,6 @@ def check_generation(generation: GenerationConfig, vocab_size: int, names: Names
         check_int(names.label("stop_ids"), stop, 0, names.api, vocab_size - 1)
 
 
-def check_seeds(generation: GenerationConfig, rows: int, names: Names = COMMAND_LINE) -> None:
-    """Per-row seeds: one for each row of the batch, or none (every row then uses the one seed)."""
-    if generation.seeds and len(generation.seeds) != rows:
-        raise UserError(
-            f"{names.show('seeds', echo(list(generation.seeds)))} gives {len(generation.seeds)} seeds for "
-            f"{rows} prompts: give one seed, or one per prompt"
-        )
-
-
-def check_samples(num_samples: object, generation: GenerationConfig, rows: int, names: Names = COMMAND_LINE) -> int:
-    """--num-samples N: each prompt N times, seeded seed, seed + 1, ..., seed + N - 1 (each within a
-    Philox key word), at most MAX_SAMPLES copies of each, and one seed per prompt if seeds are given."""
-    count = check_range("num_samples", num_samples, 1, names, MAX_SAMPLES)
-    check_count(f"prompts x {names.label('num_samples')}", rows * count)
-    check_seeds(generation, rows, names)
-    top = max(generation.row_seeds(rows)) + count - 1
-    if top > MAX_SEED:
-        raise UserError(f"{names.show('num_samples', str(count))} takes the seed to {top}, above {MAX_SEED}")
-    return count
-
-
 def check_int(name: str, value: object, low: int, api: bool = False, high: int | None = None) -> int:
     shown = f"{name}=" if api else f"{name} "
     if not is_integer(value):
@@ -273,42 +160,6 @@ def check_int(name: str, value: object, low: int, api: bool = False, high: int |
     return int(value)
 
 
-def check_draft(mode: str, draft: str | None, draft_tokens: object, ngram: object, names: Names) -> None:
-    """A speculative run's draft settings (the draft file itself is read later, checked against the model)."""
-    if draft is None:
-        if names.api:
-            raise UserError(f"mode={mode!r} needs draft= a smaller model's weights file, or draft='ngram'")
-        raise UserError("--mode speculative needs --draft FILE (a smaller model) or --draft ngram")
-    check_draft_source(draft, names)
-    check_range("draft_tokens", draft_tokens, 1, names, MAX_DRAFT_TOKENS)
-    check_range("ngram", ngram, 1, names, MAX_NGRAM)
-
-
-def check_tensor_parallel(
-    tensor_parallel: object, framework: str, models: Sequence[tuple[str, ModelConfig]], names: Names = COMMAND_LINE
-) -> int:
-    """N devices for one model (Megatron-style): 1 is one device. Every model run (`models`: the
-    model, and a draft model) must split into N whole sets of query heads and N equal slices of
-    its FFN width; its key/value heads are split the same way when N divides them, or each one
-    copied to the devices whose query heads read it when they divide N (as vLLM does)."""
-    N = check_range("tensor_parallel", tensor_parallel, 1, names, MAX_TENSOR_PARALLEL)
-    shown = names.show("tensor_parallel", str(N))
-    if N > 1 and framework == "numpy":
-        raise UserError(f"numpy has no tensor parallelism; {shown} needs torch or jax")
-    for name, config in models if N > 1 else ():
-        if config.n_heads % N or config.ffn_dim % N:
-            raise UserError(
-                f"{shown} must divide {name}'s query heads (n_heads {config.n_heads}) and its FFN width "
-                f"(ffn_dim {config.ffn_dim}): each device takes whole heads and an equal slice of the FFN"
-            )
-        if kv_layout(config, N) is None:
-            raise UserError(
-                f"{shown} and {name}'s key/value heads (n_kv_heads {config.kv_heads}) must divide one another: "
-                "the heads are split across the devices, or each copied to the devices that read it"
-            )
-    return N
-
-
 def kv_layout(config: ModelConfig, tensor_parallel: int) -> str | None:
     """How N devices hold the key/value heads: "split" (each device its own Hkv / N), "replicate"
     (N a multiple of Hkv: each head copied to the N / Hkv devices whose query heads read it), or None."""
@@ -317,125 +168,7 @@ def kv_layout(config: ModelConfig, tensor_parallel: int) -> str | None:
     return "replicate" if tensor_parallel % config.kv_heads == 0 else None
 
 
-def check_draft_source(draft: str, names: Names = COMMAND_LINE) -> None:
-    """Before a draft file is opened: '' as a path would be the current folder."""
-    if draft.strip() == "":
-        raise UserError(f"{names.show('draft', repr(draft))} is empty: give a smaller model's weights file or 'ngram'")
-
-
-def check_ngram(ngram: int, prompt_len: int, new_tokens: int, names: Names = COMMAND_LINE) -> None:
-    """Prompt lookup's n-gram within the tokens a run holds (the prompt and the new tokens): a
-    longer one could never match, and JAX's compiled lookup slices the buffer by it."""
-    held = prompt_len + new_tokens
-    if ngram > held:
-        raise UserError(
-            f"{names.show('ngram', str(ngram))} is above prompt length {prompt_len} + new tokens {new_tokens} = "
-            f"{held}, the tokens the run holds"
-        )
-
-
-def check_needed(prompt_len: int, new_tokens: int, draft_tokens: int, models: list[tuple[str, ModelConfig]]) -> None:
-    needed = prompt_len + new_tokens + draft_tokens  # a round writes up to K past what it keeps
-    for name, model_config in models:
-        if needed > model_config.max_seq_len:
-            raise UserError(
-                f"prompt length {prompt_len} + new tokens {new_tokens} + draft tokens "
-                f"{draft_tokens} = {needed} exceeds {name}'s max_seq_len {model_config.max_seq_len}"
-            )
-
-
-def check_draft_model(config: ModelConfig, draft: ModelConfig) -> None:
-    if draft.vocab_size != config.vocab_size:
-        raise UserError(
-            f"the draft's vocab_size {draft.vocab_size} differs from the model's "
-            f"{config.vocab_size}: a draft must propose the target's tokens"
-        )
-
-
-def check_stop_flags(stop_ids: Sequence[int] | None, no_stop: bool) -> None:
-    if no_stop and stop_ids:
-        raise UserError("give --stop-id or --no-stop, not both")
-
-
-def check_text_flags(text: Sequence[str] | None, tokenizer: object, prompt: Sequence[str] | None, chat: bool) -> None:
-    """tokenizer: --tokenizer DIR, or True for a GGUF weights file's own; chat: --chat or --chat-file given."""
-    if (text is not None or chat) and not tokenizer:
-        raise UserError(
-            "--text and --chat need --tokenizer DIR (a folder holding tokenizer.json) or a GGUF file with its "
-            "tokenizer (--model NAME or --weights FILE.gguf)"
-        )
-    if chat and (prompt or text is not None):
-        raise UserError("give --chat/--chat-file, --text or --prompt, not two of them")
-    if text is not None and prompt:
-        raise UserError("give --prompt (token ids) or --text, not both")
-
-
-# ---------------------------------------------------------------- the bench's own flags
-
-
-def check_at_least(name: str, value: int, limit: int, why: str = "") -> None:
-    if value < limit:
-        raise UserError(f"{name} {value} is below {limit}{why}")
-
-
-def check_bench_counts(batch: int, prompt_len: int, new_tokens: int, repeats: int, warmup: int) -> None:
-    """The counts the bench needs, before anything loads. (Integers, not argparse types: the
-    messages name the rule each limit comes from.)"""
-    check_at_least("--batch", batch, 1)
-    check_at_least("--prompt-len", prompt_len, 1)
-    check_at_least("new tokens", new_tokens, 2, ": decode timing needs a step after the first token")
-    check_at_least("--repeats", repeats, 1)
-    check_at_least("--warmup", warmup, 1, ": the first call (and JAX's compile) must stay out of the figures")
-    flags = {"--batch": batch, "--prompt-len": prompt_len, "--new-tokens": new_tokens, "--repeats": repeats}
-    for name, value in {**flags, "--warmup": warmup}.items():
-        check_count(name, value)
-
-
-def check_bench_run(
-    config: ModelConfig, modes: Sequence[str], longest: int, dtype: str, batch: int, prompt_len: int, new_tokens: int
-) -> None:
-    """The bench's sizes against the model, and the bytes of its longest generation (`longest`
-    new tokens: --new-tokens, or a --sweep value) against the limit: before the prompts are
-    built or any tensor is read."""
-    total = prompt_len + new_tokens
-    if total > config.max_seq_len:
-        raise UserError(
-            f"prompt length {prompt_len} + new tokens {new_tokens} = {total} exceeds max_seq_len {config.max_seq_len}"
-        )
-    check_run(config, dtype, batch, prompt_len, longest, modes)
-
-
-def check_bench_outputs(plot: Path | None, csv: Path | None, as_json: bool) -> None:
-    """--plot and --csv, checked before anything runs: a long run must not fail at its end."""
-    if plot is not None:
-        if importlib.util.find_spec("matplotlib") is None:
-            raise UserError("--plot needs matplotlib: pip install 'kvports[plot]'")
-        with os_errors_as_user_errors(plot):
-            if plot.exists() and not plot.is_dir():
-                raise UserError(f"--plot {echo_path(plot)} is a file, not a folder")
-            check_writable_folder(plot.parent, plot.name)
-    if csv is not None and str(csv) == "-" and as_json:
-        raise UserError("--csv - and --json both print to stdout: give --csv a FILE")
-    if csv is not None and str(csv) != "-":
-        with os_errors_as_user_errors(csv):
-            if csv.is_dir():
-                raise UserError(f"--csv {echo_path(csv)} is a folder; give the file to write")
-            check_writable_folder(csv.parent, csv.name)
-
-
-# ---------------------------------------------------------------- --logprobs
-
-MAX_LOGPROBS = 20  # alternatives per step, as OpenAI's API bounds its own
-
-
-def check_logprobs(logprobs: object, mode: str, vocab_size: int, names: Names = COMMAND_LINE) -> int:
-    """0 (none), or the alternatives per step, at most 20 and the vocabulary; naive and cached
-    only: speculative decoding verifies a round of proposals at once and keeps no step's logits."""
-    count = check_range("logprobs", logprobs, 0, names, min(MAX_LOGPROBS, vocab_size))
-    if count and mode == "speculative":
-        how = "mode='naive' or 'cached'" if names.api else "--mode naive or cached"
-        raise UserError(
-            f"{names.show('logprobs', str(count))} needs {how}: speculative decoding verifies proposals in "
-            "rounds and keeps no step's logits"
-        )
-    return count
+def check_count(name: str, value: int, high: int = MAX_SIZE) -> None:
+    """A count read from the user, bounded before anything is sized by it."""
+    if value > high:
+        raise UserError(f"{name} {echo(value)} is above {high}")

@@ -39,7 +39,7 @@ class Timed(Protocol):
     def load_model(
         self, config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
     ) -> Model:
-        """A model from `shared.weights.load_weights`' tensors (the seed's names, Linear weights `(out, in)`);
+        """A model from `kvports.formats.weights.load_weights`' tensors (the seed's names, Linear weights `(out, in)`);
         dtype `"float32"` or `"float64"`; device `"cpu"` or `"gpu"`."""
         ...
 
@@ -92,7 +92,7 @@ class Port(Timed, Protocol):
     ) -> Model:
         """`Timed.load_model`, and dtype `"bfloat16"` (float32 tensors, cast; norms and softmax accumulate in
         float32) and quant `"int8"` (per output channel, at load) or `"q4"` (a GGUF's own 4-bit blocks beside the
-        dequantized tensors, `shared.quant.q4_names`) where `shared.checks.PRECISIONS` lists them; elsewhere
+        dequantized tensors, `shared.quant.q4_names`) where `kvports.validation.PRECISIONS` lists them; elsewhere
         they are refused before this is called. Split Megatron-style across `tensor_parallel` devices (checked
         beforehand by `checks.check_tensor_parallel`; NumPy: 1 only)."""
         ...
@@ -138,7 +138,7 @@ class Port(Timed, Protocol):
         """Forgets compiled programs (JAX), so a patched function is traced again; a no-op elsewhere."""
         ...
 
-    # Continuous batching (shared/batching's engine; docs/BATCHING.md): a pool of KV blocks and one step of
+    # Continuous batching (kvports/batching's engine; docs/BATCHING.md): a pool of KV blocks and one step of
     # the running batch over it.
 
     def init_block_pool(self, model: Any, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> Any:

@@ -19,9 +19,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 
-from kvports.shared import ports  # noqa: E402
-from kvports.shared.ports import PORTS  # noqa: E402
-from kvports.shared.weights import load_weights  # noqa: E402
+from kvports import registry  # noqa: E402
+from kvports.formats.weights import load_weights  # noqa: E402
+from kvports.registry import PORTS  # noqa: E402
 from tests.helpers import port_or_skip  # noqa: E402
 
 
@@ -48,5 +48,5 @@ def no_port_may_load(monkeypatch):
     def refuse(name):
         raise AssertionError(f"port {name} was loaded before the input was checked")
 
-    monkeypatch.setattr(ports, "load_port", refuse)
-    monkeypatch.setattr(ports, "available_port", refuse)
+    monkeypatch.setattr(registry, "load_port", refuse)
+    monkeypatch.setattr(registry, "available_port", refuse)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from kvports.shared import ports
-from kvports.shared.cli import main
-from kvports.shared.compare import Agreement, compare_tokens
+from kvports import registry
+from kvports.agreement import Agreement, compare_tokens
+from kvports.cli import main
 from kvports.shared.config import ModelConfig
 from kvports.shared.contract import Port
 
@@ -149,22 +149,22 @@ TINY_FAMILIES = {
 
 def port_or_skip(name: str) -> Port:
     """The port, skipping only where its framework is not installed: a port that fails to import is a failure."""
-    missing = ports.missing_packages(name)
+    missing = registry.missing_packages(name)
     if missing:
         pytest.skip(f"{name} is not installed ({', '.join(missing)} missing)")
-    return ports.load_port(name)
+    return registry.load_port(name)
 
 
 def hide_port(monkeypatch: pytest.MonkeyPatch, name: str, reason: str) -> None:
     """From here on, loading port `name` fails as it does where the framework is not installed."""
-    real = ports.load_port
+    real = registry.load_port
 
     def load_port(wanted: str) -> Port:
         if wanted == name:
-            raise ports.PortUnavailable(wanted, reason)
+            raise registry.PortUnavailable(wanted, reason)
         return real(wanted)
 
-    monkeypatch.setattr(ports, "load_port", load_port)
+    monkeypatch.setattr(registry, "load_port", load_port)
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -512,7 +512,7 @@ def tensor_parallel_runs(out: str, dtype: str = "float64", cases: tuple[str, ...
     from kvports.jax_impl.split import split_model
     from kvports.shared.generation import GenerationConfig
 
-    jax_port = ports.load_port("jax")
+    jax_port = registry.load_port("jax")
     prompts = np.array([[-1, 5, 9, 2], [7, 3, 11, 4]])  # [2, 4]: a left-padded row (PAD = -1) and a full one
     saved: dict[str, np.ndarray] = {}
     for family, config in TINY_FAMILIES.items():

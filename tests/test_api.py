@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 import kvports
-from kvports.shared import cli, ports
+from kvports import cli, registry
+from kvports.formats.weights import save_weights
 from kvports.shared.config import ModelConfig
-from kvports.shared.weights import save_weights
 from tests.helpers import GOLDEN, SEED_PROMPT, port_or_skip, random_weights, run_cli
 
 SEED = SEED_PROMPT[0].tolist()
 
 
-@pytest.fixture(scope="module", params=ports.PORTS)
+@pytest.fixture(scope="module", params=registry.PORTS)
 def model(request):
     """Each framework's model of the seed, loaded once."""
     port_or_skip(request.param)
@@ -214,7 +214,7 @@ def test_load_refuses_a_broken_weights_file_with_the_command_lines_message(capsy
     assert api_message(lambda: kvports.load("numpy", broken)) == expected
 
 
-@pytest.mark.parametrize("framework", [name for name in ports.PORTS if name not in ports.CPU_ONLY])
+@pytest.mark.parametrize("framework", [name for name in registry.PORTS if name not in registry.CPU_ONLY])
 def test_load_on_a_gpu_that_is_not_there_is_the_command_lines_error(capsys, monkeypatch, framework):
     port = port_or_skip(framework)
     monkeypatch.setattr(port, "resolve_device", lambda device: (_ for _ in ()).throw(RuntimeError("no GPU here")))
@@ -245,7 +245,7 @@ def test_a_generation_config_as_the_second_argument_is_the_keywords(model):
 
 
 def test_a_speculative_call_with_a_draft_file_reads_the_draft_once(tmp_path, monkeypatch):
-    from kvports.shared import run
+    from kvports import run
 
     numpy_model = kvports.load("numpy")
     draft = tmp_path / "draft.safetensors"
@@ -259,7 +259,7 @@ def test_a_speculative_call_with_a_draft_file_reads_the_draft_once(tmp_path, mon
 
 
 def test_one_generate_call_checks_its_inputs_once(monkeypatch):
-    from kvports.shared import run
+    from kvports import run
 
     numpy_model = kvports.load("numpy")
     calls = {name: 0 for name in ("check_prompts", "check_generation", "check_draft", "check_needed", "check_run")}

@@ -23,11 +23,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from kvports.shared.arguments import non_negative_int, positive_int
-from kvports.shared.config import MAX_SIZE, ModelConfig
-from kvports.shared.errors import UserError
-from kvports.shared.ports import PORTS
-from kvports.shared.weights import (
+from kvports.flags import non_negative_int, positive_int
+from kvports.formats.weights import (
     DEFAULT_WEIGHTS,
     SafetensorsFile,
     gpt2_init_weights,
@@ -35,6 +32,9 @@ from kvports.shared.weights import (
     open_weights,
     save_weights,
 )
+from kvports.registry import PORTS
+from kvports.shared.config import MAX_SIZE, ModelConfig
+from kvports.shared.errors import UserError
 from tests.helpers import assert_one_error_line, llama_config, llama_tensors, port_or_skip, run_cli, write_hf_dir
 
 SEED_BYTES = DEFAULT_WEIGHTS.read_bytes()
@@ -786,7 +786,7 @@ def test_numpy_and_jax_warnings_never_reach_stderr(port, tmp_path, capsys):
 
 def test_console_script_prints_no_traceback():
     argv = "generate --framework numpy --mode naive --prompt 1,2,999".split()
-    command = [sys.executable, "-m", "kvports.shared.cli", *argv]
+    command = [sys.executable, "-m", "kvports.cli", *argv]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == "error: token id 999 in prompt 0 is outside [0, 500) (vocab_size 500)\n"

@@ -10,14 +10,14 @@ import json
 import numpy as np
 import pytest
 
-from kvports.shared.batching.blocks import BlockManager, chain_hash
-from kvports.shared.batching.engine import BatchSettings, Engine
-from kvports.shared.batching.requests import Request, parse_requests
-from kvports.shared.batching.scheduler import MIN_FILL, Scheduler, Sequence
+from kvports.batching.blocks import BlockManager, chain_hash
+from kvports.batching.engine import BatchSettings, Engine
+from kvports.batching.requests import Request, parse_requests
+from kvports.batching.scheduler import MIN_FILL, Scheduler, Sequence
+from kvports.registry import PORTS
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, RowSampling, row_tokens
-from kvports.shared.ports import PORTS
 from tests.helpers import (
     TINY_FAMILIES,
     assert_one_error_line,
@@ -413,7 +413,7 @@ def test_bad_request_lines_are_reported_by_number_and_the_rest_parse():
 
 @pytest.fixture
 def weights_file(tmp_path, weights):
-    from kvports.shared.weights import save_weights
+    from kvports.formats.weights import save_weights
 
     path = tmp_path / "model.safetensors"
     save_weights(path, weights, CONFIG)
@@ -501,7 +501,7 @@ def test_batch_cli_user_errors_are_one_line_for_every_framework(
     def refuse(name):
         raise AssertionError("no port may load before the inputs are checked")
 
-    monkeypatch.setattr("kvports.shared.ports.load_port", refuse)
+    monkeypatch.setattr("kvports.registry.load_port", refuse)
     files = {"empty": "\n\n", "bad": '{"prompt": []}\n', "good": '{"prompt": [1]}\n'}
     for name, text in files.items():
         (tmp_path / f"{name}.jsonl").write_text(text)

@@ -1,4 +1,4 @@
-"""`kvports bench`: its JSON schema, CSV, plots, errors and the two baselines. Never timings:
+"""`kvports bench`: its JSON schema, CSV, plots, errors and the two kvports/baselines. Never timings:
 only that every time is a positive number and every size is the one the config implies."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import json
 import numpy as np
 import pytest
 
-from kvports.shared import cli, ports
-from kvports.shared.bench import command
-from kvports.shared.bench.measure import decode_bytes, fit_slope
-from kvports.shared.bench.presets import PRESETS
-from kvports.shared.bench.runners import DEFAULT_MODES, RUNNERS
-from kvports.shared.checks import PRECISIONS, missing_precision
+from kvports import cli, registry
+from kvports.bench import command
+from kvports.bench.measure import decode_bytes, fit_slope
+from kvports.bench.presets import PRESETS
+from kvports.bench.runners import DEFAULT_MODES, RUNNERS
+from kvports.formats.weights import gpt2_init_weights, load_weights
 from kvports.shared.config import ModelConfig, kv_cache_bytes
-from kvports.shared.weights import gpt2_init_weights, load_weights
+from kvports.validation import PRECISIONS, missing_precision
 from tests.helpers import (
     GOLDEN,
     SEED_PROMPT,
@@ -51,7 +51,7 @@ def baseline_or_skip(name: str):
     try:
         return importlib.import_module(f"kvports.baselines.{name}")
     except ImportError as exc:
-        pytest.skip(f"baselines.{name} needs a missing package ({exc})")
+        pytest.skip(f"kvports/baselines.{name} needs a missing package ({exc})")
 
 
 QUICK = ("torch", "numpy", "seed-concat")  # no compile, no heavy import: the quick run takes seconds
@@ -416,7 +416,7 @@ def test_speculative_rows_sit_beside_cached_with_their_counts(speculative_run):
         assert 0 < counts["target_forwards_per_token"] <= 1  # one forward per round, at least one token a round
         assert row["speedup_vs_cached"] > 0 and row["total_ms_per_token"] > 0 and row["tokens_agree"]
         # A compiled loop hands its tokens over when it returns: no per-step figures for it.
-        assert (row["decode_ms_per_token"] is None) == (row["framework"] in ports.COMPILES)
+        assert (row["decode_ms_per_token"] is None) == (row["framework"] in registry.COMPILES)
 
 
 def test_decode_bytes_count_weights_once_and_the_cache_so_far():
@@ -450,8 +450,8 @@ def test_gpt2_small_preset_is_gpt2_small_as_published():
 
 
 def test_chat_prompt_is_the_gguf_files_own_template_tokenized(capsys, tmp_path):
-    from kvports.shared.chat import chat_ids
-    from kvports.shared.gguf.tokenizer import gguf_tokenizer
+    from kvports.formats.chat import chat_ids
+    from kvports.formats.gguf.tokenizer import gguf_tokenizer
 
     path = write_gguf(tmp_path / "tiny.gguf", "F32")
     argv = ["bench", "--weights", path, "--new-tokens", "2", "--repeats", "1", "--frameworks", "numpy"]

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from kvports.shared.batching.requests import parse_requests, split_lines
+from kvports.batching.requests import parse_requests, split_lines
+from kvports.formats.weights import DEFAULT_WEIGHTS, gpt2_init_weights, save_weights
 from kvports.shared.checks import MIN_TEMPERATURE
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig
-from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, save_weights
 from tests.helpers import (
     TINY_FAMILIES,
     assert_one_error_line,
@@ -310,7 +310,7 @@ def test_init_weights_force_never_writes_over_the_shipped_seed_model(tmp_path, c
     """The shipped seed model is every command's default --weights (a copy stands in for it here)."""
     seed = tmp_path / "seed_model.safetensors"
     seed.write_bytes(DEFAULT_WEIGHTS.read_bytes())
-    monkeypatch.setattr("kvports.shared.commands.init_weights.DEFAULT_WEIGHTS", seed)
+    monkeypatch.setattr("kvports.commands.init_weights.DEFAULT_WEIGHTS", seed)
     link = tmp_path / "link.safetensors"
     os.link(seed, link)
     for out in (seed, link):

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvports.shared.checker import DIAGNOSES, variants
-from kvports.shared.checker.run import FAMILY_CONFIGS, family_weights, random_tokens
+from kvports.checker import DIAGNOSES, variants
+from kvports.checker.suite import FAMILY_CONFIGS, family_weights, random_tokens
+from kvports.registry import load_port
 from kvports.shared.errors import UserError
-from kvports.shared.ports import load_port
 from kvports.testing import check_implementation
 from tests.helpers import assert_one_error_line, run_cli
 

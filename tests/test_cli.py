@@ -10,14 +10,14 @@ import sys
 import numpy as np
 import pytest
 
-from kvports.shared import ports
-from kvports.shared.weights import DEFAULT_WEIGHTS, load_weights
+from kvports import registry
+from kvports.formats.weights import DEFAULT_WEIGHTS, load_weights
 from tests.helpers import GOLDEN, assert_one_error_line, hide_port, port_or_skip, run_cli
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("mode", ["naive", "cached"])
-@pytest.mark.parametrize("framework", ports.PORTS)
+@pytest.mark.parametrize("framework", registry.PORTS)
 def test_generate_json_is_one_object_with_the_contract_fields(capsys, framework, mode, dtype):
     port_or_skip(framework)
     code, out, _ = run_cli(
@@ -61,16 +61,16 @@ def test_generate_without_json_lists_prompt_and_tokens(capsys):
 
 def test_generate_with_an_uninstalled_framework_is_an_error(capsys, monkeypatch):
     def unavailable(name):
-        raise ports.PortUnavailable(name, "No module named 'jax'")
+        raise registry.PortUnavailable(name, "No module named 'jax'")
 
-    monkeypatch.setattr(ports, "load_port", unavailable)
+    monkeypatch.setattr(registry, "load_port", unavailable)
     err = assert_one_error_line(*run_cli(capsys, "generate", "--framework", "jax", "--mode", "cached"))
     assert err == "error: framework 'jax' is not available (No module named 'jax')\n"
 
 
 def test_compare_skips_an_uninstalled_framework_and_still_agrees(capsys, monkeypatch):
-    real = ports.available_port
-    monkeypatch.setattr(ports, "available_port", lambda name: None if name == "jax" else real(name))
+    real = registry.available_port
+    monkeypatch.setattr(registry, "available_port", lambda name: None if name == "jax" else real(name))
     code, out, _ = run_cli(capsys, "compare", "--json", "--new-tokens", "10")
     result = json.loads(out)
     assert code == 0 and result["ok"]
@@ -78,8 +78,8 @@ def test_compare_skips_an_uninstalled_framework_and_still_agrees(capsys, monkeyp
 
 
 def test_compare_without_torch_takes_the_first_installed_port_as_reference(capsys, monkeypatch):
-    real = ports.available_port
-    monkeypatch.setattr(ports, "available_port", lambda name: real(name) if name == "numpy" else None)
+    real = registry.available_port
+    monkeypatch.setattr(registry, "available_port", lambda name: real(name) if name == "numpy" else None)
     code, out, _ = run_cli(capsys, "compare", "--json", "--new-tokens", "5")
     result = json.loads(out)
     assert code == 0 and result["ok"] and result["reference"] == "numpy naive"
@@ -94,8 +94,8 @@ def test_compare_without_torch_takes_the_first_installed_port_as_reference(capsy
 
 
 def test_compare_table_says_not_installed(capsys, monkeypatch):
-    real = ports.available_port
-    monkeypatch.setattr(ports, "available_port", lambda name: real(name) if name == "numpy" else None)
+    real = registry.available_port
+    monkeypatch.setattr(registry, "available_port", lambda name: real(name) if name == "numpy" else None)
     code, out, _ = run_cli(capsys, "compare", "--new-tokens", "5")
     assert code == 0 and "reference: numpy naive" in " ".join(out.split())  # the title wraps
     assert re.findall(r"(\w+)\W+(naive|cached)\W+not installed", out) == [
@@ -107,7 +107,7 @@ def test_compare_table_says_not_installed(capsys, monkeypatch):
 
 
 def test_compare_reports_every_path_agreeing_on_the_golden_tokens(capsys):
-    for name in ports.PORTS:
+    for name in registry.PORTS:
         port_or_skip(name)
     # 20 tokens, not the demo's 100: every port's 100 golden tokens are test_generation's.
     code, out, _ = run_cli(capsys, "compare", "--json", "--new-tokens", "20")
@@ -134,9 +134,11 @@ def test_compare_exits_1_when_a_path_disagrees(capsys, monkeypatch):
             tokens[:, -1] = (tokens[:, -1] + 1) % 500  # a real bug: the last token is wrong
             return tokens, logits
 
-    real = ports.available_port
+    real = registry.available_port
     monkeypatch.setattr(
-        ports, "available_port", lambda name: Broken() if name == "numpy" else (None if name == "jax" else real(name))
+        registry,
+        "available_port",
+        lambda name: Broken() if name == "numpy" else (None if name == "jax" else real(name)),
     )
     code, out, _ = run_cli(capsys, "compare", "--json", "--new-tokens", "10")
     result = json.loads(out)
@@ -242,7 +244,7 @@ def test_version_prints_the_package_version(capsys):
 def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
     # `kvports generate --stream ... | head -1`: the reader leaves after one line; the writer
     # must stop without a traceback.
-    command = [sys.executable, "-m", "kvports.shared.cli", "generate", "--framework", "numpy", "--mode", "cached"]
+    command = [sys.executable, "-m", "kvports.cli", "generate", "--framework", "numpy", "--mode", "cached"]
     process = subprocess.Popen(
         [*command, "--stream", "--new-tokens", "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
@@ -253,9 +255,9 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
 
 
 def test_generate_checks_each_input_once(capsys, monkeypatch, tmp_path):
-    from kvports.shared import run
+    from kvports import run
+    from kvports.formats.weights import save_weights
     from kvports.shared.config import ModelConfig
-    from kvports.shared.weights import save_weights
     from tests.helpers import random_weights
 
     draft = tmp_path / "draft.safetensors"

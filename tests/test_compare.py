@@ -10,10 +10,10 @@ import json
 import numpy as np
 import pytest
 
-from kvports.shared import cli, ports
-from kvports.shared.compare import NEAR_TIE, comparable_steps, logit_difference, top2_margin
+from kvports import cli, registry
+from kvports.agreement import NEAR_TIE, comparable_steps, logit_difference, top2_margin
+from kvports.formats.weights import load_weights, save_weights
 from kvports.shared.generation import PAD, as_generation
-from kvports.shared.weights import load_weights, save_weights
 from tests.helpers import SEED_PROMPT, TINY_FAMILIES, port_or_skip, random_weights, run_cli
 
 NEW_TOKENS = 12
@@ -54,7 +54,7 @@ def row_of(result: dict, framework: str, mode: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["naive", "cached"])
-@pytest.mark.parametrize("framework", ports.PORTS)
+@pytest.mark.parametrize("framework", registry.PORTS)
 def test_logits_are_within_the_dtypes_bound_of_the_reference(compared, framework, mode):
     dtype, free, _ = compared
     row = row_of(free, framework, mode)
@@ -67,7 +67,7 @@ def test_logits_are_within_the_dtypes_bound_of_the_reference(compared, framework
 
 
 @pytest.mark.parametrize("mode", ["naive", "cached"])
-@pytest.mark.parametrize("framework", ports.PORTS)
+@pytest.mark.parametrize("framework", registry.PORTS)
 def test_teacher_forced_logits_cover_every_step_within_the_dtypes_bound(compared, framework, mode):
     dtype, _, forced = compared
     logits = row_of(forced, framework, mode)["logits"]
@@ -86,7 +86,7 @@ def test_every_row_carries_its_timings(compared):
     _, free, _ = compared
     for row in (row for row in free["rows"] if row["available"]):
         assert row["seconds"] > 0 and len(row["repeat_seconds"]) == 1
-        assert (row["compile_seconds"] is not None) == (row["framework"] in ports.COMPILES)
+        assert (row["compile_seconds"] is not None) == (row["framework"] in registry.COMPILES)
 
 
 # ---------------------------------------------------------------- a divergence at a near-tie
@@ -133,9 +133,9 @@ def test_teacher_forcing_compares_the_logits_past_a_near_tie(tmp_path, capsys, m
     second = int(np.argsort(logits[0, tie])[-2]) if chosen == int(np.argmax(logits[0, tie])) else 0
     assert tie < NEW_TOKENS - 2 and {chosen, second} == {0, 371}
     flipped = TieBrokenTheOtherWay(numpy_port, tie, second)
-    real = ports.available_port
+    real = registry.available_port
     monkeypatch.setattr(
-        ports, "available_port", lambda name: flipped if name == "numpy" else None if name == "jax" else real(name)
+        registry, "available_port", lambda name: flipped if name == "numpy" else None if name == "jax" else real(name)
     )
     argv = ["compare", "--json", "--weights", path, "--new-tokens", NEW_TOKENS, "--repeats", "1"]
     free = json.loads(run_cli(capsys, *argv)[1])

@@ -11,8 +11,8 @@ import types
 import numpy as np
 import pytest
 
+from kvports.registry import MODULES, PORTS
 from kvports.shared import contract
-from kvports.shared.ports import MODULES, PORTS
 from tests.helpers import SEED_PROMPT
 
 BASELINES = ("seed_concat", "hf_transformers", "torch_compile", "llama_cpp", "ctranslate2")

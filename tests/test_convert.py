@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from kvports.shared import ports
+from kvports import registry
+from kvports.formats.hf import import_hf
+from kvports.formats.weights import DEFAULT_WEIGHTS, gpt2_init_weights, load_weights, save_weights
 from kvports.shared.config import ModelConfig
-from kvports.shared.hf import import_hf
-from kvports.shared.weights import DEFAULT_WEIGHTS, gpt2_init_weights, load_weights, save_weights
 from tests.helpers import (
     D,
     F,
@@ -392,8 +392,10 @@ def test_tokenizer_folder_without_tokenizer_json_is_refused(tmp_path, capsys):
 
 
 def test_compare_reports_the_family(tmp_path, capsys, monkeypatch):
-    real = ports.available_port
-    monkeypatch.setattr(ports, "available_port", lambda name: real(name) if name == "numpy" else None)  # one is enough
+    real = registry.available_port
+    monkeypatch.setattr(
+        registry, "available_port", lambda name: real(name) if name == "numpy" else None
+    )  # one is enough
     config = mistral_config()
     directory = write_hf_dir(tmp_path / "mistral", config, llama_tensors(config))
     assert convert(capsys, "--from-hf", directory, "--out", tmp_path / "m.safetensors")[0] == 0

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvports.shared import ports
-from kvports.shared.devices import device_problem
+from kvports import registry
+from kvports.devices import device_problem
 from tests.helpers import assert_one_error_line, run_cli
 
-GPU_PORTS = [name for name in ports.PORTS if name not in ports.CPU_ONLY]
+GPU_PORTS = [name for name in registry.PORTS if name not in registry.CPU_ONLY]
 COMMANDS = {
     "generate torch": ["generate", "--framework", "torch", "--mode", "cached"],
     "generate jax": ["generate", "--framework", "jax", "--mode", "naive"],
@@ -21,7 +21,7 @@ COMMANDS = {
 def no_gpu(monkeypatch):
     """Every installed GPU-capable port finds no GPU, whatever this machine has."""
     for name in GPU_PORTS:
-        port = ports.available_port(name)
+        port = registry.available_port(name)
         if port is not None:
 
             def refuse(device, name=name, real=port.resolve_device):
@@ -35,7 +35,7 @@ def no_gpu(monkeypatch):
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_device_gpu_without_a_gpu_is_one_error_line(capsys, no_gpu, command):
     argv = COMMANDS[command]
-    if argv[0] == "generate" and ports.available_port(argv[2]) is None:
+    if argv[0] == "generate" and registry.available_port(argv[2]) is None:
         pytest.skip(f"{argv[2]} is not installed")
     err = assert_one_error_line(*run_cli(capsys, *argv, "--device", "gpu"))
     assert err.startswith("error: --device gpu: ") and "finds no GPU" in err
@@ -55,7 +55,7 @@ def test_bench_of_cpu_only_frameworks_on_a_gpu_is_refused(capsys):
 
 @pytest.mark.parametrize("name", GPU_PORTS)
 def test_a_port_without_a_gpu_says_which_build_it_is(name):
-    port = ports.available_port(name)
+    port = registry.available_port(name)
     if port is None:
         pytest.skip(f"{name} is not installed")
     problem = device_problem(port, "gpu")
@@ -66,7 +66,7 @@ def test_a_port_without_a_gpu_says_which_build_it_is(name):
 
 @pytest.mark.parametrize("argv", [COMMANDS["generate torch"], COMMANDS["compare"]])
 def test_device_cpu_is_the_default_and_said_in_the_json(capsys, argv):
-    if ports.available_port("torch") is None:
+    if registry.available_port("torch") is None:
         pytest.skip("torch is not installed")
     code, out, _ = run_cli(capsys, *argv, "--json", "--new-tokens", "2")
     assert code == 0 and '"device": "cpu"' in out

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvports.shared import fetch
+from kvports import hub as fetch
 from kvports.shared.errors import UserError
 from tests.helpers import assert_one_error_line, run_cli
 

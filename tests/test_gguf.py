@@ -10,12 +10,12 @@ import shutil
 import numpy as np
 import pytest
 
-from kvports.shared.chat import gguf_chat_prompt
+from kvports.formats.chat import gguf_chat_prompt
+from kvports.formats.gguf import reader as gguf_reader
+from kvports.formats.gguf.tokenizer import gguf_tokenizer
+from kvports.formats.weights import GGUFWeights, open_weights
+from kvports.registry import PORTS
 from kvports.shared.generation import GenerationConfig
-from kvports.shared.gguf import reader as gguf_reader
-from kvports.shared.gguf.tokenizer import gguf_tokenizer
-from kvports.shared.ports import PORTS
-from kvports.shared.weights import GGUFWeights, open_weights
 from tests.helpers import (
     CHATML,
     GGUF_SIZE,
@@ -260,7 +260,7 @@ def test_metadata_array_longer_than_its_bound_is_refused(files, monkeypatch):
 
 
 def test_convert_from_gguf_writes_the_dequantized_weights(capsys, files, tmp_path):
-    from kvports.shared.weights import load_weights
+    from kvports.formats.weights import load_weights
 
     code, _, err = run_cli(capsys, "convert", "--from-gguf", files["Q4_1"], "--out", tmp_path / "q.safetensors")
     assert code == 0, err
@@ -274,7 +274,7 @@ def test_convert_from_gguf_writes_the_dequantized_weights(capsys, files, tmp_pat
 
 
 def test_convert_to_hf_from_gguf_writes_a_llama_directory_that_converts_back(capsys, files, tmp_path):
-    from kvports.shared.weights import load_weights
+    from kvports.formats.weights import load_weights
 
     assert run_cli(capsys, "convert", "--to-hf", files["Q8_0"], "--out", tmp_path / "hf")[0] == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"

@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("transformers")
 import torch
 
-from kvports.shared.cli import main
+from kvports.cli import main
+from kvports.formats.weights import load_weights
 from kvports.shared.generation import pad_prompts
-from kvports.shared.weights import load_weights
 from tests.helpers import random_prompts
 from tests.hf_util import CASES, hf_generate, save_hf
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvports.formats.hf.hf_config import config_from_hf
 from kvports.shared.errors import UserError
-from kvports.shared.hf.config import config_from_hf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_configs"
 

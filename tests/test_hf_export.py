@@ -9,9 +9,9 @@ import pytest
 pytest.importorskip("transformers")
 import torch
 
-from kvports.shared.cli import main
-from kvports.shared.hf import import_hf
-from kvports.shared.weights import DEFAULT_WEIGHTS
+from kvports.cli import main
+from kvports.formats.hf import import_hf
+from kvports.formats.weights import DEFAULT_WEIGHTS
 from tests.helpers import GOLDEN, SEED_PROMPT, assert_same_tensors
 from tests.hf_util import CASES
 

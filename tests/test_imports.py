@@ -1,6 +1,6 @@
-"""The import structure, read from the sources (AST): no cycle among kvports' modules; shared's
-core imports only shared's core and no framework; a port imports shared's core and itself,
-never the bench, the command line or another port."""
+"""The import structure, read from the sources (AST): no cycle among kvports' modules; shared/
+(what the ports share) imports nothing of the application and no framework but NumPy; a port
+imports shared and itself, never the application (kvports/) or another port."""
 
 from __future__ import annotations
 
@@ -20,30 +20,8 @@ FOLDERS = {
     "torch_impl": "kvports.torch_impl",
     "jax_impl": "kvports.jax_impl",
     "numpy_impl": "kvports.numpy_impl",
-    "baselines": "kvports.baselines",
 }
 PORTS = ("kvports.torch_impl", "kvports.jax_impl", "kvports.numpy_impl")
-# shared's core: what a port may import. The tools (cli, commands, bench, hf) sit on top of it.
-CORE = {"kvports", "kvports.version", "kvports.shared"} | {
-    f"kvports.shared.{name}"
-    for name in (
-        "checks",
-        "compare",
-        "config",
-        "contract",
-        "errors",
-        "families",
-        "files",
-        "generation",
-        "gguf",
-        "gguf.reader",
-        "limits",
-        "ports",
-        "progress",
-        "quant",
-        "weights",
-    )
-}
 FRAMEWORKS = {"torch", "jax", "jaxlib", "flax"}
 LAZY_ONLY = {"transformers", "tokenizers", "matplotlib", "gguf", "jinja2"}  # shared may use these inside functions only
 
@@ -106,7 +84,7 @@ def imported(node: ast.stmt, package: str, known: set[str]) -> list[str]:
     if node.level:
         anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
         base = ".".join(anchor + ([base] if base else []))
-    # `from kvports.shared import ports` imports a module; `from kvports.shared.ports import PORTS` a name.
+    # `from kvports import registry` imports a module; `from kvports.registry import PORTS` a name.
     return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
 
 
@@ -153,6 +131,9 @@ def within(name: str, package: str) -> bool:
 
 
 MODULES = read_modules()
+# The application's subpackages (kvports.bench, kvports.commands, ...), and what the ports share.
+PACKAGES = {name for name, module in MODULES.items() if module.path.name == "__init__.py" and name.count(".") == 1}
+SHARED = {name for name in MODULES if within(name, "kvports.shared")}
 
 
 def edges(module: Module, dynamic: bool = False) -> set[str]:
@@ -169,11 +150,11 @@ def test_kvports_modules_import_each_other_without_a_cycle():
 
 
 def package_of(name: str) -> str:
-    """A module of a subpackage of kvports.shared (kvports.shared.bench.rows) as that subpackage
-    (kvports.shared.bench); any other module as itself."""
+    """A module of a subpackage of the application (kvports.bench.rows, kvports.formats.gguf.reader)
+    as that subpackage (kvports.bench, kvports.formats); any other module as itself."""
     parts = name.split(".")
-    if parts[:2] == ["kvports", "shared"] and len(parts) > 3:
-        return ".".join(parts[:3])
+    if len(parts) > 2 and f"{parts[0]}.{parts[1]}" in PACKAGES:
+        return ".".join(parts[:2])
     return name
 
 
@@ -187,24 +168,20 @@ def package_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_shared_subpackages_import_each_other_without_a_cycle():
+def test_application_subpackages_import_each_other_without_a_cycle():
     # bench importing commands while commands import bench is a cycle even where no two files import each other.
     assert find_cycle(package_graph()) is None
 
 
 def test_a_cycle_between_packages_is_found_where_no_two_files_form_one():
-    graph = {package_of(a): {package_of(b)} for a, b in (("kvports.shared.bench.x", "kvports.shared.commands.y"),)}
-    graph[package_of("kvports.shared.commands.z")] = {package_of("kvports.shared.bench.w")}
-    assert find_cycle(graph) == ["kvports.shared.bench", "kvports.shared.commands", "kvports.shared.bench"]
+    graph = {package_of(a): {package_of(b)} for a, b in (("kvports.bench.x", "kvports.commands.y"),)}
+    graph[package_of("kvports.commands.z")] = {package_of("kvports.bench.w")}
+    assert find_cycle(graph) == ["kvports.bench", "kvports.commands", "kvports.bench"]
 
 
-# The package root offers the Python API (kvports.load), imported on first use, not by `import kvports`.
-ROOT_API = {"kvports": {"kvports.api"}}
-
-
-@pytest.mark.parametrize("name", sorted(CORE))
-def test_shared_core_imports_only_shared_core(name):
-    assert sorted(edges(MODULES[name]) - CORE - ROOT_API.get(name, set())) == []
+@pytest.mark.parametrize("name", sorted(SHARED))
+def test_shared_imports_nothing_of_the_application(name):
+    assert sorted(edges(MODULES[name], dynamic=True) - SHARED) == []
 
 
 def test_the_package_root_loads_its_api_only_on_first_use():
@@ -214,20 +191,20 @@ def test_the_package_root_loads_its_api_only_on_first_use():
 
 
 @pytest.mark.parametrize("port", PORTS)
-def test_a_port_imports_only_shared_core_and_itself(port):
+def test_a_port_imports_only_shared_and_itself(port):
     found = {target for module in MODULES.values() if within(module.name, port) for target in edges(module)}
-    assert sorted(target for target in found if target not in CORE and not within(target, port)) == []
+    assert sorted(target for target in found if target not in SHARED and not within(target, port)) == []
 
 
-def test_baselines_import_no_tool_of_shared():
+def test_baselines_import_no_command_and_no_bench():
     found = {
         target for module in MODULES.values() if within(module.name, "kvports.baselines") for target in edges(module)
     }
-    tools = ("kvports.shared.cli", "kvports.shared.commands", "kvports.shared.bench")
+    tools = ("kvports.cli", "kvports.commands", "kvports.bench")
     assert sorted(target for target in found if any(within(target, tool) for tool in tools)) == []
 
 
-@pytest.mark.parametrize("name", sorted(name for name in MODULES if within(name, "kvports.shared")))
+@pytest.mark.parametrize("name", sorted(SHARED))
 def test_shared_imports_no_framework_and_heavy_libraries_only_inside_functions(name):
     module = MODULES[name]
     assert sorted((module.external_at_import | module.external_lazy) & FRAMEWORKS) == []
@@ -254,9 +231,9 @@ def test_find_cycle_finds_one_and_only_one():
 
 
 def test_the_reader_sees_static_lazy_and_by_name_imports():
-    ports = MODULES["kvports.shared.ports"]
-    assert "kvports.numpy_impl.port" in ports.loads  # importlib.import_module(MODULES[name])
-    assert "kvports.shared.contract" in ports.imports
-    assert "matplotlib" in MODULES["kvports.shared.bench.plots"].external_lazy
-    assert "kvports.shared.commands.compare" in MODULES["kvports.shared.cli"].imports  # from ... import compare
+    registry = MODULES["kvports.registry"]
+    assert "kvports.numpy_impl.port" in registry.loads  # importlib.import_module(MODULES[name])
+    assert "kvports.shared.contract" in registry.imports
+    assert "matplotlib" in MODULES["kvports.bench.plots"].external_lazy
+    assert "kvports.commands.compare" in MODULES["kvports.cli"].imports  # from ... import compare
     assert "torch" in MODULES["kvports.torch_impl.port"].external_at_import

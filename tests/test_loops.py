@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import kvports
-from kvports.shared.batching.engine import BatchSettings, Engine
-from kvports.shared.batching.requests import Request
+from kvports.batching.engine import BatchSettings, Engine
+from kvports.batching.requests import Request
+from kvports.formats.weights import save_weights
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import NonFiniteLogits, UserError
 from kvports.shared.generation import GenerationConfig, pad_prompts, row_tokens
-from kvports.shared.weights import save_weights
 from tests.helpers import assert_one_error_line, random_weights, run_cli
 
 # Learned positions (an overflow can be placed at one), RMSNorm (no mean subtracted: a dimension

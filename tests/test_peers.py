@@ -10,11 +10,11 @@ import json
 import numpy as np
 import pytest
 
-from kvports.shared.bench.rows import agree_steps
-from kvports.shared.bench.runners import PEERS_MISSING
-from kvports.shared.gguf.reader import open_reader
-from kvports.shared.gguf.writer import NOT_COPIED, cached_gguf, write_gguf
-from kvports.shared.weights import open_weights
+from kvports.bench.rows import agree_steps
+from kvports.bench.runners import PEERS_MISSING
+from kvports.formats.gguf.reader import open_reader
+from kvports.formats.gguf.writer import NOT_COPIED, cached_gguf, write_gguf
+from kvports.formats.weights import open_weights
 from tests.helpers import assert_same_tensors, assert_tokens_agree, port_or_skip, run_cli
 from tests.helpers import write_gguf as write_source_gguf
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvports.shared import ports
+from kvports import registry
 
 
 class BrokenImport(importlib.abc.MetaPathFinder):
@@ -25,8 +25,8 @@ class BrokenImport(importlib.abc.MetaPathFinder):
 
 def forget_port(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """From here on (until the test ends), port `name` is imported afresh."""
-    monkeypatch.setattr(ports, "_loaded", {})
-    package = ports.MODULES[name].rsplit(".", 1)[0]
+    monkeypatch.setattr(registry, "_loaded", {})
+    package = registry.MODULES[name].rsplit(".", 1)[0]
     for module in [module for module in sys.modules if module == package or module.startswith(package + ".")]:
         monkeypatch.delitem(sys.modules, module)
 
@@ -35,26 +35,26 @@ def test_an_import_error_inside_a_port_surfaces_instead_of_reading_as_not_instal
     forget_port(monkeypatch, "numpy")
     monkeypatch.setattr(sys, "meta_path", [BrokenImport("kvports.numpy_impl.nn"), *sys.meta_path])
     with pytest.raises(ImportError, match="nn_typo") as failure:
-        ports.load_port("numpy")
-    assert not isinstance(failure.value, ports.PortUnavailable)
+        registry.load_port("numpy")
+    assert not isinstance(failure.value, registry.PortUnavailable)
 
 
 def test_a_framework_that_is_not_installed_makes_its_port_unavailable(monkeypatch):
     forget_port(monkeypatch, "jax")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "jax" else real(name, *rest))
-    with pytest.raises(ports.PortUnavailable, match="jax not installed"):
-        ports.load_port("jax")
-    assert ports.available_port("jax") is None
+    with pytest.raises(registry.PortUnavailable, match="jax not installed"):
+        registry.load_port("jax")
+    assert registry.available_port("jax") is None
 
 
-@pytest.mark.parametrize("name", ports.PORTS)
+@pytest.mark.parametrize("name", registry.PORTS)
 def test_every_port_whose_framework_is_installed_loads(name):
     # The [all] install (the development venv) has torch and JAX: each port must import there.
-    if ports.missing_packages(name):
+    if registry.missing_packages(name):
         pytest.skip(f"{name}'s framework is not installed here (tools/check_numpy_only.py covers that install)")
-    assert ports.load_port(name).NAME == name
+    assert registry.load_port(name).NAME == name
 
 
 def test_numpy_needs_nothing_but_numpy():
-    assert ports.missing_packages("numpy") == []
+    assert registry.missing_packages("numpy") == []

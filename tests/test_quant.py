@@ -1,5 +1,5 @@
 """Fewer bits: --dtype bfloat16, --quant int8 and --quant q4 run where a port offers them
-(shared.checks.PRECISIONS), cost what compare reports against the float32 path on the same
+(kvports.validation.PRECISIONS), cost what compare reports against the float32 path on the same
 weights, leave float64 alone, and are refused in one line, the same for every port without them."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import kvports
-from kvports.shared.checks import PRECISIONS
-from kvports.shared.compare import comparable_steps, compare_tokens, logit_difference, top2_margin
+from kvports.agreement import comparable_steps, compare_tokens, logit_difference, top2_margin
+from kvports.formats.weights import GGUFWeights
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.quant import float_tensors, q4_names
-from kvports.shared.weights import GGUFWeights
+from kvports.validation import PRECISIONS
 from tests.helpers import (
     TINY_FAMILIES,
     assert_logits_close,

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 import kvports
+from kvports.registry import COMPILES, PORTS
 from kvports.shared.config import MAX_SIZE
-from kvports.shared.ports import COMPILES, PORTS
 from tests.helpers import GOLDEN, SEED_PROMPT, assert_one_error_line, port_or_skip, run_cli
 
 SEED = SEED_PROMPT[0].tolist()
@@ -117,7 +117,7 @@ def closed_pipe_status(*argv: str) -> tuple[int, str]:
     """(exit status, stderr) of `kvports ARGV | true`: the reader is gone before the first write.
     (A reader that leaves after one byte would race a command whose whole output fits the pipe's
     buffer in one write: it could finish before the reader left.)"""
-    command = [sys.executable, "-m", "kvports.shared.cli", *argv]
+    command = [sys.executable, "-m", "kvports.cli", *argv]
     writer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert writer.stdout is not None and writer.stderr is not None
     writer.stdout.close()  # the pipe's only reader end goes away: every write to it fails
@@ -135,7 +135,7 @@ def closed_pipe_status(*argv: str) -> tuple[int, str]:
     ],
 )
 def test_a_closed_pipe_ends_every_command_quietly_with_one_status(argv):
-    from kvports.shared.cli import EXIT_BROKEN_PIPE
+    from kvports.cli import EXIT_BROKEN_PIPE
 
     status, err = closed_pipe_status(*argv)
     assert (status, "Traceback" in err) == (EXIT_BROKEN_PIPE, False), err

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from scipy.special import log_softmax
 
-from kvports.shared import run
-from kvports.shared.chat import chat_ids
+from kvports import run
+from kvports.formats.chat import chat_ids
+from kvports.formats.gguf.tokenizer import gguf_tokenizer
+from kvports.registry import PORTS
 from kvports.shared.generation import GenerationConfig
-from kvports.shared.gguf.tokenizer import gguf_tokenizer
-from kvports.shared.ports import PORTS
-from kvports.shared.threads import max_threads
+from kvports.threads import max_threads
 from tests.helpers import SEED_PROMPT, assert_one_error_line, port_or_skip, run_cli, write_gguf
 
 SEED = SEED_PROMPT[0].tolist()
@@ -27,10 +27,10 @@ SEED = SEED_PROMPT[0].tolist()
 @pytest.fixture
 def no_threads_change(monkeypatch):
     """An in-process command asked for --threads leaves the test process's threads as they were."""
-    from kvports.shared import threads
+    from kvports import threads
 
     monkeypatch.setattr(threads, "use_threads", lambda count: None)
-    for module in ("kvports.shared.commands.generate", "kvports.shared.commands.compare"):
+    for module in ("kvports.commands.generate", "kvports.commands.compare"):
         monkeypatch.setattr(f"{module}.use_threads", lambda count: None)
 
 
@@ -64,7 +64,7 @@ EXPECTED = {"torch": "2 2", "numpy": "2", "jax": "2 2"}
 def test_threads_reach_the_framework(port):
     name = port.NAME
     script = (
-        "from kvports.shared.cli import main; "
+        "from kvports.cli import main; "
         f"assert main(['generate', '--framework', '{name}', '--mode', 'cached', '--new-tokens', '2', '--threads', '2'])"
         f" == 0; {REPORTED[name]}"
     )
@@ -270,7 +270,7 @@ def test_messages_without_a_gguf_file_say_what_they_need(capsys, tmp_path):
 def test_the_seeds_default_prompt_outside_another_vocabulary_says_to_give_a_prompt(
     capsys, no_port_may_load, tmp_path, command
 ):
-    from kvports.shared.weights import gpt2_init_weights, save_weights
+    from kvports.formats.weights import gpt2_init_weights, save_weights
     from tests.helpers import TINY_FAMILIES
 
     config = TINY_FAMILIES["gpt2"]  # a vocabulary of 64
@@ -349,7 +349,7 @@ def test_a_prompt_file_that_cannot_be_read_is_one_error_line(capsys, no_port_may
 
 def bench_with_probes(capsys, monkeypatch, seconds: list[float], *extra: str) -> tuple[dict, list[int]]:
     """`kvports bench` of NumPy with its bandwidth probe timed at `seconds`, one figure per probe."""
-    from kvports.shared.ports import load_port
+    from kvports.registry import load_port
 
     numpy_port = load_port("numpy")
     calls: list[int] = []
@@ -383,7 +383,7 @@ def test_a_roofline_still_below_1_is_flagged_in_the_table(capsys, monkeypatch):
 def test_load_average_of_the_batching_bench_is_rounded(monkeypatch):
     import os
 
-    from kvports.shared.bench.batching import machine
+    from kvports.bench.throughput import machine
 
     monkeypatch.setattr(os, "getloadavg", lambda: (4.57373046875, 1.0, 1.0))
     assert machine(None)["load_average"] == [None, 4.57]
@@ -409,8 +409,8 @@ def test_the_api_returns_logprobs(port):
 
 
 def test_the_batching_benchs_bar_counts_a_run_once_it_has_finished(capsys, monkeypatch):
-    from kvports.shared.bench import batching
-    from kvports.shared.weights import DEFAULT_WEIGHTS
+    from kvports.bench import throughput as batching
+    from kvports.formats.weights import DEFAULT_WEIGHTS
 
     seen: list[tuple[str, int]] = []
 

@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from kvports.shared.chat import chat_ids
+from kvports.formats.chat import chat_ids
+from kvports.formats.gguf.tokenizer import gguf_tokenizer
+from kvports.formats.weights import GGUFWeights
+from kvports.hub import model_path
 from kvports.shared.errors import UserError
-from kvports.shared.fetch import model_path
 from kvports.shared.generation import GenerationConfig
-from kvports.shared.gguf.tokenizer import gguf_tokenizer
-from kvports.shared.weights import GGUFWeights
 from tests.helpers import assert_tokens_agree, run_cli
 
 pytestmark = pytest.mark.slow

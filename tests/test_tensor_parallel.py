@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import kvports
-from kvports.shared.checks import API, COMMAND_LINE, check_tensor_parallel
+from kvports.shared.checks import API, COMMAND_LINE
+from kvports.validation import check_tensor_parallel
 from tests.helpers import (
     TINY_FAMILIES,
     TP_CASES,

@@ -7,9 +7,10 @@ import os
 import numpy as np
 import pytest
 
+from kvports.formats.weights import load_weights, save_weights
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
-from kvports.shared.weights import expected_shapes, load_weights, save_weights
+from kvports.shared.shapes import expected_shapes
 
 
 def test_expected_names_are_the_seed_state_dict_in_order():

@@ -47,7 +47,8 @@ def section() -> str:
             BEGIN,
             f"### `Port`: every `port.py`\n{' '.join(inspect.getdoc(contract.Port).split())}",
             table(contract.Port),
-            f"### `Baseline`: every baseline in `baselines/`\n{' '.join(inspect.getdoc(contract.Baseline).split())}",
+            "### `Baseline`: every baseline in `kvports/baselines/`\n"
+            + " ".join(inspect.getdoc(contract.Baseline).split()),
             table(contract.Baseline),
             END,
         ]

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from kvports.shared.fetch import model_path
-    from kvports.shared.weights import open_weights
+    from kvports.formats.weights import open_weights
+    from kvports.hub import model_path
     from kvports.torch_impl import port
 
     modes = [tuple(mode.split(":")) for mode in args.modes.split(",")]

@@ -54,10 +54,10 @@ def time_orders(rounds: int) -> None:
 
 def time_step(rounds: int, steps: int = 32) -> None:
     import kvports.numpy_impl.functional as F
+    from kvports.formats.weights import open_weights
+    from kvports.hub import model_path
     from kvports.numpy_impl import port
     from kvports.numpy_impl.model import init_cache
-    from kvports.shared.fetch import model_path
-    from kvports.shared.weights import open_weights
 
     with open_weights(model_path("smollm2")) as file:
         model = port.load_model(file.config, file.read("float32"))

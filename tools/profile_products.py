@@ -82,8 +82,8 @@ def torch_profile(new_tokens: int) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from kvports.shared.fetch import model_path
-    from kvports.shared.weights import open_weights
+    from kvports.formats.weights import open_weights
+    from kvports.hub import model_path
     from kvports.torch_impl import port
 
     with open_weights(model_path("smollm2")) as file:

@@ -1,4 +1,4 @@
-"""mypy over kvports as it installs (kvports/shared/..., kvports/baselines/...), from the checkout.
+"""mypy over kvports as it installs (kvports/shared/..., kvports/torch_impl/...), from the checkout.
 
 pyproject maps kvports.shared to the top-level folder shared/ (and so on); mypy cannot follow
 that mapping, so this lays the installed tree out as symlinks under build/typecheck, runs mypy
@@ -14,14 +14,15 @@ from mypy import api
 
 ROOT = Path(__file__).resolve().parent.parent
 TREE = ROOT / "build" / "typecheck"
-FOLDERS = ("shared", "torch_impl", "jax_impl", "numpy_impl", "baselines")
+FOLDERS = ("shared", "torch_impl", "jax_impl", "numpy_impl")
 
 
 def lay_out() -> None:
     package = TREE / "kvports"
     package.mkdir(parents=True, exist_ok=True)
-    root_files = [(name, ROOT / "kvports" / name) for name in ("__init__.py", "api.py", "version.py")]
-    for name, target in root_files + [(f, ROOT / f) for f in FOLDERS]:
+    # The application's own files and folders, then the top-level folders installed under it
+    own = [(path.name, path) for path in (ROOT / "kvports").iterdir() if path.name != "__pycache__"]
+    for name, target in own + [(f, ROOT / f) for f in FOLDERS]:
         link = package / name
         if not link.is_symlink():
             os.symlink(os.path.relpath(target, package), link)

@@ -3,7 +3,7 @@
 Torch only: eager mode attends over the slots filled so far (a shape that grows is free), but
 under torch.compile every new shape, and every new Python int the graph reads, is a recompile.
 With the length a tensor every decode step is one graph of one shape: it attends over every
-slot, the empty ones masked. baselines/torch_compile.py passes this cache to generate_cached.
+slot, the empty ones masked. kvports/baselines/torch_compile.py passes this cache to generate_cached.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Continuous batching's model half in PyTorch: a KV cache paged into fixed-size blocks.
 
 Read it beside jax_impl/paged.py and numpy_impl/paged.py: the same names in the same
-order. The scheduler (shared/batching) decides which sequences run and owns their block
+order. The scheduler (kvports/batching) decides which sequences run and owns their block
 tables; this file writes each step's keys and values into the pool's blocks and gathers
 each row's blocks back for attention. TinyModel.forward runs unchanged: PagedKVCache has
 KVCache's interface (length, mask, update, advance).

@@ -191,7 +191,7 @@ def clear_compiled() -> None:
 
 
 # ---------------------------------------------------------------- continuous batching
-# What shared/batching's engine calls: a pool of KV blocks shared by the running sequences,
+# What kvports/batching's engine calls: a pool of KV blocks shared by the running sequences,
 # and one step of the running batch over it (torch_impl/paged.py; docs/BATCHING.md).
 
 

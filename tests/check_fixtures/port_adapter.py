@@ -5,8 +5,8 @@ but brevity."""
 
 import numpy as np
 
+from kvports.registry import load_port
 from kvports.shared.config import ModelConfig
-from kvports.shared.ports import load_port
 
 port = load_port("numpy")
 

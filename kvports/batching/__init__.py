@@ -1,0 +1,11 @@
+"""Continuous batching over a paged KV cache, framework-free (docs/BATCHING.md).
+
+One module per job:
+- `requests`: the JSONL requests, parsed and checked line by line
+- `blocks`: the block manager: allocation, reference counts, prefix hashing
+- `scheduler`: waiting queue, running batch, prefill and decode steps, preemption
+- `engine`: the scheduler's steps run by one port (its `init_block_pool` and `paged_step`)
+
+The `kvports batch` command is `kvports/commands/batch.py`; the batching benchmark (continuous
+batching against the same requests one after another) is `kvports/bench/throughput.py`.
+"""

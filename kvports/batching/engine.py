@@ -1,0 +1,197 @@
+"""The engine: the scheduler's steps run by one port over its block pool, timed and counted.
+
+Framework-free: the port is reached through two calls at the end of its port.py,
+`init_block_pool` and `paged_step`, with NumPy in and out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvports.batching.blocks import BlockManager, blocks_for
+from kvports.batching.requests import Request
+from kvports.batching.scheduler import Scheduler, Sequence, Step
+from kvports.shared.checks import check_count
+from kvports.shared.config import MAX_SIZE, ModelConfig, host_dtype
+from kvports.shared.contract import Port
+from kvports.shared.errors import NonFiniteLogits, UserError, echo
+from kvports.shared.generation import PAD
+from kvports.shared.shapes import parameter_count
+
+BLOCK_SIZE = 16
+MAX_BATCH = 32
+MAX_STEP_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    max_batch: int = MAX_BATCH  # sequences running at once
+    block_size: int = BLOCK_SIZE  # token slots per block
+    num_blocks: int | None = None  # None: enough for max_batch sequences of max_length (no preemption)
+    max_step_tokens: int = MAX_STEP_TOKENS  # a prefill step's padded [B, T] budget
+    prefix_caching: bool = True
+    max_length: int | None = None  # the longest sequence (prompt + new tokens); None: the model's max_seq_len
+
+    def validate(self, config: ModelConfig) -> BatchSettings:
+        for name in ("max_batch", "block_size", "max_step_tokens", "num_blocks", "max_length"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise UserError(f"{name.replace('_', ' ')} {echo(value)} must be an integer >= 1")
+            if value is not None:
+                check_count(name.replace("_", " "), value)
+        # JAX indexes the pool's slots and each step's [B, T] block in int32.
+        # By default the pool holds max_batch whole sequences: a long context is told the flags that size it.
+        slots = self.pool_blocks(config) * self.block_size
+        if slots > MAX_SIZE:
+            default = f" (by default --max-batch {self.max_batch} sequences of {self.longest(config)} tokens)"
+            raise UserError(
+                f"pool slots (num blocks x block size) {slots} is above {MAX_SIZE}: set a smaller pool with "
+                f"--num-blocks{default if self.num_blocks is None else ''}"
+            )
+        check_count(
+            "a step's rows x tokens (--max-batch x its longest)",
+            self.max_batch * max(self.max_step_tokens, self.longest(config)),
+        )
+        if self.max_length is not None and self.max_length > config.max_seq_len:
+            raise UserError(f"max length {self.max_length} exceeds max_seq_len {config.max_seq_len}")
+        return self
+
+    def longest(self, config: ModelConfig) -> int:
+        return config.max_seq_len if self.max_length is None else self.max_length
+
+    def pool_blocks(self, config: ModelConfig) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return self.max_batch * blocks_for(self.longest(config), self.block_size)
+
+
+def run_bytes(config: ModelConfig, dtype: str, settings: BatchSettings) -> dict[str, int]:
+    """What a batch run cannot do without (kvports.limits' rule: a floor, not a ceiling): the weights
+    twice, the block pool, each row's blocks gathered for one layer, and the widest step's logits
+    and attention scores (a prefill step's [B, T] up to the budget, or one prompt that exceeds it)."""
+    itemsize = np.dtype(host_dtype(dtype)).itemsize
+    longest = settings.longest(config)
+    slots = settings.pool_blocks(config) * settings.block_size
+    gathered = settings.max_batch * blocks_for(longest, settings.block_size) * settings.block_size
+    step_tokens = max(settings.max_step_tokens, longest)
+    return {
+        "weights": 2 * parameter_count(config) * itemsize,
+        "block pool": 2 * config.n_layers * slots * config.kv_heads * config.head_dim * itemsize,  # no ring
+        "gathered blocks": 2 * gathered * config.kv_heads * config.head_dim * itemsize,
+        "logits": step_tokens * config.vocab_size * itemsize,
+        "attention scores": step_tokens * config.n_heads * longest * itemsize,
+    }
+
+
+@dataclass
+class EngineStats:
+    steps: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    prefill_tokens: int = 0  # tokens a prefill step computed (prompts past their cached prefix, recomputations)
+    padded_prefill_tokens: int = 0  # the [B, T] blocks prefill steps ran, padding included
+    cached_tokens: int = 0  # tokens admissions found in the prefix cache
+    decode_tokens: int = 0
+    preemptions: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})  # in the port's step
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The share of the tokens prefill needed that the prefix cache already held."""
+        needed = self.prefill_tokens + self.cached_tokens
+        return self.cached_tokens / needed if needed else 0.0
+
+    def count(self, step: Step, seconds: float) -> None:
+        self.steps[step.kind] += 1
+        self.seconds[step.kind] += seconds
+        if step.kind == "prefill":
+            self.prefill_tokens += step.computed_tokens
+            self.padded_prefill_tokens += step.tokens.size
+            self.cached_tokens += sum(int(start) for start in step.start)
+        else:
+            self.decode_tokens += len(step.sequences)
+
+
+def check_step(step: Step, next_tokens: np.ndarray, dtype: str) -> None:
+    """A row the port gave PAD had logits with an inf or a NaN (finite weights can overflow a forward):
+    the run stops, naming the first such request and the step (its token) that overflowed."""
+    for sequence, token in zip(step.sequences, next_tokens, strict=True):
+        if int(token) == PAD:
+            raise NonFiniteLogits(len(sequence.generated), f"request {sequence.request.id!r}", dtype)
+
+
+class Engine:
+    def __init__(
+        self,
+        port: Port,
+        model: Any,
+        config: ModelConfig,
+        settings: BatchSettings = BatchSettings(),
+        clock: Callable[[], float] = time.perf_counter,
+        *,
+        dtype: str = "float32",
+    ):
+        self.port, self.model, self.config = port, model, config
+        self.dtype = dtype  # the model's, named when a step's logits overflow it
+        self.settings = settings.validate(config)
+        self.clock = clock
+        self.blocks = BlockManager(settings.pool_blocks(config), settings.block_size, settings.prefix_caching)
+        self.scheduler = Scheduler(self.blocks, settings.max_batch, settings.max_step_tokens)
+        self.stats = EngineStats()
+        self.pool: Any = None  # made on the first step: a failed step may leave the old one unusable (JAX donates it)
+
+    def add(self, request: Request) -> Sequence:
+        """Queue a request (at any time, also while others run)."""
+        longest = self.settings.longest(self.config)
+        if request.max_length > longest:
+            raise UserError(
+                f"request {request.id!r}: {request.max_length} tokens exceed the engine's max length {longest}"
+            )
+        sequence = Sequence(request, arrival=self.clock())
+        self.scheduler.add(sequence)
+        return sequence
+
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.idle
+
+    def step(self) -> list[Sequence]:
+        """Run one step; the sequences it finished. A failing step ends every sequence (reason
+        "error"), returns every block and re-raises."""
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        try:
+            if self.pool is None:
+                self.pool = self.port.init_block_pool(
+                    self.model,
+                    self.blocks.num_blocks,
+                    self.blocks.block_size,
+                    self.settings.max_batch,
+                    blocks_for(self.settings.longest(self.config), self.blocks.block_size),
+                )
+            started = self.clock()
+            next_tokens, self.pool = self.port.paged_step(
+                self.model, self.pool, step.tokens, step.start, step.block_tables, step.sampling
+            )
+            check_step(step, next_tokens, self.dtype)
+        except BaseException:
+            self.pool = None
+            self.scheduler.abort_all(self.clock())
+            raise
+        self.stats.count(step, self.clock() - started)
+        self.stats.preemptions = self.scheduler.preemptions
+        return self.scheduler.finish_step(step, next_tokens, self.clock())
+
+    def run(self, on_finish: Callable[[Sequence], None] | None = None) -> list[Sequence]:
+        """Step until every queued request has finished; the finished sequences in finishing order."""
+        finished: list[Sequence] = []
+        while not self.idle:
+            for sequence in self.step():
+                finished.append(sequence)
+                if on_finish is not None:
+                    on_finish(sequence)
+        return finished

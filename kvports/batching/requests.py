@@ -1,0 +1,204 @@
+"""Requests: one JSON object a line, checked line by line before any framework code runs.
+
+A line holds a prompt as token ids (`"prompt": [1, 2, 3]`), as text (`"text": "..."`,
+encoded with --tokenizer) or as a chat (`"messages": [{"role": "user", "content": "..."}]`,
+rendered with a GGUF file's chat template, as `kvports generate --chat-file` does), and
+optionally `id`, `max_new_tokens`, `temperature`, `top_k`,
+`top_p`, `seed` and `stop_ids` (`kvports generate`'s settings; without `stop_ids`, the
+model's eos ids, as `kvports generate` stops). A bad line is one error naming its line
+number; the other lines still run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvports.shared.config import ModelConfig
+from kvports.shared.errors import UserError, echo
+from kvports.shared.generation import GenerationConfig
+from kvports.validation import check_seeds
+
+SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids")
+FIELDS = ("id", "prompt", "text", "messages", *SETTINGS)
+
+Encode = Callable[[str], list[int]]
+Chat = Callable[[list[dict[str, str]]], list[int]]  # messages -> the model's chat template's token ids
+MAX_CHAT_CHARACTERS = 1 << 20  # of one line's messages' contents together, as a --chat-file's bytes
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    prompt: tuple[int, ...]
+    generation: GenerationConfig
+    text: str | None = field(default=None, compare=False)  # the line's text prompt, if it had one
+
+    @property
+    def max_length(self) -> int:
+        """The longest its sequence gets: the prompt and every new token."""
+        return len(self.prompt) + self.generation.max_new_tokens
+
+
+@dataclass(frozen=True)
+class BadLine:
+    line: int  # 1-based, as an editor counts
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message}"
+
+
+def check_request(request: Request, config: ModelConfig, max_tokens: int | None = None) -> Request:
+    """A request every port can run, or a UserError saying why not. max_tokens: what the block
+    pool can hold for one sequence (prompt plus new tokens), when that is smaller than max_seq_len."""
+    if not request.prompt:
+        raise UserError("the prompt is empty: give at least one token id")
+    for token in request.prompt:
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise UserError(f"prompt token {echo(token)} is not an integer")
+        if not 0 <= token < config.vocab_size:
+            raise UserError(
+                f"prompt token {echo(token)} is outside [0, {config.vocab_size}) (vocab_size {config.vocab_size})"
+            )
+    request.generation.validate(config.vocab_size)
+    check_seeds(request.generation, 1)  # a request is one row: one seed
+    total = request.max_length
+    if total > config.max_seq_len:
+        raise UserError(
+            f"prompt length {len(request.prompt)} + max_new_tokens {request.generation.max_new_tokens} = {total} "
+            f"exceeds max_seq_len {config.max_seq_len}"
+        )
+    if max_tokens is not None and total > max_tokens:
+        raise UserError(
+            f"prompt length {len(request.prompt)} + max_new_tokens {request.generation.max_new_tokens} = "
+            f"{total} tokens do not fit the block pool ({max_tokens} tokens)"
+        )
+    return request
+
+
+def parse_line(
+    text: str,
+    line: int,
+    default_new_tokens: int,
+    default_stops: tuple[int, ...],
+    encode: Encode | None,
+    chat: Chat | None = None,
+) -> Request:
+    """One line as a Request (not yet checked against a model), or a UserError."""
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise UserError("not valid JSON (nested too deeply)") from None
+    except ValueError as exc:
+        raise UserError(f"not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"a request is a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise UserError(f"unknown field {echo(unknown[0])} (known: {', '.join(FIELDS)})")
+    if sum(name in data for name in ("prompt", "text", "messages")) != 1:
+        raise UserError("give exactly one of 'prompt' (token ids), 'text' and 'messages' (a chat)")
+    if "messages" in data:
+        prompt = chat_prompt(data["messages"], chat)
+    elif "text" in data:
+        if not isinstance(data["text"], str):
+            raise UserError(f"'text' must be a string, got {type(data['text']).__name__}")
+        if encode is None:
+            raise UserError("a 'text' prompt needs --tokenizer DIR")
+        try:
+            data["text"].encode("utf-8")
+        except UnicodeEncodeError:  # JSON allows a lone surrogate escape, which no tokenizer takes
+            raise UserError(f"'text' {echo(data['text'])} is not valid UTF-8") from None
+        prompt = encode(data["text"])
+    else:
+        if not isinstance(data["prompt"], list):
+            raise UserError(f"'prompt' must be a list of token ids, got {type(data['prompt']).__name__}")
+        prompt = data["prompt"]
+    request_id = data.get("id", str(line))
+    if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+        raise UserError(f"'id' must be a string or an integer, got {echo(request_id)}")
+    return Request(
+        id=str(request_id),
+        prompt=tuple(prompt),
+        generation=generation_of(data, default_new_tokens, default_stops),
+        text=data.get("text"),
+    )
+
+
+def chat_prompt(messages: object, chat: Chat | None) -> list[int]:
+    """A line's "messages" ([{"role", "content"}], as --chat-file holds) in the model's chat template."""
+    from kvports.formats.chat import check_messages
+
+    if chat is None:
+        raise UserError("'messages' renders a GGUF file's chat template: give --model NAME or --weights FILE.gguf")
+    checked = check_messages(messages, "'messages'")
+    size = sum(len(message["content"]) for message in checked)
+    if size > MAX_CHAT_CHARACTERS:
+        raise UserError(f"'messages' hold {size} characters of content, above {MAX_CHAT_CHARACTERS}")
+    for message in checked:
+        try:
+            message["content"].encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate escape, which no tokenizer takes
+            raise UserError(f"'messages' content {echo(message['content'])} is not valid UTF-8") from None
+    return chat(checked)
+
+
+def generation_of(data: dict[str, Any], default_new_tokens: int, default_stops: tuple[int, ...]) -> GenerationConfig:
+    stop_ids = data.get("stop_ids", list(default_stops))
+    if not isinstance(stop_ids, list):
+        raise UserError(f"'stop_ids' must be a list of token ids, got {type(stop_ids).__name__}")
+    settings = {name: data[name] for name in SETTINGS[:-1] if name in data}
+    settings.setdefault("max_new_tokens", default_new_tokens)
+    return GenerationConfig(**settings, stop_ids=tuple(stop_ids))
+
+
+def split_lines(text: str) -> list[str]:
+    """A request file's lines: split at "\\n" alone, as JSONL is. str.splitlines would also split
+    at U+2028 and the other Unicode line breaks, which a JSON string may hold raw."""
+    return text.split("\n")
+
+
+def parse_requests(
+    lines: Iterable[str],
+    config: ModelConfig,
+    default_new_tokens: int,
+    encode: Encode | None = None,
+    max_tokens: int | None = None,
+    chat: Chat | None = None,
+) -> tuple[list[Request], list[BadLine]]:
+    """Every good line's request, and every bad line's error (blank lines are skipped). A line
+    without stop ids stops at the model's eos ids, as `kvports generate` does. A line without
+    an id is named by its number: a line that gives another line's number as its id is refused,
+    not the line that gave none."""
+    parsed: list[tuple[int, Request | BadLine]] = []
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            request = parse_line(text, number, default_new_tokens, config.eos_token_ids, encode, chat)
+            parsed.append((number, check_request(request, config, max_tokens)))
+        except UserError as exc:
+            parsed.append((number, BadLine(number, str(exc))))
+    # Ids that name their own line (given or not): no other line may take them.
+    own = {result.id: number for number, result in parsed if isinstance(result, Request) and result.id == str(number)}
+    requests: list[Request] = []
+    bad: list[BadLine] = []
+    first: dict[str, int] = {}
+    for number, result in parsed:
+        if isinstance(result, Request):
+            owner = own.get(result.id, number)
+            if owner != number:
+                result = BadLine(
+                    number, f"id {echo(result.id)} is line {owner}'s (a line without an id is named by its number)"
+                )
+            elif result.id in first:
+                result = BadLine(number, f"id {echo(result.id)} is already used by line {first[result.id]}")
+        if isinstance(result, BadLine):
+            bad.append(result)
+            continue
+        first[result.id] = number
+        requests.append(result)
+    return requests, bad

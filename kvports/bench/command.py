@@ -1,0 +1,195 @@
+"""`kvports bench` from start to end: check the flags and the outputs, load the model, run the
+rows (writing the plots as each framework's rows finish), then the targets and one of table,
+JSON or CSV."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from typing import Any
+
+from kvports import registry
+from kvports.bench.formats import format_name, parse_formats
+from kvports.bench.measure import load_average, threads_info
+from kvports.bench.options import parse_choices, parse_sweep
+from kvports.bench.output import print_result
+from kvports.bench.plots import write_plots
+from kvports.bench.presets import bench_prompts, chat_prompt, load_bench_model
+from kvports.bench.rows import run_rows
+from kvports.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, PEER_RUNNERS, RUNNERS, Runner
+from kvports.bench.targets import targets
+from kvports.devices import check_gpu_reachable, device_problem, prepare_tensor_parallel
+from kvports.progress import make_progress
+from kvports.run import Draft, RunInputs, read_draft
+from kvports.shared.checks import COMMAND_LINE
+from kvports.shared.config import ModelConfig
+from kvports.shared.errors import UserError
+from kvports.shared.generation import GenerationConfig
+from kvports.shared.quant import float_tensors
+from kvports.threads import check_threads, use_threads
+from kvports.validation import (
+    check_bench_counts,
+    check_bench_outputs,
+    check_bench_run,
+    check_draft,
+    check_needed,
+    check_ngram,
+    check_tensor_parallel,
+)
+
+
+def gpu_problems(runners: list[Runner], device: str) -> dict[str, str]:
+    """Each runner (by label) that cannot reach the device it was asked to run on -> why; one
+    `error:` line instead when none of them can (`--device gpu` on a machine without a GPU)."""
+    if device == "cpu":
+        return {}  # every framework runs on the CPU: nothing to import early
+    problems: dict[str, str | None] = {}
+    for runner in runners:
+        port = registry.available_port(runner.library)
+        # A framework that is not installed says so in its own rows, later; here it only counts as unusable.
+        problems[runner.label] = "not installed" if port is None else device_problem(port, device)
+    check_gpu_reachable(device, problems)
+    return {label: problem for label, problem in problems.items() if problem is not None and problem != "not installed"}
+
+
+def run_batching(args: argparse.Namespace) -> int:
+    """`kvports bench --requests N`: `kvports batch --bench`'s two workloads, N requests each."""
+    from kvports.bench.options import add_arguments, batching_inputs
+    from kvports.bench.throughput import run_bench
+
+    bench_parser = argparse.ArgumentParser()
+    add_arguments(bench_parser)
+    defaults = vars(bench_parser.parse_args([]))  # every bench flag at its default
+    return run_bench(batching_inputs(args, defaults, registry.PORTS))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.requests is not None:
+        return run_batching(args)
+    check_bench_counts(args.batch, args.prompt_len, args.new_tokens, args.repeats, args.warmup)
+    for tensor_parallel in args.tensor_parallel:  # its range; numpy gets no split rows, so it is no refusal here
+        check_tensor_parallel(tensor_parallel, "jax", [])
+    prepare_tensor_parallel(
+        max(args.tensor_parallel), args.device, parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
+    )
+    check_threads(args.threads)
+    frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
+    modes = parse_choices(args.modes, MODES, "modes")
+    formats = parse_formats(args.dtype, args.quant)
+    dtype, quant = formats.first  # the kvports/baselines', the peers' and the reference's
+    check_bench_outputs(args.plot, args.csv, args.json)
+    if "speculative" in modes and args.draft is None:
+        raise UserError("--modes speculative needs --draft FILE (a smaller model) or --draft ngram")
+    runners = [runner for runner in RUNNERS if runner.framework in frameworks]
+    if args.compile:
+        runners.append(COMPILED_RUNNER)
+    if args.peers:
+        runners.extend(PEER_RUNNERS)
+    timed = [runner for runner in runners if set(runner.modes) & set(modes) and not runner.peer]  # peers: CPU
+    no_device = gpu_problems(timed, args.device)
+    sweep: list[int] = []
+
+    def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
+        sweep.extend(parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None))
+        longest = max([args.new_tokens, *sweep])
+        for listed in formats.dtypes:  # each format's model and run, one at a time
+            check_bench_run(config, modes, longest, listed, args.batch, args.prompt_len, args.new_tokens)
+        for tensor_parallel in args.tensor_parallel:
+            check_tensor_parallel(tensor_parallel, "jax", [("the model", config)])
+
+    # A port without a single --dtype or --quant value's precision refuses it, as generate does.
+    port_names = [framework for framework in frameworks if framework in registry.PORTS]
+    formats.check(port_names)
+    port_formats = formats.offered(port_names)  # the formats some port will run, in the rows' order
+    chat = None if args.chat is None else chat_prompt(args.weights, args.chat)  # its length is the prompt's
+    if chat is not None:
+        args.prompt_len = len(chat)
+    # A GGUF file's 4-bit blocks too when a q4 row will run (a file without any refused, as --quant q4 alone).
+    blocks = "q4" if ("q4" in {pair[1] for pair in port_formats}) else "none"
+    preset, config, tensors = load_bench_model(
+        args.preset, args.weights, formats.read_dtype, check, blocks, formats.dtypes
+    )
+    prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens, chat)  # [B, P]
+    draft_weights = None
+    if "speculative" in modes:
+        draft = Draft(args.draft, args.draft_tokens, args.ngram)
+        generation = GenerationConfig(args.new_tokens)
+        inputs = RunInputs(
+            frameworks[0], "speculative", generation, args.weights, formats.read_dtype, args.device, draft
+        )
+        check_draft("speculative", args.draft, args.draft_tokens, args.ngram, COMMAND_LINE)
+        check_ngram(args.ngram, args.prompt_len, args.new_tokens)
+        check_needed(args.prompt_len, args.new_tokens, args.draft_tokens, [("the model", config)])
+        draft_weights = read_draft(inputs, config, prompts)  # read as the model is; each row casts it
+        if draft_weights is not None:
+            for tensor_parallel in args.tensor_parallel:
+                check_tensor_parallel(tensor_parallel, "jax", [("the draft", draft_weights[0])])
+    roofline = args.roofline or preset == "gpt2-small"
+    settings: dict[str, Any] = {
+        "preset": preset,
+        "config": json.loads(config.to_json()),
+        "parameters": int(sum(a.size for a in float_tensors(tensors).values())),
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "dtype": dtype,
+        "quant": quant,
+        "formats": [format_name(*pair) for pair in port_formats],
+        "device": args.device,
+        "tensor_parallel": list(args.tensor_parallel),
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "sweep": sweep,
+        "prompt": prompts[0].tolist(),
+        "draft": None if draft_weights is None and args.draft != "ngram" else str(args.draft),
+        "draft_tokens": args.draft_tokens if "speculative" in modes else None,
+        "peers": args.peers,
+        "chat": args.chat,
+    }
+    plots: list[str] = []
+
+    def plot_so_far(rows: list[dict[str, Any]]) -> None:
+        # Each framework's figures as soon as its rows exist: a long run shows (and keeps) what it has.
+        if args.plot is not None:
+            args.plot.mkdir(exist_ok=True)
+            plots[:] = [str(path) for path in write_plots({"settings": settings, "rows": rows}, args.plot)]
+
+    use_threads(args.threads)
+    start, load_before = time.perf_counter(), load_average()
+    with make_progress(args.json or str(args.csv) == "-") as progress:
+        rows, machine_info = run_rows(
+            runners,
+            modes,
+            config,
+            tensors,
+            prompts,
+            args,
+            formats,
+            sweep,
+            roofline,
+            progress,
+            draft_weights,
+            no_device,
+            plot_so_far,
+        )
+    settings["versions"] = machine_info.pop("versions")
+    settings["threads"] = {"--threads": "default" if args.threads is None else args.threads, **threads_info(args.peers)}
+    machine = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        **machine_info,
+        "bench_seconds": time.perf_counter() - start,
+        "load_average": [load_before, load_average()],
+    }
+    result: dict[str, Any] = {"settings": settings, "machine": machine, "rows": rows}
+    result["targets"] = targets(rows, settings)
+    plot_so_far(rows)  # once more, now with the rooflines
+    if args.plot is not None:
+        result["plots"] = plots
+    print_result(result, args)
+    return 0

@@ -1,0 +1,236 @@
+"""The clocks: one row's timings (whole generations and per-step), the machine's streaming
+bandwidth, and the bytes a decode step must read (the roofline's numerator)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvports.bench.runners import Runner
+from kvports.run import Draft, RunInputs, run_port, speculative_summary, timed
+from kvports.shared.config import ModelConfig, kv_cache_bytes
+from kvports.shared.contract import OnToken, Timed
+from kvports.shared.generation import GenerationConfig
+
+MATVEC_SHAPE = (8192, 8192)  # float32: 256 MiB, far beyond any cache level
+MATVEC_REPEATS = 7
+
+
+def median(values: Sequence[float]) -> float:
+    return float(np.median(np.asarray(values, dtype=np.float64)))
+
+
+@dataclass
+class RowCall:
+    """How a row generates: a port's or a baseline's `generate(..., mode)`, or with mode
+    "speculative" the run layer's call of a port's `generate_speculative` with its draft (a
+    model, or None for prompt lookup)."""
+
+    mode: str
+    draft_model: Any = None
+    draft: Draft | None = None  # mode speculative: the draft's source (a weights file, or ngram), K and n
+    counts: dict[str, int] | None = None  # the last speculative call's rounds, forwards, proposals
+
+    def inputs(self, module: Any, new_tokens: int) -> RunInputs:
+        return RunInputs(module.NAME, self.mode, GenerationConfig(new_tokens), draft=self.draft)
+
+    def __call__(
+        self, module: Any, model: Any, prompts: np.ndarray, new_tokens: int, on_token: OnToken | None = None
+    ) -> np.ndarray:
+        if self.mode == "speculative":
+            inputs = self.inputs(module, new_tokens)
+            tokens, _, self.counts = run_port(module, model, self.draft_model, prompts, inputs, on_token=on_token)
+            return tokens
+        tokens, _ = module.generate(model, prompts, new_tokens, self.mode, on_token=on_token)
+        return tokens
+
+
+def time_generate(
+    module: Timed, model: Any, prompts: np.ndarray, new_tokens: int, call: RowCall
+) -> tuple[np.ndarray, float]:
+    return timed(lambda: call(module, model, prompts, new_tokens), module, model)
+
+
+def time_stream(
+    module: Timed, model: Any, prompts: np.ndarray, new_tokens: int, call: RowCall
+) -> tuple[np.ndarray, list[float]]:
+    """Milliseconds per step: step 0 ends when the first new token is on the host."""
+    stamps: list[float] = []
+
+    def on_token(token: np.ndarray) -> None:
+        stamps.append(time.perf_counter())
+
+    start = time.perf_counter()
+    tokens = call(module, model, prompts, new_tokens, on_token=on_token)
+    if len(stamps) != new_tokens:
+        raise RuntimeError(f"{module.NAME}: generate called on_token {len(stamps)} times, expected {new_tokens}")
+    return tokens, [1e3 * step for step in np.diff([start] + stamps)]
+
+
+def step_figures(step_ms: Sequence[float]) -> dict[str, float | None]:
+    decode = np.asarray(step_ms[1:], dtype=np.float64)  # [N - 1]
+    return {
+        "ttft_ms": float(step_ms[0]),
+        "decode_ms_per_token": float(np.median(decode)),
+        "decode_ms_p90": float(np.percentile(decode, 90)),
+    }
+
+
+def speculative_step_figures(step_ms: Sequence[float], streams: bool) -> dict[str, float | None]:
+    """Speculative tokens reach the host in bursts (a round's accepted proposals at once), so
+    a step's time says little: decode is the mean per token after the first, and p90 is not
+    given. A port whose loop is one compiled call (`streams` False) hands every token over
+    when it returns: only its total time per token is measured."""
+    if not streams:
+        return {"ttft_ms": None, "decode_ms_per_token": None, "decode_ms_p90": None}
+    return {
+        "ttft_ms": float(step_ms[0]),
+        "decode_ms_per_token": float(np.sum(step_ms[1:]) / max(len(step_ms) - 1, 1)),
+        "decode_ms_p90": None,
+    }
+
+
+def fit_slope(new_tokens: Sequence[int], seconds: Sequence[float]) -> float | None:
+    """Slope of log(total time) against log(new tokens): ~1 for flat per-step cost, ->2 for linear growth."""
+    if len(new_tokens) < 2:
+        return None
+    slope, _ = np.polyfit(
+        np.log(np.asarray(new_tokens, dtype=np.float64)), np.log(np.asarray(seconds, dtype=np.float64)), 1
+    )
+    return float(slope)
+
+
+def measure_row(
+    runner: Runner,
+    module: Timed,
+    model: Any,
+    call: RowCall,
+    prompts: np.ndarray,
+    args: argparse.Namespace,
+    sweep: list[int],
+    tick: Callable[[str], None],
+) -> dict[str, Any]:
+    """Warm-up, then --repeats timed whole generations and streamed ones; medians, every repeat, the sweep."""
+    new_tokens = args.new_tokens
+    label = f"{runner.label} {call.mode}"
+    speculative = call.mode == "speculative"
+
+    def figures(step_ms: list[float]) -> dict[str, float | None]:
+        return speculative_step_figures(step_ms, not runner.compiles) if speculative else step_figures(step_ms)
+
+    _, first_call_s = time_generate(module, model, prompts, new_tokens, call)  # warm-up 1; JAX compiles here
+    tick(f"{label} warm-up")
+    for _ in range(args.warmup - 1):
+        time_generate(module, model, prompts, new_tokens, call)
+        tick(f"{label} warm-up")
+    for _ in range(args.warmup):
+        time_stream(module, model, prompts, new_tokens, call)
+        tick(f"{label} warm-up")
+    repeats: list[dict[str, Any]] = []
+    tokens = None
+    for index in range(args.repeats):
+        tokens, total_s = time_generate(module, model, prompts, new_tokens, call)
+        stream_tokens, step_ms = time_stream(module, model, prompts, new_tokens, call)
+        repeats.append(
+            {
+                "total_s": total_s,
+                **figures(step_ms),
+                "per_step_ms": step_ms,
+                "stream_tokens_equal": bool(np.array_equal(stream_tokens, tokens)),
+            }
+        )
+        tick(f"{label} {index + 1}/{args.repeats}")
+    total_s = median([r["total_s"] for r in repeats])
+
+    def median_of(key: str) -> float | None:
+        values = [r[key] for r in repeats if r[key] is not None]
+        return median(values) if values else None
+
+    per_step = None if speculative and runner.compiles else np.median([r["per_step_ms"] for r in repeats], axis=0)
+    row = {
+        "ttft_ms": median_of("ttft_ms"),
+        "decode_ms_per_token": median_of("decode_ms_per_token"),
+        "decode_ms_p90": median_of("decode_ms_p90"),
+        "tokens_per_s": prompts.shape[0] * new_tokens / total_s,
+        "total_s": total_s,
+        "total_ms_per_token": 1e3 * total_s / new_tokens,  # for JAX: the compiled loop's steady state
+        "first_call_s": first_call_s,
+        "compile_s": max(0.0, first_call_s - total_s) if runner.compiles else None,
+        "per_step_ms": [] if per_step is None else per_step.tolist(),  # [N]
+        "repeats": repeats,
+        "tokens": tokens,
+    }
+    if speculative:
+        assert call.counts is not None and tokens is not None  # set by every speculative call
+        row["speculative"] = speculative_summary(call.counts, call.inputs(module, new_tokens), tokens, prompts.shape[1])
+    if sweep:
+        sweep_s = []
+        for n in sweep:
+            if n == new_tokens:  # measured above, the same way
+                sweep_s.append(total_s)
+            else:
+                for _ in range(args.warmup):
+                    time_generate(module, model, prompts, n, call)  # a new n is a new compile for JAX
+                sweep_s.append(median([time_generate(module, model, prompts, n, call)[1] for _ in range(args.repeats)]))
+            tick(f"{label} sweep {n}")
+        row["sweep"] = {"new_tokens": list(sweep), "total_s": sweep_s, "slope": fit_slope(sweep, sweep_s)}
+    else:
+        row["sweep"] = None
+    return row
+
+
+def matvec_bandwidth(seconds: Sequence[float]) -> float:
+    """Bytes per second of the matrix a matrix-vector product streams (the vectors are negligible)."""
+    rows, cols = MATVEC_SHAPE
+    return rows * cols * 4 / median(seconds)
+
+
+def decode_bytes(
+    config: ModelConfig, tensors: dict[str, np.ndarray], batch: int, prompt_len: int, new_tokens: int, itemsize: int
+) -> float:
+    """Bytes one decode step must read at the least, averaged over steps 1..N-1: every weight
+    once (the embedding tables only for their looked-up rows, unless the head reuses `emb`),
+    plus the keys and values of every earlier position."""
+    gathered = {"emb.weight", "pos.weight"} - (set() if not config.tie_embeddings else {"emb.weight"})
+    weights = sum(array.size for name, array in tensors.items() if name not in gathered) * itemsize
+    weights += batch * config.d_model * itemsize * len(gathered & set(tensors))  # the rows looked up
+    positions = np.arange(prompt_len + 1, prompt_len + new_tokens)  # context length at decode steps 1..N-1
+    per_position = kv_cache_bytes(config, batch, 1, itemsize)  # k and v of one position, every layer
+    return float(weights + per_position * positions.mean())
+
+
+def load_average() -> float | None:
+    """The 1-minute load average: other work on the machine shows up in every timing."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
+def threads_info(peers: bool = False) -> dict[str, Any]:
+    info: dict[str, Any] = {"cpu_count": os.cpu_count()}
+    if hasattr(os, "sched_getaffinity"):
+        info["usable_cpus"] = len(os.sched_getaffinity(0))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "XLA_FLAGS"):
+        if name in os.environ:
+            info[name] = os.environ[name]
+    if "torch" in sys.modules:  # only if a row loaded it: the bench itself stays NumPy-only
+        info["torch"] = sys.modules["torch"].get_num_threads()
+    if peers:
+        info["peers"] = peer_threads()
+    return info
+
+
+def peer_threads() -> int:
+    """The threads a peer engine is given (llama.cpp's n_threads, CTranslate2's intra_threads): the ports'
+    own count, OMP_NUM_THREADS when it is set, else every CPU this process may use."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    if "torch" in sys.modules:
+        return int(sys.modules["torch"].get_num_threads())
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

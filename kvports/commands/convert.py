@@ -1,0 +1,116 @@
+"""`kvports convert`: a local Hugging Face directory or a GGUF file to our weights file, and our
+weights file (or a GGUF file) to a Hugging Face directory (gpt2, llama or mistral).
+
+NumPy only: neither transformers nor torch is needed to convert, and nothing is fetched.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from kvports.families import describe
+from kvports.flags import output_file
+from kvports.limits import check_bytes
+from kvports.shared.config import STORED_DTYPES
+from kvports.shared.errors import UserError, echo_path
+from kvports.shared.files import check_output_file, check_output_folder
+
+HELP = (
+    "convert a local Hugging Face model directory (gpt2, llama, mistral) or a GGUF file to a weights file, "
+    "or a weights or GGUF file to a Hugging Face directory"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--from-hf",
+        type=Path,
+        metavar="DIR",
+        help="Hugging Face directory: config.json and *.safetensors (sharded or not)",
+    )
+    source.add_argument(
+        "--from-gguf", type=Path, metavar="FILE", help="a GGUF file (llama), dequantized into our weights file"
+    )
+    source.add_argument(
+        "--to-hf",
+        type=Path,
+        metavar="FILE",
+        help="our weights file or a GGUF file, written as a Hugging Face directory (gpt2, llama or mistral)",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="the weights file (--from-hf, --from-gguf) or directory (--to-hf) to write; a directory is replaced whole",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=STORED_DTYPES,
+        default=None,
+        help="cast to this dtype (needed for bf16/fp16 checkpoints; default: keep float32/float64)",
+    )
+    parser.add_argument("--force", action="store_true", help="overwrite an existing output")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.from_gguf is not None:
+        return from_gguf(args)
+    return from_hf(args) if args.from_hf is not None else to_hf(args)
+
+
+def from_hf(args: argparse.Namespace) -> int:
+    from kvports.formats.hf.importer import import_hf
+    from kvports.formats.weights import save_weights
+
+    out = output_file(args.out)
+    check_output_file(out, args.force, inputs=[args.from_hf])
+    config, tensors = import_hf(args.from_hf, args.dtype)
+    save_weights(out, tensors, config)
+    n_params = sum(array.size for array in tensors.values())
+    dtype = next(iter(tensors.values())).dtype
+    print(f"wrote {out}: {describe(config)}, {n_params:,} parameters, {dtype}, from {args.from_hf}")
+    return 0
+
+
+def from_gguf(args: argparse.Namespace) -> int:
+    from kvports.formats.weights import GGUFWeights, save_weights
+    from kvports.shared.shapes import parameter_count
+
+    out = output_file(args.out)
+    check_output_file(out, args.force)
+    with GGUFWeights(args.from_gguf) as weights:
+        config = weights.config
+        dtype = args.dtype if args.dtype is not None else weights.dtype
+        count = parameter_count(config)
+        # The dequantized tensors (float32), their cast, and the file's bytes made from them.
+        parts = {"dequantized": count * 4, "tensors": count * np.dtype(dtype).itemsize}
+        check_bytes({**parts, "file": parts["tensors"]}, f"dequantizing {echo_path(args.from_gguf)} to {dtype}")
+        tensors = weights.read(dtype)
+    save_weights(out, tensors, config)
+    print(f"wrote {out}: {describe(config)}, {count:,} parameters, {dtype}, dequantized from {args.from_gguf}")
+    return 0
+
+
+def to_hf(args: argparse.Namespace) -> int:
+    from kvports.formats.hf.exporter import export_hf, hf_refusal
+    from kvports.formats.weights import open_weights
+    from kvports.shared.shapes import parameter_count
+
+    out = Path(args.out)
+    check_output_folder(out, args.force, inputs=[args.to_hf])
+    with open_weights(args.to_hf) as weights:
+        config = weights.config
+        why = hf_refusal(config)  # before anything is read or written
+        if why is not None:
+            raise UserError(f"cannot write {echo_path(args.to_hf)} as a Hugging Face model: {why}")
+        dtype = args.dtype if args.dtype is not None else weights.dtype
+        size = parameter_count(config) * np.dtype(dtype).itemsize
+        # The tensors, and the file's bytes made from them before it is written.
+        check_bytes({"tensors": size, "file": size}, f"writing {echo_path(args.to_hf)} in {dtype}")
+        tensors = weights.read(dtype)  # finite at the dtype written, or refused
+    model_type = export_hf(config, tensors, out)
+    print(f"wrote {out}: {model_type}-type directory (config.json, model.safetensors) of a {describe(config)}, {dtype}")
+    return 0

@@ -1,0 +1,1 @@
+"""The files kvports reads and writes: its weights file, GGUF files, Hugging Face directories, chat templates."""

@@ -1,0 +1,126 @@
+"""Chat prompts: messages ({"role", "content"}) rendered by a model's own chat template, with
+jinja2 as transformers renders it (a sandboxed environment, trim_blocks and lstrip_blocks,
+`raise_exception`), and the generation prompt that opens the assistant's turn."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from kvports.shared.errors import UserError, echo, echo_path
+
+MAX_CHAT_FILE = 1 << 20  # bytes of a --chat-file
+MAX_MESSAGES = 1000
+ROLES = ("system", "user", "assistant")
+
+
+def turns(texts: Sequence[str]) -> list[dict[str, str]]:
+    """--chat repeated: alternating user and assistant turns, the user's first."""
+    return [{"role": ROLES[1 + index % 2], "content": text} for index, text in enumerate(texts)]
+
+
+def read_chat_file(path: os.PathLike) -> list[dict[str, str]]:
+    """A JSON list of {"role", "content"} messages, size-bounded and checked."""
+    from kvports.formats.hf.checkpoint import read_json
+
+    path = Path(path)
+    try:
+        if not path.is_file():
+            raise UserError(f"--chat-file {echo_path(path)} does not exist or is not a regular file")
+        size = path.stat().st_size
+    except OSError as exc:
+        raise UserError(f"cannot read --chat-file {echo_path(path)} ({exc.strerror or exc})") from None
+    if size > MAX_CHAT_FILE:
+        raise UserError(f"--chat-file {echo_path(path)} is {size} bytes, above {MAX_CHAT_FILE}")
+    return check_messages(read_json(path, "--chat-file"), f"--chat-file {echo_path(path)}")
+
+
+def check_messages(data: Any, what: str) -> list[dict[str, str]]:
+    if not isinstance(data, list) or not data:
+        raise UserError(f"{what} must hold a non-empty JSON list of {{'role', 'content'}} messages")
+    if len(data) > MAX_MESSAGES:
+        raise UserError(f"{what} holds {len(data)} messages, above {MAX_MESSAGES}")
+    for index, message in enumerate(data):
+        if (
+            not isinstance(message, dict)
+            or set(message) != {"role", "content"}
+            or not all(isinstance(value, str) for value in message.values())
+        ):
+            raise UserError(f"{what}: message {index} is {echo(message)}; each is {{'role': str, 'content': str}}")
+        if message["role"] not in ROLES:
+            raise UserError(f"{what}: message {index} has role {echo(message['role'])}; roles: {', '.join(ROLES)}")
+    return data
+
+
+def raise_exception(message: str) -> NoReturn:
+    raise UserError(f"the chat template refuses these messages: {message}")
+
+
+def render_chat(template: str, messages: Sequence[dict[str, str]], special: dict[str, str] | None = None) -> str:
+    """The prompt the template makes of `messages`, ending with the generation prompt.
+    special: the bos_token / eos_token strings a template may use."""
+    try:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise UserError("a chat prompt needs the jinja2 package (pip install jinja2)") from None
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    try:
+        return environment.from_string(template).render(
+            messages=list(messages), add_generation_prompt=True, **(special or {})
+        )
+    except UserError:
+        raise
+    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        raise UserError(f"the chat template cannot be rendered ({type(exc).__name__}: {exc})") from None
+
+
+def chat_messages(chat: Sequence[str] | None, chat_file: os.PathLike | None) -> list[dict[str, str]] | None:
+    """--chat (alternating user/assistant turns) or --chat-file's messages; None when neither is given."""
+    if chat and chat_file is not None:
+        raise UserError("give --chat or --chat-file, not both")
+    if chat_file is not None:
+        return read_chat_file(chat_file)
+    return turns(chat) if chat else None
+
+
+# The GGUF file's own template, here rather than in kvports.formats.gguf: the reader (which weights imports)
+# stays clear of jinja2 and of this module's file reading.
+def gguf_chat_prompt(path: os.PathLike, messages: list[dict[str, str]]) -> str:
+    """The messages as the file's own chat template renders them, with the generation prompt."""
+    template, special = gguf_template(path)
+    return render_chat(template, messages, special)
+
+
+def gguf_template(path: os.PathLike) -> tuple[str, dict[str, str]]:
+    """A GGUF file's chat template and the bos_token / eos_token strings it may use."""
+    from kvports.formats.gguf.reader import Metadata, is_gguf, open_reader
+
+    if not is_gguf(path):
+        raise UserError("--chat renders a GGUF file's own chat template: give --model NAME or --weights FILE.gguf")
+    meta = Metadata(open_reader(Path(path)), str(path))
+    template = meta.get("tokenizer.chat_template")
+    if not isinstance(template, str):
+        raise UserError(f"GGUF file {echo_path(path)} has no chat template (metadata tokenizer.chat_template)")
+    tokens = meta.strings("tokenizer.ggml.tokens")
+    special = {}
+    for name in ("bos", "eos"):
+        index = meta.token_id(f"tokenizer.ggml.{name}_token_id")
+        if index is not None and index < len(tokens):
+            special[f"{name}_token"] = tokens[index]
+    return template, special
+
+
+def chat_ids(path: os.PathLike, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
+    """The chat prompt's token ids: the template writes every special token itself, so none is added
+    (as transformers' apply_chat_template tokenizes)."""
+    return chat_encoder(path, tokenizer)(messages)
+
+
+def chat_encoder(path: os.PathLike, tokenizer: Any) -> Callable[[list[dict[str, str]]], list[int]]:
+    """`chat_ids` for many chats of one file (kvports batch's "messages" lines): its metadata read once."""
+    template, special = gguf_template(path)
+    return lambda messages: tokenizer.encode(render_chat(template, messages, special), add_special_tokens=False).ids

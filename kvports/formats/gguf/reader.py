@@ -1,0 +1,376 @@
+"""A GGUF file (llama.cpp's format) as weights: read by the `gguf` library's own GGUFReader,
+its `llama.*` metadata mapped to a ModelConfig, its tensors dequantized by the library's own
+dequantizer, renamed to ours and put in our layouts. `kvports.formats.weights.GGUFWeights` serves it
+to every command as a weights file; this module imports nothing of shared but the config.
+
+Before the library walks the file, its header's counts are bounded; while it walks, every
+read is checked to lie inside the file (the library would slice past the end and loop on
+empty reads, forever for a lying array length) and every metadata array's length bounded.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+import stat
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvports.shared.config import ModelConfig
+from kvports.shared.errors import UserError, echo, echo_path
+
+GGUF_MAGIC = b"GGUF"
+MAX_TENSORS = 100_000  # a 400-layer model has ~4,000
+MAX_FIELDS = 10_000  # metadata keys; a model has ~50
+MAX_ARRAY = 4_000_000  # items of one metadata array: vocabularies and merges reach ~260,000
+# What kvports dequantizes, each with the library's own dequantizer; every other type is refused by name.
+READABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# The llama.* keys read; any other one could change the model, and is refused by name.
+LLAMA_KEYS = {
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.layer_norm_rms_epsilon",
+    "attention.key_length",
+    "attention.value_length",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "rope.scaling.type",
+    "vocab_size",
+}
+
+
+def is_gguf(path: os.PathLike) -> bool:
+    """The file starts with GGUF's magic (a path that cannot be read: no, and its reader will say why)."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def bounded_reader(path: Path, size: int) -> Any:
+    """The library's GGUFReader, with every read checked against the file's end and every
+    metadata array's length bounded."""
+    from gguf import GGUFReader, GGUFValueType
+
+    class BoundedReader(GGUFReader):
+        # Two private methods wrapped, not rewritten: the library does the parsing.
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > size:
+                raise UserError(
+                    f"GGUF file {echo_path(path)} is truncated or lies: a read of bytes [{int(offset)}, {end}) "
+                    f"runs past its end ({size} bytes)"
+                )
+            return super()._get(offset, dtype, count, override_order)
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            if raw_type == GGUFValueType.ARRAY:
+                length = int(self._get(orig_offs + 4, np.uint64)[0])
+                if length > MAX_ARRAY:
+                    raise UserError(
+                        f"GGUF file {echo_path(path)} has a metadata array of {length} items, above {MAX_ARRAY}"
+                    )
+            return super()._get_field_parts(orig_offs, raw_type)
+
+    return BoundedReader(path)
+
+
+@functools.lru_cache(maxsize=2)
+def cached_reader(path: str, size: int, mtime_ns: int, inode: int) -> Any:
+    """One parse per file and version of it: a run reads the weights, the tokenizer and the chat
+    template from the same metadata, and parsing 100,000 strings takes seconds."""
+    return bounded_reader(Path(path), size)
+
+
+def open_reader(path: Path) -> Any:
+    """The file, checked and parsed: one `error:` line for anything the reader refuses."""
+    name = f"GGUF file {echo_path(path)}"
+    try:
+        status = os.stat(path)
+        if not stat.S_ISREG(status.st_mode):
+            raise UserError(f"{name} is not a regular file")
+        with open(path, "rb") as handle:
+            header = handle.read(24)
+    except FileNotFoundError:
+        raise UserError(f"{name} does not exist") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {name} ({exc.strerror or exc})") from None
+    if header[:4] != GGUF_MAGIC:
+        raise UserError(f"{name} is not a GGUF file (it does not start with the magic 'GGUF')")
+    if len(header) < 24:
+        raise UserError(f"{name} is truncated: shorter than a GGUF header (24 bytes)")
+    version, tensors, fields = struct.unpack("<IQQ", header[4:])
+    if tensors > MAX_TENSORS:
+        raise UserError(f"{name} declares {tensors} tensors, above {MAX_TENSORS}")
+    if fields > MAX_FIELDS:
+        raise UserError(f"{name} declares {fields} metadata keys, above {MAX_FIELDS}")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise UserError("reading a GGUF file needs the gguf package (pip install gguf)") from None
+    try:
+        return cached_reader(str(path), status.st_size, status.st_mtime_ns, status.st_ino)
+    except UserError:
+        raise
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as exc:
+        # An unknown value or quantization type, a duplicate key, a bad alignment, ...
+        unknown = re.search(r"(\d+)\)? is not a valid (GGMLQuantizationType|GGUFValueType)", str(exc))
+        if unknown is not None:
+            what = (
+                "a tensor of unknown quantization type"
+                if unknown[2] == "GGMLQuantizationType"
+                else "a value of unknown type"
+            )
+            raise UserError(f"{name} has {what} {unknown[1]}") from None
+        raise UserError(f"{name} is not a GGUF file kvports can read ({exc})") from None
+
+
+def field_value(field: Any) -> Any:
+    """A metadata field as Python values: a str, a number, a bool, or a list of them."""
+    from gguf import GGUFValueType
+
+    value = field.contents()
+    if field.types and field.types[0] == GGUFValueType.ARRAY and not isinstance(value, list):
+        value = list(value)
+    return value
+
+
+class Metadata:
+    """The file's metadata by key, each read once and checked for its type."""
+
+    def __init__(self, reader: Any, source: str):
+        self.reader, self.source = reader, source
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field_value(field)
+
+    def refuse(self, key: str, value: Any, why: str) -> UserError:
+        return UserError(f"GGUF file {echo_path(self.source)}: metadata {key}={echo(value)}: {why}")
+
+    def integer(self, key: str, default: Any = None, low: int = 1) -> int:
+        value = self.get(key, default)
+        if value is None:
+            raise UserError(f"GGUF file {echo_path(self.source)} has no metadata {key}")
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+            raise self.refuse(key, value, f"must be an integer >= {low}")
+        return int(value)
+
+    def number(self, key: str, default: float) -> float:
+        value = self.get(key, default)
+        if not isinstance(value, (int, float, np.number)) or isinstance(value, bool) or not math.isfinite(value):
+            raise self.refuse(key, value, "must be a finite number")
+        if value <= 0:
+            raise self.refuse(key, value, "must be > 0")
+        return float(value)
+
+    def token_id(self, key: str) -> int | None:
+        return None if key not in self else self.integer(key, low=0)
+
+    def strings(self, key: str) -> list[str]:
+        value = self.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise self.refuse(key, f"<{type(value).__name__}>", "must be a list of strings")
+        return value
+
+
+def gguf_config(reader: Any, source: str) -> ModelConfig:
+    """The `llama.*` metadata as a ModelConfig (family llama), or one `error:` line naming the key."""
+    meta = Metadata(reader, source)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise meta.refuse("general.architecture", arch, "kvports reads GGUF files of architecture 'llama' only")
+    for key in reader.fields:
+        if key.startswith("llama.") and key[len("llama.") :] not in LLAMA_KEYS:
+            raise meta.refuse(
+                key, meta.get(key), "kvports does not model this llama field; refusing rather than ignoring it"
+            )
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    if scaling != "none":
+        raise meta.refuse("llama.rope.scaling.type", scaling, "kvports implements plain RoPE only (no scaling)")
+    d_model = meta.integer("llama.embedding_length")
+    heads = meta.integer("llama.attention.head_count")
+    kv_heads = meta.integer("llama.attention.head_count_kv", heads)
+    if d_model % heads:
+        raise meta.refuse("llama.embedding_length", d_model, f"is not divisible by attention.head_count={heads}")
+    head_dim = d_model // heads
+    for key in ("llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"):
+        if key in meta and meta.integer(key) != head_dim:
+            raise meta.refuse(key, meta.get(key), f"kvports needs embedding_length / head_count = {head_dim}")
+    tokens = meta.strings("tokenizer.ggml.tokens")
+    vocab = meta.integer("llama.vocab_size", len(tokens) or None)
+    if tokens and len(tokens) != vocab:
+        raise meta.refuse(
+            "tokenizer.ggml.tokens",
+            f"<{len(tokens)} tokens>",
+            f"the tokenizer's size differs from the vocabulary's {vocab}",
+        )
+    names = {tensor.name for tensor in reader.tensors}
+    eos = [meta.token_id(key) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    return ModelConfig(
+        vocab_size=vocab,
+        d_model=d_model,
+        n_heads=heads,
+        n_layers=meta.integer("llama.block_count"),
+        max_seq_len=meta.integer("llama.context_length"),
+        n_kv_heads=kv_heads,
+        activation="swiglu",
+        ffn_hidden=meta.integer("llama.feed_forward_length"),
+        norm="rmsnorm",
+        norm_eps=meta.number("llama.attention.layer_norm_rms_epsilon", 1e-5),
+        positions="rope",
+        rope_theta=meta.number("llama.rope.freq_base", 10000.0),
+        tie_embeddings="output.weight" not in names,
+        attn_bias=False,
+        ffn_bias=False,
+        eos_token_ids=tuple(dict.fromkeys(token for token in eos if token is not None)),
+        bos_token_id=meta.token_id("tokenizer.ggml.bos_token_id"),
+    ).validate()
+
+
+def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter's row order for q and k: its RoPE rotates adjacent pairs of
+    each head's dims, ours (and transformers') rotates the two halves, so the converter
+    interleaved each head's halves. The inverse of its `permute`, as transformers' GGUF loader undoes it."""
+    rows = weight.shape[0]
+    half = rows // heads // 2
+    return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)  # [rows, in]
+
+
+# Ours <- GGUF's: each of our tensors, the GGUF tensors stacked along dim 0 in order; in our
+# state_dict order (shared.shapes.iter_expected's).
+def gguf_plan(config: ModelConfig) -> Iterator[tuple[str, tuple[str, ...]]]:
+    yield "emb.weight", ("token_embd.weight",)
+    for i in range(config.n_layers):
+        g, b = f"blk.{i}.", f"blocks.{i}."
+        yield b + "ln1.weight", (g + "attn_norm.weight",)
+        yield b + "ln2.weight", (g + "ffn_norm.weight",)
+        yield b + "qkv.weight", (g + "attn_q.weight", g + "attn_k.weight", g + "attn_v.weight")
+        yield b + "proj.weight", (g + "attn_output.weight",)
+        yield b + "ffn.0.weight", (g + "ffn_gate.weight", g + "ffn_up.weight")
+        yield b + "ffn.2.weight", (g + "ffn_down.weight",)
+    yield "ln.weight", ("output_norm.weight",)
+    if not config.tie_embeddings:
+        yield "head.weight", ("output.weight",)
+
+
+def gguf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each GGUF tensor's (out, in) shape (the file lists dims innermost first: reversed)."""
+    D, F, V, Dh = config.d_model, config.ffn_dim, config.vocab_size, config.head_dim
+    per_layer = {
+        "attn_norm.weight": (D,),
+        "ffn_norm.weight": (D,),
+        "attn_q.weight": (config.n_heads * Dh, D),
+        "attn_k.weight": (config.kv_heads * Dh, D),
+        "attn_v.weight": (config.kv_heads * Dh, D),
+        "attn_output.weight": (D, config.n_heads * Dh),
+        "ffn_gate.weight": (F, D),
+        "ffn_up.weight": (F, D),
+        "ffn_down.weight": (D, F),
+    }
+    shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
+    if not config.tie_embeddings:
+        shapes["output.weight"] = (V, D)
+    for i in range(config.n_layers):
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in per_layer.items()})
+    return shapes
+
+
+class GGUFFile:
+    """A GGUF file, open: its config, its tensor table checked (names, types, shapes) before any
+    tensor is dequantized, and each of our tensors dequantized on request, at float32."""
+
+    def __init__(self, path: os.PathLike):
+        self.source = str(path)
+        self.reader = open_reader(Path(path))
+        self.config = gguf_config(self.reader, self.source)
+        self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
+        self.plan = dict(gguf_plan(self.config))
+        self.check_table()
+
+    def check_table(self) -> None:
+        source = echo_path(self.source)
+        expected = gguf_shapes(self.config)
+        for name, tensor in self.tensors.items():
+            if name not in expected:
+                raise UserError(f"GGUF file {source}: unexpected tensor {echo(name)} (not in this config's model)")
+            kind = tensor.tensor_type.name
+            if kind not in READABLE_TYPES:
+                readable = ", ".join(READABLE_TYPES)
+                raise UserError(f"GGUF file {source}: tensor {echo(name)} has type {kind}; kvports reads {readable}")
+            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+            if shape != expected[name]:
+                raise UserError(
+                    f"GGUF file {source}: tensor {echo(name)} has shape {list(shape)}, the config needs "
+                    f"{list(expected[name])}"
+                )
+        for name, shape in expected.items():
+            if name not in self.tensors:
+                raise UserError(f"GGUF file {source}: missing tensor {name!r} (expected shape {list(shape)})")
+
+    def dequantized(self, name: str) -> np.ndarray:
+        """One GGUF tensor at float32, (out, in), q and k rows back in halves order."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        tensor = self.tensors[name]
+        if tensor.tensor_type == GGMLQuantizationType.F32:
+            array = np.array(tensor.data, dtype=np.float32)  # a copy: the reader's view is of the mapped file
+        else:
+            array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        array = array.reshape(tuple(int(n) for n in reversed(tensor.shape.tolist())))  # [out, in]
+        if ".attn_q." in name or ".attn_k." in name:
+            array = unpermute(array, self.config.n_heads if ".attn_q." in name else self.config.kv_heads)
+        return array
+
+    def q4_blocks(self, ours: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Our matrix `ours` as the file's own 4-bit blocks, where every GGUF tensor it stacks is Q4_0 or
+        Q4_1: codes [out, in] uint8 in [0, 15], scales and mins [out, in / 32] float32, the weight being
+        scale * code + min in each block of 32 (Q4_0: min = -8 scale, exact in float32). None otherwise."""
+        from gguf import GGMLQuantizationType
+
+        kinds = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}  # header bytes before the nibbles
+        if any(self.tensors[name].tensor_type not in kinds for name in self.plan[ours]):
+            return None
+        parts = []
+        for name in self.plan[ours]:
+            tensor = self.tensors[name]
+            rows, width = (int(n) for n in reversed(tensor.shape.tolist()))
+            header = kinds[tensor.tensor_type]
+            blocks = np.asarray(tensor.data).reshape(rows, width // 32, header + 16)  # [out, in / 32, bytes]
+            scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, in / 32]
+            if header == 4:
+                mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, in / 32]
+            else:
+                mins = -8 * scales  # [out, in / 32]
+            nibbles = blocks[..., header:]  # [out, in / 32, 16]: weight j in the low nibble, j + 16 in the high
+            codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, width)  # [out, in]
+            if ".attn_q." in name or ".attn_k." in name:
+                heads = self.config.n_heads if ".attn_q." in name else self.config.kv_heads
+                codes, scales, mins = (unpermute(array, heads) for array in (codes, scales, mins))
+            parts.append((codes, scales, mins))
+        codes, scales, mins = (np.ascontiguousarray(np.concatenate(arrays)) for arrays in zip(*parts, strict=True))
+        return codes, scales, mins
+
+    def read(self, ours: str) -> np.ndarray:
+        """Our tensor `ours` (a name of shared.shapes.iter_expected's) at float32."""
+        parts = [self.dequantized(name) for name in self.plan[ours]]
+        return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts))
+
+    def close(self) -> None:
+        # The reader's memory map closes when the last reference goes (the parse cache may keep one).
+        self.tensors = {}
+        self.reader = None

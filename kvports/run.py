@@ -1,0 +1,435 @@
+"""The run layer, under the command line and the Python API: typed inputs, checked once
+(`check_inputs`, with `shared.checks`' messages), one `generate` for every mode, a typed result.
+
+    inputs = RunInputs("numpy", "cached", GenerationConfig(8))
+    config, tensors, prompts = read_model(                                # [B, P]: every check, once,
+        inputs.weights, inputs.dtype, lambda config: check_inputs(inputs, config, [[160, 248, 104]])
+    )                                                                     # before a tensor is read
+    loaded = load_model(inputs.framework, config, tensors, inputs.dtype, inputs.device)
+    result = generate(loaded, prompts, inputs)                            # result.generated, .seconds, ...
+
+`kvports generate`, `compare`, `bench` and `batch` parse their flags into these inputs; the
+Python API (`kvports.load(...).generate(...)`) builds them from its arguments and calls
+`check_and_prepare` on the model it loaded. A draft model (speculative mode) is read and
+loaded once, then kept on the `LoadedModel`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvports import registry
+from kvports.devices import DEVICES, check_device, check_parallel_devices, prepare_tensor_parallel
+from kvports.formats.weights import DEFAULT_WEIGHTS, open_weights
+from kvports.limits import check_bytes, check_run
+from kvports.shared.checks import COMMAND_LINE, Names, check_choice, check_generation
+from kvports.shared.config import DTYPES, ModelConfig, host_dtype
+from kvports.shared.contract import OnToken, Port, Timed
+from kvports.shared.errors import UserError
+from kvports.shared.generation import PAD, GenerationConfig, finish_reasons, pad_prompts, repeat_samples, row_tokens
+from kvports.shared.shapes import parameter_count
+from kvports.threads import check_threads, settle_threads
+from kvports.validation import (
+    MODES,
+    check_draft,
+    check_draft_model,
+    check_draft_source,
+    check_logprobs,
+    check_needed,
+    check_ngram,
+    check_precision,
+    check_prompts,
+    check_q4_file,
+    check_samples,
+    check_seeds,
+    check_tensor_parallel,
+)
+
+Tensors = dict[str, np.ndarray]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Speculative decoding's draft: a smaller model's weights file with the model's vocabulary,
+    or "ngram" (prompt lookup); `tokens` proposals (K) per round; lookup matches `ngram` tokens."""
+
+    source: str
+    tokens: int = 4
+    ngram: int = 2
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """One generation's inputs, typed: what argparse (or the API's arguments) turn into."""
+
+    framework: str
+    mode: str  # naive, cached or speculative
+    generation: GenerationConfig
+    weights: Path | None = None  # None: the seed's model, shipped with kvports
+    dtype: str = "float32"
+    device: str = "cpu"
+    draft: Draft | None = None  # speculative mode's draft
+    quant: str = "none"  # weight-only quantization: none, int8 (at load) or q4 (a GGUF's own 4-bit blocks)
+    tensor_parallel: int = 1  # devices the model is split across (Megatron-style); 1: one device
+    threads: int | None = None  # every framework's thread count (None: each one's default)
+    logprobs: int = 0  # each step's chosen token's log-probability and the K likeliest alternatives
+
+
+@dataclass
+class LoadedModel:
+    """One framework's model on one device, with the draft models loaded for it so far."""
+
+    port: Port
+    model: Any
+    config: ModelConfig
+    framework: str
+    dtype: str
+    device: str
+    drafts: dict[str, tuple[ModelConfig, Any]] = field(default_factory=dict)  # source -> (config, model)
+    quant: str = "none"  # the model's (a draft runs unquantized)
+    tensor_parallel: int = 1  # the draft is split across the same devices
+
+    def add_draft(self, source: str, config: ModelConfig, tensors: Tensors) -> None:
+        model = self.port.load_model(config, tensors, self.dtype, self.device, tensor_parallel=self.tensor_parallel)
+        self.drafts[source] = (config, model)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one generation made, row by row (padding dropped), and how long it took."""
+
+    tokens: list[list[int]]  # each row's prompt, then what it generated
+    generated: list[list[int]]  # what each row generated (a stopped row ends with its stop token)
+    finish_reason: list[str]  # "stop" (a stop token) or "length" (new_tokens reached)
+    logits: np.ndarray | None  # [B, steps, V] when asked for (naive and cached)
+    speculative: dict[str, Any] | None  # mode speculative: proposals, acceptances, target forwards per token
+    seconds: float  # until the device was done (a draft's loading excluded)
+    first_token_seconds: float | None = None  # until the first token reached the host (with on_token)
+    text: list[str] | None = None  # each row decoded, prompt and generated, when a tokenizer is given
+    padded: np.ndarray | None = None  # [B, P + N] as the port returned it, PAD where a row is short or stopped
+    logprobs: list[list[dict[str, Any]]] | None = None  # per row, per generated token: see `step_logprobs`
+
+
+def check_names(framework: object, dtype: object, device: object, names: Names, quant: object = "none") -> None:
+    """The framework, dtype, device and quant named (the command line's choices do this for its
+    flags), and the precision offered by the framework."""
+    check_choice("framework", framework, registry.PORTS, names)
+    check_choice("dtype", dtype, DTYPES, names)
+    check_choice("device", device, DEVICES, names)
+    check_precision(str(framework), str(dtype), quant, names)
+
+
+def read_model(
+    weights: Path | None,
+    dtype: str,
+    check: Callable[[ModelConfig], T] | None = None,
+    quant: str = "none",
+    names: Names = COMMAND_LINE,
+) -> tuple[ModelConfig, Tensors, T | None]:
+    """A weights file's config and tensors at `dtype`: the header checked, then `check(config)`
+    (a run's inputs against the model; without one, the weights' own bytes against the limit),
+    all before any tensor is read. The third item is what `check` returned. quant "q4": the
+    file's 4-bit blocks too, beside the dequantized weights (a file without any is refused)."""
+    with open_weights(weights if weights is not None else DEFAULT_WEIGHTS) as file:
+        config = file.config.validate_at(dtype)
+        checked = None
+        if check is not None:
+            checked = check(config)
+        else:
+            count = parameter_count(config)
+            check_bytes(
+                {"weights": 2 * count * np.dtype(host_dtype(dtype)).itemsize}, f"a model of {count:,} parameters"
+            )
+        check_q4_file(quant, file.has_q4(), file.source, names)
+        return config, file.read(dtype, quant), checked
+
+
+def load_port(framework: str) -> Port:
+    """The framework's port: one that is not installed is a user error."""
+    try:
+        port = registry.load_port(framework)
+    except registry.PortUnavailable as exc:
+        raise UserError(str(exc)) from None
+    settle_threads()  # torch's thread pools exist only once it is imported
+    return port
+
+
+def load_model(
+    framework: str,
+    config: ModelConfig,
+    tensors: Tensors,
+    dtype: str,
+    device: str,
+    names: Names = COMMAND_LINE,
+    quant: str = "none",
+    tensor_parallel: int = 1,
+) -> LoadedModel:
+    """`tensor_parallel` checked beforehand (`check_inputs`, or `check_tensor_parallel`)."""
+    check_precision(framework, dtype, quant, names)
+    if quant != "none" and tensor_parallel > 1:  # the ranks shard float Linear layers; a packed one has no plan
+        quant_shown = names.show("quant", quant if not names.api else repr(quant))
+        raise UserError(
+            f"{quant_shown} runs on one device: give it without {names.show('tensor_parallel', str(tensor_parallel))}"
+        )
+    prepare_tensor_parallel(tensor_parallel, device, [framework])  # before the port's import starts JAX
+    port = load_port(framework)
+    check_device(port, device, names.show("device", device if not names.api else repr(device)))
+    check_parallel_devices(framework, device, tensor_parallel, names.show("tensor_parallel", str(tensor_parallel)))
+    model = port.load_model(config, tensors, dtype, device, quant=quant, tensor_parallel=tensor_parallel)
+    return LoadedModel(port, model, config, framework, dtype, device, quant=quant, tensor_parallel=tensor_parallel)
+
+
+def check_inputs(
+    inputs: RunInputs,
+    config: ModelConfig,
+    prompts: Sequence[Sequence[object]],
+    names: Names = COMMAND_LINE,
+    modes: Sequence[str] | None = None,
+    draft: ModelConfig | None = None,
+) -> np.ndarray:
+    """Every check of one run's inputs against its model, in one place, once: the prompts, the
+    generation settings, the draft's settings and its model's config (`draft`, from its header;
+    for `modes` with speculative, default: the inputs' own mode) and the bytes the run will
+    allocate. The prompts as one batch [B, P], left-padded with PAD (every row's last prompt
+    token in the same column)."""
+    modes = [check_choice("mode", inputs.mode, MODES, names)] if modes is None else list(modes)
+    check_precision(inputs.framework, inputs.dtype, inputs.quant, names)
+    generation = inputs.generation
+    rows = check_prompts(prompts, config, generation.max_new_tokens, names)
+    check_generation(generation, config.vocab_size, names)
+    check_seeds(generation, len(rows), names)
+    draft_tokens = 0
+    if "speculative" in modes:
+        source = None if inputs.draft is None else inputs.draft.source
+        check_draft(inputs.mode, source, *draft_fields(inputs.draft), names)
+        assert inputs.draft is not None
+        draft_tokens = inputs.draft.tokens
+        check_ngram(inputs.draft.ngram, max(map(len, rows)), generation.max_new_tokens, names)
+        models = [("the model", config)]
+        if draft is not None:
+            check_draft_model(config, draft)
+            models.append(("the draft", draft))
+        check_needed(max(map(len, rows)), generation.max_new_tokens, draft_tokens, models)
+    parallel = [("the model", config)]
+    if draft is not None and "speculative" in modes:
+        parallel.append(("the draft", draft))
+    check_tensor_parallel(inputs.tensor_parallel, inputs.framework, parallel, names)
+    prepare_tensor_parallel(inputs.tensor_parallel, inputs.device, [inputs.framework])  # before anything starts JAX
+    check_threads(inputs.threads, names)
+    check_logprobs(inputs.logprobs, inputs.mode, config.vocab_size, names)
+    batch = pad_prompts(rows)[0]  # [B, P]
+    B, P = batch.shape
+    check_run(config, inputs.dtype, B, P, generation.max_new_tokens, modes, draft_tokens, draft)
+    return batch
+
+
+def with_samples(
+    inputs: RunInputs, prompts: Sequence[Sequence[Any]], num_samples: object, names: Names = COMMAND_LINE
+) -> tuple[RunInputs, list[list[Any]]]:
+    """`num_samples` copies of each prompt, seeded seed, seed + 1, ... (`generation.repeat_samples`):
+    the inputs and prompt rows of a run asked for several samples of each prompt."""
+    if num_samples == 1 and not isinstance(num_samples, bool) or not prompts:
+        return inputs, [list(prompt) for prompt in prompts]
+    count = check_samples(num_samples, inputs.generation, len(prompts), names)
+    rows, generation = repeat_samples(prompts, inputs.generation, count)
+    return dataclasses.replace(inputs, generation=generation), rows
+
+
+def draft_fields(draft: Draft | None) -> tuple[object, object]:
+    return (4, 2) if draft is None else (draft.tokens, draft.ngram)
+
+
+def draft_file(inputs: RunInputs, names: Names = COMMAND_LINE, modes: Sequence[str] | None = None) -> str | None:
+    """The draft model's weights file a run needs read (speculative with a file), or None."""
+    speculative = "speculative" in (modes if modes is not None else [inputs.mode])
+    if not speculative or inputs.draft is None or inputs.draft.source == "ngram":
+        return None
+    check_draft_source(inputs.draft.source, names)
+    return inputs.draft.source
+
+
+def check_and_prepare(
+    loaded: LoadedModel, inputs: RunInputs, prompts: Sequence[Sequence[object]], names: Names = COMMAND_LINE
+) -> np.ndarray:
+    """`check_inputs` for a model already loaded (the Python API): a draft file is read, checked
+    and loaded on first use, then kept on `loaded` for the calls after."""
+    source = draft_file(inputs, names)
+    if source is None or source in loaded.drafts:
+        draft = None if source is None else loaded.drafts[source][0]
+        return check_inputs(inputs, loaded.config, prompts, names, draft=draft)
+    with open_weights(Path(source)) as file:
+        batch = check_inputs(inputs, loaded.config, prompts, names, draft=file.config)
+        loaded.add_draft(source, file.config, file.read(inputs.dtype))
+    return batch
+
+
+def read_draft(inputs: RunInputs, config: ModelConfig, prompts: np.ndarray) -> tuple[ModelConfig, Tensors] | None:
+    """The bench's draft: config and tensors, checked against the model and the run; None for prompt lookup."""
+    source = draft_file(inputs)
+    if source is None:
+        return None
+    assert inputs.draft is not None
+    with open_weights(Path(source)) as file:
+        check_draft_model(config, file.config)
+        B, P = prompts.shape
+        N, K = inputs.generation.max_new_tokens, inputs.draft.tokens
+        check_needed(P, N, K, [("the model", config), ("the draft", file.config)])
+        check_run(config, inputs.dtype, B, P, N, ["speculative"], K, file.config)
+        return file.config, file.read(inputs.dtype)
+
+
+def draft_model(loaded: LoadedModel, inputs: RunInputs) -> Any:
+    """The run's draft model, loaded onto `loaded` beforehand; None for prompt lookup."""
+    assert inputs.draft is not None
+    return None if inputs.draft.source == "ngram" else loaded.drafts[inputs.draft.source][1]
+
+
+def timed(call: Callable[[], T], module: Timed, model: Any) -> tuple[T, float]:
+    """(what call returns, seconds until the device is done)."""
+    start = time.perf_counter()
+    result = call()
+    module.synchronize(model)
+    return result, time.perf_counter() - start
+
+
+def run_port(
+    port: Port,
+    model: Any,
+    draft: Any,
+    prompts: np.ndarray,
+    inputs: RunInputs,
+    return_logits: bool = False,
+    on_token: OnToken | None = None,
+) -> tuple[np.ndarray, np.ndarray | None, dict[str, int] | None]:
+    """The one switch between the port's generators: (tokens [B, P + N], logits or None, speculative counts or None)."""
+    if inputs.mode == "speculative":
+        assert inputs.draft is not None
+        tokens, counts = port.generate_speculative(
+            model, draft, prompts, inputs.generation, inputs.draft.tokens, inputs.draft.ngram, on_token=on_token
+        )
+        return tokens, None, counts
+    tokens, logits = port.generate(model, prompts, inputs.generation, inputs.mode, return_logits, on_token=on_token)
+    return tokens, logits, None
+
+
+def generate(
+    loaded: LoadedModel,
+    prompts: np.ndarray,
+    inputs: RunInputs,
+    return_logits: bool = False,
+    on_token: OnToken | None = None,
+    tokenizer: Any = None,
+) -> Generation:
+    """One generation, any mode, of prompts `check_inputs` returned [B, P] (a speculative run's
+    draft prepared first). With on_token, the time to the first token is measured too."""
+    draft = draft_model(loaded, inputs) if inputs.mode == "speculative" else None
+    first: list[float] = []
+
+    def heard(token: np.ndarray) -> None:
+        if not first:
+            first.append(time.perf_counter())
+        assert on_token is not None
+        on_token(token)
+
+    start = time.perf_counter()
+    tokens, logits, counts = run_port(
+        loaded.port,
+        loaded.model,
+        draft,
+        prompts,
+        inputs,
+        return_logits or inputs.logprobs > 0,
+        None if on_token is None else heard,
+    )
+    loaded.port.synchronize(loaded.model)
+    seconds = time.perf_counter() - start
+    result = result_of(
+        tokens,
+        prompts,
+        inputs,
+        logits if return_logits else None,
+        counts,
+        seconds,
+        first[0] - start if first else None,
+        tokenizer,
+    )
+    if inputs.logprobs and logits is not None:
+        result = replace(result, logprobs=step_logprobs(logits, tokens, prompts.shape[1], inputs.logprobs))
+    return result
+
+
+def result_of(
+    tokens: np.ndarray,
+    prompts: np.ndarray,
+    inputs: RunInputs,
+    logits: np.ndarray | None,
+    counts: dict[str, int] | None,
+    seconds: float,
+    first_token_seconds: float | None = None,
+    tokenizer: Any = None,
+) -> Generation:
+    P = prompts.shape[1]
+    rows, prompt_rows = row_tokens(tokens), row_tokens(prompts)
+    text = None
+    if tokenizer is not None:
+        from kvports.formats.hf.text import decode
+
+        text = [decode(tokenizer, row) for row in rows]  # prompt and generated, as `tokens` holds them
+    return Generation(
+        tokens=rows,
+        generated=[row[len(prompt) :] for row, prompt in zip(rows, prompt_rows, strict=True)],
+        finish_reason=finish_reasons(tokens, P, inputs.generation.stop_ids),
+        logits=logits,
+        speculative=None if counts is None else speculative_summary(counts, inputs, tokens, P),
+        seconds=seconds,
+        first_token_seconds=first_token_seconds,
+        text=text,
+        padded=tokens,
+    )
+
+
+def speculative_summary(counts: dict[str, int], inputs: RunInputs, tokens: np.ndarray, P: int) -> dict[str, Any]:
+    """The counts a user wants: proposals, acceptances, their rate, and target forwards per
+    generated token (of the longest row: every row moves with the batch)."""
+    assert inputs.draft is not None
+    generated = int((tokens[:, P:] != PAD).sum(axis=1).max())
+    return {
+        "draft": inputs.draft.source,
+        "draft_tokens": inputs.draft.tokens,
+        **counts,
+        "acceptance_rate": counts["accepted"] / counts["proposed"] if counts["proposed"] else 0.0,
+        "target_forwards_per_token": counts["target_forwards"] / max(generated, 1),
+    }
+
+
+def step_logprobs(logits: np.ndarray, tokens: np.ndarray, prompt_len: int, top: int) -> list[list[dict[str, Any]]]:
+    """Each row's generated tokens with their log-probabilities under the model (log-softmax of
+    the step's logits in float64, before temperature, top-k and top-p) and the `top` likeliest
+    tokens of that step, likeliest first (ties by id): [{"token", "logprob", "top": [{"token",
+    "logprob"}]}] per step, up to the row's stop. logits: [B, steps, V]; tokens: [B, P + N]."""
+    rows: list[list[dict[str, Any]]] = []
+    for row_logits, row in zip(np.asarray(logits, dtype=np.float64), np.asarray(tokens)[:, prompt_len:], strict=True):
+        steps: list[dict[str, Any]] = []
+        for step, token in enumerate(row[: len(row_logits)]):  # [steps, V], [N]
+            if token == PAD:  # the row stopped
+                break
+            shifted = row_logits[step] - row_logits[step].max()  # [V]
+            logprobs = shifted - np.log(np.exp(shifted).sum())  # [V]
+            likeliest = np.lexsort((np.arange(len(logprobs)), -logprobs))[:top]  # [top]
+            steps.append(
+                {
+                    "token": int(token),
+                    "logprob": float(logprobs[token]),
+                    "top": [{"token": int(i), "logprob": float(logprobs[i])} for i in likeliest],
+                }
+            )
+        rows.append(steps)
+    return rows

@@ -1,4 +1,0 @@
-"""The `kvports` subcommands, one module each (the bench's is the `kvports.shared.bench`
-package). Each has HELP, add_arguments(parser) and run(args) -> exit status; `shared.cli`
-only builds the parser from them and dispatches. NumPy only at import: ports and heavy
-libraries load inside run()."""
