@@ -26,7 +26,7 @@ from kvports.shared.contract import OnToken
 from kvports.shared.errors import NonFiniteLogits, UserError, echo
 from kvports.shared.generation import GenerationConfig
 from kvports.threads import check_threads, use_threads
-from kvports.validation import SEED_PROMPT, check_tensor_parallel, parse_prompt
+from kvports.validation import SEED_PROMPT, Setup, parse_prompt
 
 __all__ = ["Generation", "GenerationConfig", "Model", "UserError", "load"]
 
@@ -159,8 +159,7 @@ def load(
     float64 (torch and JAX: bfloat16 too), on the "cpu" or a "gpu", checked as `kvports generate` checks
     them; quant "int8" or "q4" (a Q4_0/Q4_1 GGUF file's own blocks): weight-only quantization (torch and JAX);
     split across `tensor_parallel` devices (torch and JAX; on the CPU, processes or simulated devices)."""
-    run.check_names(framework, dtype, device, API, quant)
-    check_tensor_parallel(tensor_parallel, framework, [], API)  # its range and its framework, before a file is read
+    run.check_names(framework, dtype, device, API)
     check_arguments(weights=weights, model=model)
     check_threads(threads, API)  # threads=N: every framework's thread count, set before it starts (kvports.threads)
     if model is not None:
@@ -169,8 +168,9 @@ def load(
         if weights is not None:
             raise UserError("give weights= a file or model= a fetched model's name, not both")
         weights = model_path(model)
-    config, tensors, _ = run.read_model(None if weights is None else Path(os.fspath(weights)), dtype, None, quant, API)
-    tensor_parallel = check_tensor_parallel(tensor_parallel, framework, [("the model", config)], API)
+    setup = Setup((framework,), (), dtype, quant, device, tensor_parallel)
+    path = None if weights is None else Path(os.fspath(weights))
+    config, tensors, _ = run.read_model(path, dtype, lambda config: run.check_load(setup, config, API), quant, API)
     use_threads(threads)
     return Model(
         run.load_model(framework, config, tensors, dtype, device, API, quant=quant, tensor_parallel=tensor_parallel)

@@ -46,26 +46,33 @@ def device_problem(port: Port, device: str) -> str | None:
     return None
 
 
-def check_gpu_reachable(device: str, problems: Mapping[str, str | None]) -> None:
+def check_cpu_only(device: str, frameworks: Sequence[str], shown: str = "--device gpu") -> None:
+    """A GPU asked for frameworks that all run on the CPU only (NumPy): before any is imported.
+    `shown` names the device as the caller wrote it (`--device gpu`, `device='gpu'`)."""
+    if device == "gpu" and frameworks and all(name in registry.CPU_ONLY for name in frameworks):
+        runs = "runs" if len(frameworks) == 1 else "run"
+        raise UserError(f"{shown}: {', '.join(frameworks)} {runs} on the CPU only")
+
+
+def check_gpu_reachable(device: str, problems: Mapping[str, str | None], shown: str = "--device gpu") -> None:
     """`problems`: each framework asked for -> why it cannot run on its device (None: it can).
-    With --device gpu, at least one framework that runs on GPUs at all must reach one."""
+    With --device gpu, at least one framework that runs on GPUs at all must reach one; when one
+    framework is asked for, its own reason is the error, as `check_device` gives it."""
     if device != "gpu":
         return
+    check_cpu_only(device, list(problems), shown)
     candidates = {name: problem for name, problem in problems.items() if name not in registry.CPU_ONLY}
-    if not candidates:
-        raise UserError(
-            f"--device gpu: {', '.join(problems)} {'runs' if len(problems) == 1 else 'run'} on the CPU only"
-        )
     if all(candidates.values()):
-        raise UserError("--device gpu: no GPU here (" + "; ".join(f"{n}: {p}" for n, p in candidates.items()) + ")")
+        if len(candidates) == 1:
+            raise UserError(f"{shown}: {next(iter(candidates.values()))}")
+        raise UserError(f"{shown}: no GPU here (" + "; ".join(f"{n}: {p}" for n, p in candidates.items()) + ")")
 
 
 def check_device(port: Port, device: str, shown: str | None = None) -> None:
     """One framework on one device (`generate`, `batch`, the Python API): its reason as the error,
     after the device as the caller names it (`--device gpu`, `device='gpu'`)."""
     shown = f"--device {device}" if shown is None else shown
-    if device == "gpu" and port.NAME in registry.CPU_ONLY:
-        raise UserError(f"{shown}: {port.NAME} runs on the CPU only")
+    check_cpu_only(device, [port.NAME], shown)
     problem = device_problem(port, device)
     if problem is not None:
         raise UserError(f"{shown}: {problem}")

@@ -16,6 +16,11 @@ REFERENCE = "torch"
 CPU_ONLY = ("numpy",)  # runs on the CPU whatever --device asks for
 COMPILES = ("jax",)  # the first call traces and compiles: compare and bench report that time apart
 MODULES = {"torch": "kvports.torch_impl.port", "jax": "kvports.jax_impl.port", "numpy": "kvports.numpy_impl.port"}
+# The modes each port runs: generate's naive, cached and speculative, and kvports batch's paged engine
+# (init_block_pool, paged_step); SPLIT_MODES: those its ranks run split across devices (tensor_parallel > 1):
+# torch's ranks each run a whole generate call, with no block pool they share; NumPy splits nothing.
+MODES = {name: ("naive", "cached", "speculative", "paged") for name in PORTS}
+SPLIT_MODES = {"torch": ("naive", "cached", "speculative"), "jax": MODES["jax"], "numpy": ()}
 FRAMEWORK_PACKAGES = {"torch": ("torch",), "jax": ("jax", "flax"), "numpy": ()}  # NumPy: kvports' own dependency
 
 
@@ -34,9 +39,8 @@ def load_port(name: str) -> Port:
     if name not in MODULES:
         raise PortUnavailable(name, f"known frameworks: {', '.join(PORTS)}")
     if name not in _loaded:
-        missing = missing_packages(name)
-        if missing:
-            raise PortUnavailable(name, f"{' and '.join(missing)} not installed")
+        if missing_packages(name):
+            raise PortUnavailable(name, not_installed(name))
         _loaded[name] = cast(Port, importlib.import_module(MODULES[name]))
     return _loaded[name]
 
@@ -44,6 +48,11 @@ def load_port(name: str) -> Port:
 def missing_packages(name: str) -> list[str]:
     """The framework packages port `name` needs that are not installed."""
     return [package for package in FRAMEWORK_PACKAGES[name] if importlib.util.find_spec(package) is None]
+
+
+def not_installed(name: str) -> str:
+    """Why port `name` is not available, in words: the framework packages it lacks."""
+    return f"{' and '.join(missing_packages(name)) or name} not installed"
 
 
 def available_port(name: str) -> Port | None:

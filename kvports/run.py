@@ -1,5 +1,7 @@
-"""The run layer, under the command line and the Python API: typed inputs, checked once
-(`check_inputs`, with `shared.checks`' messages), one `generate` for every mode, a typed result.
+"""The run layer, the one path under the command line and the Python API: typed inputs, checked
+once (`check_inputs`, with `validation.check_rules`, every rule of what the ports can run, and
+`shared.checks`' messages), models loaded by `load_model`, one `generate` for every mode, a typed
+result.
 
     inputs = RunInputs("numpy", "cached", GenerationConfig(8))
     config, tensors, prompts = read_model(                                # [B, P]: every check, once,
@@ -8,9 +10,12 @@
     loaded = load_model(inputs.framework, config, tensors, inputs.dtype, inputs.device)
     result = generate(loaded, prompts, inputs)                            # result.generated, .seconds, ...
 
-`kvports generate`, `compare`, `bench` and `batch` parse their flags into these inputs; the
-Python API (`kvports.load(...).generate(...)`) builds them from its arguments and calls
-`check_and_prepare` on the model it loaded. A draft model (speculative mode) is read and
+`kvports generate`, `compare`, `bench`, `batch` (and its --bench) and `check`'s reference go
+through these functions: their flags become these inputs, or `check_rules`' `Setup` where a
+command runs several frameworks, formats or splits; the Python API (`kvports.load(...).generate(...)`)
+builds them from its arguments and calls `check_and_prepare` on the model it loaded. What only an
+imported port can tell (a GPU, the devices to split across) is `port_for`'s, and `usable_ports`'
+for several frameworks, still before any model loads. A draft model (speculative mode) is read and
 loaded once, then kept on the `LoadedModel`.
 """
 
@@ -26,7 +31,15 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvports import registry
-from kvports.devices import DEVICES, check_device, check_parallel_devices, prepare_tensor_parallel
+from kvports.devices import (
+    DEVICES,
+    check_device,
+    check_gpu_reachable,
+    check_parallel_devices,
+    device_problem,
+    placement,
+    prepare_tensor_parallel,
+)
 from kvports.formats.weights import DEFAULT_WEIGHTS, open_weights
 from kvports.limits import check_bytes, check_run
 from kvports.shared.checks import COMMAND_LINE, Names, check_choice, check_generation
@@ -38,22 +51,22 @@ from kvports.shared.shapes import parameter_count
 from kvports.threads import check_threads, settle_threads
 from kvports.validation import (
     MODES,
+    Setup,
     check_draft,
-    check_draft_model,
     check_draft_source,
-    check_logprobs,
     check_needed,
     check_ngram,
-    check_precision,
     check_prompts,
     check_q4_file,
+    check_rules,
     check_samples,
     check_seeds,
-    check_tensor_parallel,
+    shown,
 )
 
 Tensors = dict[str, np.ndarray]
 T = TypeVar("T")
+NOT_INSTALLED = "not installed"  # `usable_ports`' reason for a framework that is missing, by default
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,19 @@ class RunInputs:
     tensor_parallel: int = 1  # devices the model is split across (Megatron-style); 1: one device
     threads: int | None = None  # every framework's thread count (None: each one's default)
     logprobs: int = 0  # each step's chosen token's log-probability and the K likeliest alternatives
+
+    def setup(self, modes: Sequence[str] | None = None, frameworks: Sequence[str] | None = None) -> Setup:
+        """What `check_rules` holds to the ports: these inputs, in `modes` (default: the inputs' own
+        mode), by `frameworks` (default: the inputs' own framework)."""
+        return Setup(
+            tuple(frameworks) if frameworks is not None else (self.framework,),
+            tuple(modes) if modes is not None else (self.mode,),
+            self.dtype,
+            self.quant,
+            self.device,
+            self.tensor_parallel,
+            self.logprobs,
+        )
 
 
 @dataclass
@@ -118,13 +144,11 @@ class Generation:
     logprobs: list[list[dict[str, Any]]] | None = None  # per row, per generated token: see `step_logprobs`
 
 
-def check_names(framework: object, dtype: object, device: object, names: Names, quant: object = "none") -> None:
-    """The framework, dtype, device and quant named (the command line's choices do this for its
-    flags), and the precision offered by the framework."""
+def check_names(framework: object, dtype: object, device: object, names: Names) -> None:
+    """The framework, dtype and device named: what the command line's choices do for its flags."""
     check_choice("framework", framework, registry.PORTS, names)
     check_choice("dtype", dtype, DTYPES, names)
     check_choice("device", device, DEVICES, names)
-    check_precision(str(framework), str(dtype), quant, names)
 
 
 def read_model(
@@ -144,12 +168,21 @@ def read_model(
         if check is not None:
             checked = check(config)
         else:
-            count = parameter_count(config)
-            check_bytes(
-                {"weights": 2 * count * np.dtype(host_dtype(dtype)).itemsize}, f"a model of {count:,} parameters"
-            )
+            check_weights(config, dtype)
         check_q4_file(quant, file.has_q4(), file.source, names)
         return config, file.read(dtype, quant), checked
+
+
+def check_weights(config: ModelConfig, dtype: str) -> None:
+    """The bytes of a model's weights (twice: read, then the framework's copy) against the limit."""
+    count = parameter_count(config)
+    check_bytes({"weights": 2 * count * np.dtype(host_dtype(dtype)).itemsize}, f"a model of {count:,} parameters")
+
+
+def check_load(setup: Setup, config: ModelConfig, names: Names = COMMAND_LINE) -> None:
+    """A model to load with no run yet (the API's `load`): the rules against its config, and its bytes."""
+    check_rules(setup, names, [("the model", config)])
+    check_weights(config, setup.dtype)
 
 
 def load_port(framework: str) -> Port:
@@ -162,6 +195,50 @@ def load_port(framework: str) -> Port:
     return port
 
 
+def port_for(
+    framework: str, device: str, tensor_parallel: int = 1, names: Names = COMMAND_LINE, port: Port | None = None
+) -> Port:
+    """One framework's port, imported (`port`: imported already, by `usable_ports`), that reaches
+    `device` and has `tensor_parallel` devices there: what only the imported port can tell, refused
+    after `check_rules` and before any model loads."""
+    prepare_tensor_parallel(tensor_parallel, device, [framework])  # before the port's import starts JAX
+    port = load_port(framework) if port is None else port
+    check_device(port, device, shown(names, "device", device))
+    check_parallel_devices(framework, device, tensor_parallel, shown(names, "tensor_parallel", tensor_parallel))
+    return port
+
+
+def usable_ports(
+    frameworks: Sequence[str],
+    device: str,
+    tensor_parallel: int = 1,
+    names: Names = COMMAND_LINE,
+    missing: Callable[[str], str] = lambda framework: NOT_INSTALLED,
+) -> tuple[dict[str, Port], dict[str, str]]:
+    """`port_for` for a command that runs several frameworks (compare, the benches): each one's
+    port, or the reason its rows give (`missing(framework)` for one not installed, else why it
+    finds no GPU). Refused when none reaches a GPU asked for, or a split asks more devices than
+    a port has."""
+    prepare_tensor_parallel(tensor_parallel, device, frameworks)  # before the first import starts JAX
+    ports: dict[str, Port] = {}
+    reasons: dict[str, str] = {}
+    problems: dict[str, str | None] = {}
+    for name in frameworks:
+        port = registry.available_port(name)
+        problems[name] = missing(name) if port is None else device_problem(port, device)
+        if port is not None and problems[name] is None:
+            ports[name] = port
+        else:
+            reasons[name] = str(problems[name])
+    settle_threads()  # torch's thread pools exist only once it is imported
+    check_gpu_reachable(device, problems, shown(names, "device", device))
+    for name in ports:
+        check_parallel_devices(
+            name, placement(name, device), tensor_parallel, shown(names, "tensor_parallel", tensor_parallel)
+        )
+    return ports, reasons
+
+
 def load_model(
     framework: str,
     config: ModelConfig,
@@ -171,20 +248,22 @@ def load_model(
     names: Names = COMMAND_LINE,
     quant: str = "none",
     tensor_parallel: int = 1,
+    port: Port | None = None,
 ) -> LoadedModel:
-    """`tensor_parallel` checked beforehand (`check_inputs`, or `check_tensor_parallel`)."""
-    check_precision(framework, dtype, quant, names)
-    if quant != "none" and tensor_parallel > 1:  # the ranks shard float Linear layers; a packed one has no plan
-        quant_shown = names.show("quant", quant if not names.api else repr(quant))
-        raise UserError(
-            f"{quant_shown} runs on one device: give it without {names.show('tensor_parallel', str(tensor_parallel))}"
-        )
-    prepare_tensor_parallel(tensor_parallel, device, [framework])  # before the port's import starts JAX
-    port = load_port(framework)
-    check_device(port, device, names.show("device", device if not names.api else repr(device)))
-    check_parallel_devices(framework, device, tensor_parallel, names.show("tensor_parallel", str(tensor_parallel)))
+    """The one way a port's model is loaded, once its caller has held the run to `check_rules`
+    (before any file was read): `port_for` (`port`: imported already), then the port's own load.
+    `device`: where this framework runs (`devices.placement`: NumPy on the CPU)."""
+    port = port_for(framework, device, tensor_parallel, names, port)
     model = port.load_model(config, tensors, dtype, device, quant=quant, tensor_parallel=tensor_parallel)
     return LoadedModel(port, model, config, framework, dtype, device, quant=quant, tensor_parallel=tensor_parallel)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A run's inputs, checked: the prompts as one batch, and the frameworks asked for that cannot run it."""
+
+    prompts: np.ndarray  # [B, P], left-padded with PAD (every row's last prompt token in the same column)
+    unable: dict[str, str]  # framework -> the reason its rows give (compare); empty for one framework
 
 
 def check_inputs(
@@ -195,40 +274,46 @@ def check_inputs(
     modes: Sequence[str] | None = None,
     draft: ModelConfig | None = None,
 ) -> np.ndarray:
-    """Every check of one run's inputs against its model, in one place, once: the prompts, the
-    generation settings, the draft's settings and its model's config (`draft`, from its header;
-    for `modes` with speculative, default: the inputs' own mode) and the bytes the run will
-    allocate. The prompts as one batch [B, P], left-padded with PAD (every row's last prompt
-    token in the same column)."""
+    """`checked_inputs`' prompts [B, P], for a run of the inputs' own framework."""
+    return checked_inputs(inputs, config, prompts, names, modes, draft).prompts
+
+
+def checked_inputs(
+    inputs: RunInputs,
+    config: ModelConfig,
+    prompts: Sequence[Sequence[object]],
+    names: Names = COMMAND_LINE,
+    modes: Sequence[str] | None = None,
+    draft: ModelConfig | None = None,
+    frameworks: Sequence[str] | None = None,
+) -> Checked:
+    """Every check of one run's inputs against its model, in one place, once: the rules of what
+    the ports can run (`check_rules`, for `frameworks`, default the inputs' own), the prompts, the
+    generation settings, the draft's settings (`draft`: its model's config, from its header; for
+    `modes` with speculative, default: the inputs' own mode) and the bytes the run will allocate."""
     modes = [check_choice("mode", inputs.mode, MODES, names)] if modes is None else list(modes)
-    check_precision(inputs.framework, inputs.dtype, inputs.quant, names)
+    frameworks = [inputs.framework] if frameworks is None else list(frameworks)
+    speculative = "speculative" in modes
+    models = [("the model", config)] + ([("the draft", draft)] if draft is not None and speculative else [])
+    unable = check_rules(inputs.setup(modes, frameworks), names, models)
     generation = inputs.generation
     rows = check_prompts(prompts, config, generation.max_new_tokens, names)
     check_generation(generation, config.vocab_size, names)
     check_seeds(generation, len(rows), names)
     draft_tokens = 0
-    if "speculative" in modes:
+    if speculative:
         source = None if inputs.draft is None else inputs.draft.source
         check_draft(inputs.mode, source, *draft_fields(inputs.draft), names)
         assert inputs.draft is not None
         draft_tokens = inputs.draft.tokens
         check_ngram(inputs.draft.ngram, max(map(len, rows)), generation.max_new_tokens, names)
-        models = [("the model", config)]
-        if draft is not None:
-            check_draft_model(config, draft)
-            models.append(("the draft", draft))
         check_needed(max(map(len, rows)), generation.max_new_tokens, draft_tokens, models)
-    parallel = [("the model", config)]
-    if draft is not None and "speculative" in modes:
-        parallel.append(("the draft", draft))
-    check_tensor_parallel(inputs.tensor_parallel, inputs.framework, parallel, names)
-    prepare_tensor_parallel(inputs.tensor_parallel, inputs.device, [inputs.framework])  # before anything starts JAX
+    prepare_tensor_parallel(inputs.tensor_parallel, inputs.device, frameworks)  # before anything starts JAX
     check_threads(inputs.threads, names)
-    check_logprobs(inputs.logprobs, inputs.mode, config.vocab_size, names)
     batch = pad_prompts(rows)[0]  # [B, P]
     B, P = batch.shape
     check_run(config, inputs.dtype, B, P, generation.max_new_tokens, modes, draft_tokens, draft)
-    return batch
+    return Checked(batch, unable)
 
 
 def with_samples(
@@ -271,14 +356,18 @@ def check_and_prepare(
     return batch
 
 
-def read_draft(inputs: RunInputs, config: ModelConfig, prompts: np.ndarray) -> tuple[ModelConfig, Tensors] | None:
-    """The bench's draft: config and tensors, checked against the model and the run; None for prompt lookup."""
+def read_draft(
+    inputs: RunInputs, config: ModelConfig, prompts: np.ndarray, setups: Sequence[Setup]
+) -> tuple[ModelConfig, Tensors] | None:
+    """The bench's draft: config and tensors, checked against the model and the run (`check_rules`
+    for each of the bench's `setups`); None for prompt lookup."""
     source = draft_file(inputs)
     if source is None:
         return None
     assert inputs.draft is not None
     with open_weights(Path(source)) as file:
-        check_draft_model(config, file.config)
+        for setup in setups:
+            check_rules(setup, COMMAND_LINE, [("the model", config), ("the draft", file.config)])
         B, P = prompts.shape
         N, K = inputs.generation.max_new_tokens, inputs.draft.tokens
         check_needed(P, N, K, [("the model", config), ("the draft", file.config)])

@@ -1,18 +1,22 @@
-"""The checks of one run's inputs, before any framework code runs: its prompts, the precision,
-device and tensor parallelism a port offers, speculative decoding's draft, the flags that go
-together, and the bench's own counts. The run layer (run.py) and the commands call them; every
-port gets the same message, naming its value and the limit.
+"""The checks of one run's inputs, before any framework code runs: its prompts, the rules of
+what the ports can run (`check_rules`: the precision, modes, device and tensor parallelism a port
+offers, and how they combine, with a speculative draft's vocabulary), speculative decoding's
+settings, the flags that go together, and the bench's own counts. The run layer (run.py) calls
+them for every command; every port gets the same message, naming its value and the limit.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from kvports import registry
+from kvports.devices import check_cpu_only
 from kvports.limits import check_run
 from kvports.shared.checks import (
     API,
@@ -108,32 +112,11 @@ def check_prompts(
 PRECISIONS = {"torch": ("bfloat16", "int8", "q4"), "jax": ("bfloat16", "int8", "q4"), "numpy": ()}
 
 
-def check_precision(framework: str, dtype: str, quant: object, names: Names = COMMAND_LINE) -> str:
-    """--dtype bfloat16 and --quant only where the framework offers them, and quant not over float64
-    activations: the same line for every port, before any framework code runs. The quant checked."""
-    quant = check_choice("quant", quant, QUANTS, names)
-    if quant != "none" and dtype == "float64":
-        raise UserError(
-            f"{names.show('quant', repr(quant) if names.api else quant)} needs float32 or bfloat16 activations, "
-            f"not {names.show('dtype', repr(dtype) if names.api else dtype)}: quantized weights have no float64 digits"
-        )
-    missing = missing_precision(framework, dtype, quant)
-    if missing is not None:
-        field = "dtype" if missing == dtype else "quant"
-        offered = [name for name, precisions in PRECISIONS.items() if missing in precisions]
-        raise UserError(  # the same line for every port without it
-            f"{names.show(field, repr(missing) if names.api else missing)} is offered by {', '.join(offered)} only, "
-            f"where the framework has a fast {missing} product"
-        )
-    return quant
-
-
 def check_q4_file(quant: str, has_q4: bool, source: str, names: Names = COMMAND_LINE) -> None:
     """--quant q4 keeps a file's own 4-bit blocks: a file without any is refused (before it is read)."""
     if quant == "q4" and not has_q4:
         raise UserError(
-            f"{names.show('quant', repr(quant) if names.api else quant)} needs a GGUF file with Q4_0 or Q4_1 "
-            f"matrices; {echo_path(source)} has none"
+            f"{shown(names, 'quant', quant)} needs a GGUF file with Q4_0 or Q4_1 matrices; {echo_path(source)} has none"
         )
 
 
@@ -178,28 +161,12 @@ def check_draft(mode: str, draft: str | None, draft_tokens: object, ngram: objec
 
 
 def check_tensor_parallel(
-    tensor_parallel: object, framework: str, models: Sequence[tuple[str, ModelConfig]], names: Names = COMMAND_LINE
+    tensor_parallel: object, framework: str, models: Sequence[tuple[str, ModelConfig]] = (), names: Names = COMMAND_LINE
 ) -> int:
-    """N devices for one model (Megatron-style): 1 is one device. Every model run (`models`: the
-    model, and a draft model) must split into N whole sets of query heads and N equal slices of
-    its FFN width; its key/value heads are split the same way when N divides them, or each one
-    copied to the devices whose query heads read it when they divide N (as vLLM does)."""
-    N = check_range("tensor_parallel", tensor_parallel, 1, names, MAX_TENSOR_PARALLEL)
-    shown = names.show("tensor_parallel", str(N))
-    if N > 1 and framework == "numpy":
-        raise UserError(f"numpy has no tensor parallelism; {shown} needs torch or jax")
-    for name, config in models if N > 1 else ():
-        if config.n_heads % N or config.ffn_dim % N:
-            raise UserError(
-                f"{shown} must divide {name}'s query heads (n_heads {config.n_heads}) and its FFN width "
-                f"(ffn_dim {config.ffn_dim}): each device takes whole heads and an equal slice of the FFN"
-            )
-        if kv_layout(config, N) is None:
-            raise UserError(
-                f"{shown} and {name}'s key/value heads (n_kv_heads {config.kv_heads}) must divide one another: "
-                "the heads are split across the devices, or each copied to the devices that read it"
-            )
-    return N
+    """N devices for one model: `check_rules` with nothing else asked. N."""
+    check_rules(Setup((framework,), tensor_parallel=tensor_parallel), names, models)
+    assert isinstance(tensor_parallel, (int, np.integer))  # check_rules: a whole number in [1, 64]
+    return int(tensor_parallel)
 
 
 def check_draft_source(draft: str, names: Names = COMMAND_LINE) -> None:
@@ -230,6 +197,7 @@ def check_needed(prompt_len: int, new_tokens: int, draft_tokens: int, models: li
 
 
 def check_draft_model(config: ModelConfig, draft: ModelConfig) -> None:
+    """A draft proposes the model's own tokens: the same vocabulary."""
     if draft.vocab_size != config.vocab_size:
         raise UserError(
             f"the draft's vocab_size {draft.vocab_size} differs from the model's "
@@ -308,14 +276,184 @@ def check_bench_outputs(plot: Path | None, csv: Path | None, as_json: bool) -> N
 MAX_LOGPROBS = 20  # alternatives per step, as OpenAI's API bounds its own
 
 
-def check_logprobs(logprobs: object, mode: str, vocab_size: int, names: Names = COMMAND_LINE) -> int:
+def check_logprobs(logprobs: object, modes: Sequence[str], vocab_size: int, names: Names = COMMAND_LINE) -> int:
     """0 (none), or the alternatives per step, at most 20 and the vocabulary; naive and cached
     only: speculative decoding verifies a round of proposals at once and keeps no step's logits."""
     count = check_range("logprobs", logprobs, 0, names, min(MAX_LOGPROBS, vocab_size))
-    if count and mode == "speculative":
+    if count and "speculative" in modes:
         how = "mode='naive' or 'cached'" if names.api else "--mode naive or cached"
         raise UserError(
             f"{names.show('logprobs', str(count))} needs {how}: speculative decoding verifies proposals in "
             "rounds and keeps no step's logits"
         )
     return count
+
+
+# ---------------------------------------------------------------- the rules of what the ports run
+
+
+def shown(names: Names, field: str, value: object) -> str:
+    """A value as a message names it: `--quant int8` on the command line, `quant='int8'` in the API."""
+    return names.show(field, repr(value) if names.api and isinstance(value, str) else str(value))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a run asks the ports for, all `check_rules` needs besides the model's config: the
+    frameworks that would run it (one for generate, batch and the API; compare and the benches
+    name several), its modes (naive, cached, speculative, and batch's paged; none yet at the
+    API's load), the precision, where it runs and across how many devices, and --logprobs."""
+
+    frameworks: tuple[str, ...]
+    modes: tuple[str, ...] = ()
+    dtype: str = "float32"
+    quant: object = "none"
+    device: str = "cpu"
+    tensor_parallel: object = 1
+    logprobs: object = 0
+
+
+class Refusal(UserError):
+    """One framework that cannot run what a run asks: its message, and the shorter `reason` a row
+    gives in a command that runs several frameworks (compare: `no bfloat16`)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def check_rules(
+    setup: Setup, names: Names = COMMAND_LINE, models: Sequence[tuple[str, ModelConfig]] = ()
+) -> dict[str, str]:
+    """Every rule of what the ports can run, in one place, checked before any port is imported:
+    quant over float64 activations; a dtype or quant a port lacks (PRECISIONS); the split's range;
+    quant on one device only; a port that splits nothing, or not in this mode (SPLIT_MODES); whole
+    heads and FFN slices per device for each of `models` (the model, and a speculative draft);
+    a mode a port lacks (registry.MODES); a GPU asked of CPU-only ports; a draft's vocabulary
+    (`models`' second against the first); --logprobs with the model's vocabulary and the modes.
+    A port's GPU and its device count are known once it is imported: `run.port_for`.
+
+    One framework runs all of it, or the run is refused. Of several (compare, the benches), those
+    that cannot are returned, each with its rows' reason; the run is refused, with the first one's
+    message, only when none can. Names that are not ports (the bench's baselines) count only for
+    the device."""
+    refused: dict[str, Refusal] = {}
+
+    def each(rule: Callable[[str], Refusal | None]) -> None:
+        for framework in setup.frameworks:
+            refusal = rule(framework) if framework in registry.PORTS and framework not in refused else None
+            if refusal is not None:
+                refused[framework] = refusal
+        if setup.frameworks and all(framework in refused for framework in setup.frameworks):
+            raise refused[setup.frameworks[0]]
+
+    quant = check_quant(setup.dtype, setup.quant, names)
+    each(lambda framework: precision_refusal(framework, setup.dtype, quant, names))
+    N = check_range("tensor_parallel", setup.tensor_parallel, 1, names, MAX_TENSOR_PARALLEL)
+    check_quant_split(quant, N, names)
+    each(lambda framework: split_refusal(framework, N, setup.modes, names))
+    check_heads(N, models, names)
+    each(lambda framework: mode_refusal(framework, setup.modes, names))
+    check_cpu_only(setup.device, setup.frameworks, shown(names, "device", setup.device))
+    if "speculative" in setup.modes:
+        for _, draft in models[1:]:
+            check_draft_model(models[0][1], draft)
+    if models:
+        check_logprobs(setup.logprobs, setup.modes, models[0][1].vocab_size, names)
+    return {framework: refusal.reason for framework, refusal in refused.items()}
+
+
+def check_quant(dtype: str, quant: object, names: Names = COMMAND_LINE) -> str:
+    """A quant kvports has, over float32 or bfloat16 activations: the quant."""
+    quant = check_choice("quant", quant, QUANTS, names)
+    if quant_over_float64(dtype, quant):
+        raise UserError(
+            f"{shown(names, 'quant', quant)} needs float32 or bfloat16 activations, not "
+            f"{shown(names, 'dtype', dtype)}: quantized weights have no float64 digits"
+        )
+    return quant
+
+
+def quant_over_float64(dtype: str, quant: str) -> bool:
+    return quant != "none" and dtype == "float64"
+
+
+def offers(framework: str, dtype: str, quant: str) -> bool:
+    """Whether `framework` runs this dtype and quant (what the bench's lists keep, pair by pair)."""
+    return not quant_over_float64(dtype, quant) and missing_precision(framework, dtype, quant) is None
+
+
+def precision_refusal(framework: str, dtype: str, quant: str, names: Names = COMMAND_LINE) -> Refusal | None:
+    """--dtype bfloat16 and --quant only where the framework offers them: the same line for every port."""
+    missing = missing_precision(framework, dtype, quant)
+    if missing is None:
+        return None
+    offered = [name for name, precisions in PRECISIONS.items() if missing in precisions]
+    field = "dtype" if missing == dtype else "quant"
+    return Refusal(
+        f"{shown(names, field, missing)} is offered by {', '.join(offered)} only, where the framework has a fast "
+        f"{missing} product",
+        f"no {missing}",
+    )
+
+
+def check_quant_split(quant: str, tensor_parallel: int, names: Names = COMMAND_LINE) -> None:
+    """The ranks shard float Linear layers; a packed one has no plan to split it by."""
+    if quant != "none" and tensor_parallel > 1:
+        raise UserError(
+            f"{shown(names, 'quant', quant)} runs on one device: give it without "
+            f"{shown(names, 'tensor_parallel', tensor_parallel)}"
+        )
+
+
+def split_refusal(framework: str, tensor_parallel: int, modes: Sequence[str], names: Names) -> Refusal | None:
+    """Split across N > 1 devices: a port that splits, in each of the run's modes (SPLIT_MODES)."""
+    if tensor_parallel < 2:
+        return None
+    split = shown(names, "tensor_parallel", tensor_parallel)
+    if not registry.SPLIT_MODES[framework]:
+        splitting = " or ".join(name for name, modes in registry.SPLIT_MODES.items() if modes)
+        return Refusal(f"{framework} has no tensor parallelism; {split} needs {splitting}", "no tensor parallelism")
+    for mode in modes:
+        if mode not in registry.SPLIT_MODES[framework]:
+            offering = ", ".join(name for name, split_modes in registry.SPLIT_MODES.items() if mode in split_modes)
+            where, what = MODE_WORDS.get(mode, (shown(names, "mode", mode), f"{mode} mode"))
+            return Refusal(
+                f"{split} in {where} runs on {offering} only: {framework}'s ranks have no {what}",
+                f"no {what} across devices",
+            )
+    return None
+
+
+# How a message names a mode no flag chooses: (where it runs, what a port lacks without it).
+MODE_WORDS = {"paged": ("batch", "paged cache")}
+
+
+def check_heads(tensor_parallel: int, models: Sequence[tuple[str, ModelConfig]], names: Names) -> None:
+    """Every model run (the model, and a draft model) must split into N whole sets of query heads
+    and N equal slices of its FFN width; its key/value heads are split the same way when N divides
+    them, or each one copied to the devices whose query heads read it when they divide N (as vLLM does)."""
+    split = shown(names, "tensor_parallel", tensor_parallel)
+    for name, config in models if tensor_parallel > 1 else ():
+        if config.n_heads % tensor_parallel or config.ffn_dim % tensor_parallel:
+            raise UserError(
+                f"{split} must divide {name}'s query heads (n_heads {config.n_heads}) and its FFN width "
+                f"(ffn_dim {config.ffn_dim}): each device takes whole heads and an equal slice of the FFN"
+            )
+        if kv_layout(config, tensor_parallel) is None:
+            raise UserError(
+                f"{split} and {name}'s key/value heads (n_kv_heads {config.kv_heads}) must divide one another: "
+                "the heads are split across the devices, or each copied to the devices that read it"
+            )
+
+
+def mode_refusal(framework: str, modes: Sequence[str], names: Names) -> Refusal | None:
+    """Each of the run's modes offered by the port (registry.MODES)."""
+    for mode in modes:
+        if mode not in registry.MODES[framework]:
+            offering = ", ".join(name for name, offered in registry.MODES.items() if mode in offered)
+            return Refusal(
+                f"{shown(names, 'mode', mode)} is offered by {offering} only: {framework} has no {mode} mode",
+                f"no {mode} mode",
+            )
+    return None

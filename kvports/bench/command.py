@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from kvports import registry
-from kvports.bench.formats import format_name, parse_formats
+from kvports.bench.formats import Formats, format_name, parse_formats
 from kvports.bench.measure import load_average, threads_info
 from kvports.bench.options import parse_choices, parse_sweep
 from kvports.bench.output import print_result
@@ -21,9 +21,9 @@ from kvports.bench.presets import bench_prompts, chat_prompt, load_bench_model
 from kvports.bench.rows import run_rows
 from kvports.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, PEER_RUNNERS, RUNNERS, Runner
 from kvports.bench.targets import targets
-from kvports.devices import check_gpu_reachable, device_problem, prepare_tensor_parallel
+from kvports.devices import prepare_tensor_parallel
 from kvports.progress import make_progress
-from kvports.run import Draft, RunInputs, read_draft
+from kvports.run import NOT_INSTALLED, Draft, RunInputs, read_draft, usable_ports
 from kvports.shared.checks import COMMAND_LINE
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
@@ -31,28 +31,45 @@ from kvports.shared.generation import GenerationConfig
 from kvports.shared.quant import float_tensors
 from kvports.threads import check_threads, use_threads
 from kvports.validation import (
+    Setup,
     check_bench_counts,
     check_bench_outputs,
     check_bench_run,
     check_draft,
     check_needed,
     check_ngram,
-    check_tensor_parallel,
+    check_rules,
 )
 
 
-def gpu_problems(runners: list[Runner], device: str) -> dict[str, str]:
-    """Each runner (by label) that cannot reach the device it was asked to run on -> why; one
-    `error:` line instead when none of them can (`--device gpu` on a machine without a GPU)."""
+def bench_setups(runners: list[Runner], modes: list[str], formats: Formats, args: argparse.Namespace) -> list[Setup]:
+    """What the bench asks of `check_rules` besides its weight formats (`Formats.check`: a list skips
+    the formats a port lacks): its runners in its modes on --device, at N = 1 and at each split asked
+    for. A split runs unquantized where --quant lists none, and is refused as generate refuses quant
+    across devices otherwise; a port that cannot split gets no split rows, unless no runner can. The
+    baselines count for the device only."""
+    frameworks = tuple(dict.fromkeys(runner.framework for runner in runners))
+    split_quant = "none" if "none" in formats.quants else formats.quants[0]
+    return [
+        Setup(frameworks, tuple(modes), device=args.device, tensor_parallel=n, quant=split_quant if n > 1 else "none")
+        for n in dict.fromkeys((1, *args.tensor_parallel))
+    ]
+
+
+def port_problems(runners: list[Runner], device: str) -> dict[str, str]:
+    """Each runner (by label) whose port cannot reach the device it was asked to run on -> why; one
+    `error:` line instead when none of them can (`--device gpu` on a machine without a GPU). A split
+    beyond a port's devices is its rows' own reason (`run_rows`): --tensor-parallel takes a list."""
     if device == "cpu":
         return {}  # every framework runs on the CPU: nothing to import early
-    problems: dict[str, str | None] = {}
-    for runner in runners:
-        port = registry.available_port(runner.library)
-        # A framework that is not installed says so in its own rows, later; here it only counts as unusable.
-        problems[runner.label] = "not installed" if port is None else device_problem(port, device)
-    check_gpu_reachable(device, problems)
-    return {label: problem for label, problem in problems.items() if problem is not None and problem != "not installed"}
+    libraries = list(dict.fromkeys(runner.library for runner in runners))
+    # A framework that is not installed says so in its own rows, later; here it only counts as unusable.
+    _, reasons = usable_ports(libraries, device)
+    return {
+        runner.label: reasons[runner.library]
+        for runner in runners
+        if reasons.get(runner.library, NOT_INSTALLED) != NOT_INSTALLED
+    }
 
 
 def run_batching(args: argparse.Namespace) -> int:
@@ -70,11 +87,6 @@ def run(args: argparse.Namespace) -> int:
     if args.requests is not None:
         return run_batching(args)
     check_bench_counts(args.batch, args.prompt_len, args.new_tokens, args.repeats, args.warmup)
-    for tensor_parallel in args.tensor_parallel:  # its range; numpy gets no split rows, so it is no refusal here
-        check_tensor_parallel(tensor_parallel, "jax", [])
-    prepare_tensor_parallel(
-        max(args.tensor_parallel), args.device, parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
-    )
     check_threads(args.threads)
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
@@ -89,20 +101,27 @@ def run(args: argparse.Namespace) -> int:
     if args.peers:
         runners.extend(PEER_RUNNERS)
     timed = [runner for runner in runners if set(runner.modes) & set(modes) and not runner.peer]  # peers: CPU
-    no_device = gpu_problems(timed, args.device)
+    # A port without a single --dtype or --quant value's precision refuses it, as generate does.
+    port_names = [framework for framework in frameworks if framework in registry.PORTS]
+    formats.check(port_names)
+    setups = bench_setups(timed, modes, formats, args)
     sweep: list[int] = []
+    unusable: dict[str, str] = {}  # runner label -> why its rows cannot run
 
     def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
         sweep.extend(parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None))
         longest = max([args.new_tokens, *sweep])
         for listed in formats.dtypes:  # each format's model and run, one at a time
             check_bench_run(config, modes, longest, listed, args.batch, args.prompt_len, args.new_tokens)
-        for tensor_parallel in args.tensor_parallel:
-            check_tensor_parallel(tensor_parallel, "jax", [("the model", config)])
+        for setup in setups:
+            unable = check_rules(setup, COMMAND_LINE, [("the model", config)])
+            if setup.tensor_parallel == 1:  # a split's own refusals only leave a port without split rows
+                unusable.update(
+                    {runner.label: unable[runner.framework] for runner in timed if runner.framework in unable}
+                )
+        prepare_tensor_parallel(max(args.tensor_parallel), args.device, frameworks)  # before a port starts JAX
+        unusable.update(port_problems(timed, args.device))
 
-    # A port without a single --dtype or --quant value's precision refuses it, as generate does.
-    port_names = [framework for framework in frameworks if framework in registry.PORTS]
-    formats.check(port_names)
     port_formats = formats.offered(port_names)  # the formats some port will run, in the rows' order
     chat = None if args.chat is None else chat_prompt(args.weights, args.chat)  # its length is the prompt's
     if chat is not None:
@@ -123,10 +142,7 @@ def run(args: argparse.Namespace) -> int:
         check_draft("speculative", args.draft, args.draft_tokens, args.ngram, COMMAND_LINE)
         check_ngram(args.ngram, args.prompt_len, args.new_tokens)
         check_needed(args.prompt_len, args.new_tokens, args.draft_tokens, [("the model", config)])
-        draft_weights = read_draft(inputs, config, prompts)  # read as the model is; each row casts it
-        if draft_weights is not None:
-            for tensor_parallel in args.tensor_parallel:
-                check_tensor_parallel(tensor_parallel, "jax", [("the draft", draft_weights[0])])
+        draft_weights = read_draft(inputs, config, prompts, setups)  # read as the model is; each row casts it
     roofline = args.roofline or preset == "gpt2-small"
     settings: dict[str, Any] = {
         "preset": preset,
@@ -172,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             roofline,
             progress,
             draft_weights,
-            no_device,
+            unusable,
             plot_so_far,
         )
     settings["versions"] = machine_info.pop("versions")

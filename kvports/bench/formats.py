@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from kvports.bench.options import parse_choices
 from kvports.shared.config import DTYPES, QUANTS
 from kvports.shared.errors import UserError
-from kvports.validation import check_precision, missing_precision
+from kvports.validation import Setup, check_rules, offers
 
 
 def format_name(dtype: str, quant: str) -> str:
@@ -51,12 +51,7 @@ class Formats:
 
     def of(self, framework: str) -> list[tuple[str, str]]:
         """The (dtype, quant) pairs `framework` runs, dtype by dtype."""
-        return [
-            (dtype, quant)
-            for dtype in self.dtypes
-            for quant in self.quants
-            if not (quant != "none" and dtype == "float64") and missing_precision(framework, dtype, quant) is None
-        ]
+        return [(dtype, quant) for dtype in self.dtypes for quant in self.quants if offers(framework, dtype, quant)]
 
     def offered(self, frameworks: Sequence[str]) -> list[tuple[str, str]]:
         """Every pair at least one of `frameworks` runs, in the order of the rows."""
@@ -68,11 +63,11 @@ class Formats:
         line, for every port); so is a list that leaves no port a format to run."""
         for framework in frameworks:
             if not self.listed:
-                check_precision(framework, self.dtypes[0], self.quants[0])
+                check_rules(Setup((framework,), dtype=self.dtypes[0], quant=self.quants[0]))
             elif len(self.dtypes) == 1:
-                check_precision(framework, self.dtypes[0], "none")
+                check_rules(Setup((framework,), dtype=self.dtypes[0]))
             elif len(self.quants) == 1:
-                check_precision(framework, "float32", self.quants[0])
+                check_rules(Setup((framework,), quant=self.quants[0]))
         if frameworks and not self.offered(frameworks):
             raise UserError(
                 f"--dtype {','.join(self.dtypes)} --quant {','.join(self.quants)} leave no format to run for "

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvports.bench.runners import Runner
-from kvports.run import Draft, RunInputs, run_port, speculative_summary, timed
+from kvports.run import Draft, LoadedModel, RunInputs, generate
 from kvports.shared.config import ModelConfig, kv_cache_bytes
 from kvports.shared.contract import OnToken, Timed
 from kvports.shared.generation import GenerationConfig
@@ -29,33 +29,35 @@ def median(values: Sequence[float]) -> float:
 
 @dataclass
 class RowCall:
-    """How a row generates: a port's or a baseline's `generate(..., mode)`, or with mode
-    "speculative" the run layer's call of a port's `generate_speculative` with its draft (a
-    model, or None for prompt lookup)."""
+    """How a row generates: a port's model through the run layer (`run.generate`, any mode; with
+    mode "speculative" its draft loaded onto it beforehand), or a baseline's or a peer's own
+    `generate(..., mode)`."""
 
     mode: str
-    draft_model: Any = None
+    loaded: LoadedModel | None = None  # a port's model; None: the module's own generate
     draft: Draft | None = None  # mode speculative: the draft's source (a weights file, or ngram), K and n
-    counts: dict[str, int] | None = None  # the last speculative call's rounds, forwards, proposals
-
-    def inputs(self, module: Any, new_tokens: int) -> RunInputs:
-        return RunInputs(module.NAME, self.mode, GenerationConfig(new_tokens), draft=self.draft)
+    speculative: dict[str, Any] | None = None  # the last speculative call's proposals, acceptances, forwards
 
     def __call__(
         self, module: Any, model: Any, prompts: np.ndarray, new_tokens: int, on_token: OnToken | None = None
-    ) -> np.ndarray:
-        if self.mode == "speculative":
-            inputs = self.inputs(module, new_tokens)
-            tokens, _, self.counts = run_port(module, model, self.draft_model, prompts, inputs, on_token=on_token)
-            return tokens
+    ) -> tuple[np.ndarray, float]:
+        """(tokens [B, P + N], seconds until the device was done)."""
+        if self.loaded is not None:
+            inputs = RunInputs(self.loaded.framework, self.mode, GenerationConfig(new_tokens), draft=self.draft)
+            result = generate(self.loaded, prompts, inputs, on_token=on_token)
+            assert result.padded is not None
+            self.speculative = result.speculative
+            return result.padded, result.seconds
+        start = time.perf_counter()
         tokens, _ = module.generate(model, prompts, new_tokens, self.mode, on_token=on_token)
-        return tokens
+        module.synchronize(model)
+        return tokens, time.perf_counter() - start
 
 
 def time_generate(
     module: Timed, model: Any, prompts: np.ndarray, new_tokens: int, call: RowCall
 ) -> tuple[np.ndarray, float]:
-    return timed(lambda: call(module, model, prompts, new_tokens), module, model)
+    return call(module, model, prompts, new_tokens)
 
 
 def time_stream(
@@ -68,7 +70,7 @@ def time_stream(
         stamps.append(time.perf_counter())
 
     start = time.perf_counter()
-    tokens = call(module, model, prompts, new_tokens, on_token=on_token)
+    tokens, _ = call(module, model, prompts, new_tokens, on_token=on_token)
     if len(stamps) != new_tokens:
         raise RuntimeError(f"{module.NAME}: generate called on_token {len(stamps)} times, expected {new_tokens}")
     return tokens, [1e3 * step for step in np.diff([start] + stamps)]
@@ -168,8 +170,8 @@ def measure_row(
         "tokens": tokens,
     }
     if speculative:
-        assert call.counts is not None and tokens is not None  # set by every speculative call
-        row["speculative"] = speculative_summary(call.counts, call.inputs(module, new_tokens), tokens, prompts.shape[1])
+        assert call.speculative is not None  # set by every speculative call
+        row["speculative"] = call.speculative
     if sweep:
         sweep_s = []
         for n in sweep:

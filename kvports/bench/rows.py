@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import gc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from kvports import registry
+from kvports import registry, run
 from kvports.bench.formats import Formats, format_name
 from kvports.bench.measure import (
     MATVEC_REPEATS,
@@ -22,8 +22,9 @@ from kvports.bench.measure import (
     peer_threads,
 )
 from kvports.bench.runners import Runner, import_runner, note
-from kvports.run import Draft
 from kvports.shared.config import ModelConfig, host_dtype, kv_cache_bytes
+from kvports.shared.contract import Port
+from kvports.shared.errors import UserError
 from kvports.shared.quant import float_tensors, is_q4_part
 from kvports.threads import settle_threads
 
@@ -77,10 +78,6 @@ def format_tensors(tensors: dict[str, np.ndarray], dtype: str, quant: str) -> di
     )
 
 
-def parallel_option(tensor_parallel: int) -> dict[str, Any]:
-    return {"tensor_parallel": tensor_parallel} if tensor_parallel > 1 else {}
-
-
 def parallel_note(tensor_parallel: int, device: str) -> str:
     if device == "cpu":
         return (
@@ -91,7 +88,7 @@ def parallel_note(tensor_parallel: int, device: str) -> str:
 
 
 def unavailable_row(
-    runner: Runner, mode: str, reason: str | None, dtype: str = "float32", quant: str = "none"
+    runner: Runner, mode: str, reason: str | None, dtype: str = "float32", quant: str = "none", tensor_parallel: int = 1
 ) -> dict[str, Any]:
     # Every field a row has, empty: a reader of the JSON need not special-case it. A peer's weights are its own.
     return {
@@ -103,6 +100,7 @@ def unavailable_row(
         "quant": quant,
         "available": False,
         "reason": reason,
+        "tensor_parallel": tensor_parallel,  # a split that cannot run says which
         **dict.fromkeys(MEASURES),
         "per_step_ms": [],
         "speculative": None,
@@ -121,14 +119,14 @@ def run_rows(
     roofline: bool,
     progress: Any,
     draft_weights: tuple[ModelConfig, dict[str, np.ndarray]] | None = None,
-    no_device: dict[str, str] | None = None,
+    unusable: dict[str, str] | None = None,
     on_runner_done: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(rows, what the machine did: versions, bandwidths, the roofline's bytes per step).
     formats: the weight formats each port runs (the others run at the first); draft_weights: the
-    speculative rows' draft (None: prompt lookup); no_device: runners (by label) that cannot reach
-    --device, and why; on_runner_done(rows so far) after each runner."""
-    no_device = no_device or {}
+    speculative rows' draft (None: prompt lookup); unusable: runners (by label) that cannot run
+    (a rule, or no way to reach --device), and why; on_runner_done(rows so far) after each runner."""
+    unusable = unusable or {}
     B, P = prompts.shape
     N = args.new_tokens
     calls_per_mode = 2 * args.warmup + args.repeats + len(sweep)
@@ -161,22 +159,36 @@ def run_rows(
         device = args.device if runner.gpu else "cpu"
         module, reason = import_runner(runner)
         settle_threads()  # torch's pools exist once it is imported
-        if module is not None and runner.label in no_device:
-            module, reason = None, no_device[runner.label]
-        model = None
+        if module is not None and runner.label in unusable:
+            module, reason = None, unusable[runner.label]
+        model, loaded = None, None
         # A peer is handed the weights file (llama.cpp runs the GGUF itself) and the bench's thread count.
         options = {"source": args.weights, "threads": peer_threads(), **dict(runner.options)} if runner.peer else {}
         if quant != "none" and not runner.peer:
             options["quant"] = quant  # a baseline without it fails to load: a row that says why
         if module is not None:
             try:
-                if tensor_parallel > 1:
-                    options["tensor_parallel"] = tensor_parallel
-                model = module.load_model(config, format_tensors(tensors, dtype, quant), dtype, device, **options)
+                row_tensors = format_tensors(tensors, dtype, quant)
+                if runs_formats(runner):  # a port's own rows: its model is the run layer's
+                    loaded = run.load_model(
+                        runner.framework,
+                        config,
+                        row_tensors,
+                        dtype,
+                        device,
+                        quant=quant,
+                        tensor_parallel=tensor_parallel,
+                        port=cast(Port, module),
+                    )
+                    model = loaded.model
+                else:
+                    model = module.load_model(config, row_tensors, dtype, device, **options)
+            except UserError as exc:  # a split beyond the port's devices: the line generate would refuse it with
+                reason = str(exc)
             except Exception as exc:  # a missing GPU, or a config this baseline cannot run
                 reason = f"{type(exc).__name__}: {exc}"
         if module is None or model is None:
-            rows.extend(unavailable_row(runner, mode, reason, dtype, quant) for mode in runner_modes)
+            rows.extend(unavailable_row(runner, mode, reason, dtype, quant, tensor_parallel) for mode in runner_modes)
             progress.update(task, advance=calls_per_mode * len(runner_modes))
             continue
         versions.update(module.versions())
@@ -201,14 +213,12 @@ def run_rows(
                 "quant": quant,
                 "tensor_parallel": tensor_parallel,
             }
-            call = RowCall(mode)
+            call = RowCall(mode, loaded)
             if mode == "speculative":
-                draft = (
-                    None
-                    if draft_weights is None
-                    else module.load_model(*draft_weights, dtype, device, **parallel_option(tensor_parallel))
-                )
-                call = RowCall(mode, draft, Draft(str(args.draft), args.draft_tokens, args.ngram))
+                assert loaded is not None  # only a port's rows are speculative
+                if draft_weights is not None:
+                    loaded.add_draft(str(args.draft), *draft_weights)
+                call = RowCall(mode, loaded, run.Draft(str(args.draft), args.draft_tokens, args.ngram))
             try:
                 row.update(measure_row(runner, module, model, call, prompts, args, sweep, tick))
             except Exception as exc:
@@ -217,12 +227,12 @@ def run_rows(
                 # A baseline, a peer or the compiled row that cannot run this model (torch.compile failing to
                 # lower it, say) is a row that says why, not the end of the bench.
                 why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-                rows.append(unavailable_row(runner, mode, why, dtype, quant))
+                rows.append(unavailable_row(runner, mode, why, dtype, quant, tensor_parallel))
                 continue
             row["kv_cache_bytes"] = cache_bytes_held(runner, mode, config, B, P, N, itemsize, args.draft_tokens)
             row["note"] = note(runner, mode) if tensor_parallel == 1 else parallel_note(tensor_parallel, device)
             rows.append(row)
-        del model
+        del model, loaded
         gc.collect()  # gpt2-small: free one framework's copy of the weights before the next loads
         if on_runner_done is not None:
             on_runner_done(rows)

@@ -3,7 +3,7 @@
 Two workloads (greedy, random token ids, seeded):
 - `mixed`: prompts of 16-256 tokens, 16-128 new tokens each. Batched: every request queued at
   once and run by the engine; sequential: each one through the same port's cached path
-  (`port.generate(model, [prompt], ..., "cached")`), one after another. Requests/s, tokens/s,
+  (`run.generate`, mode cached, one prompt), one after another. Requests/s, tokens/s,
   the speed-up, and how many requests got the same tokens both ways.
 - `prefix`: every request is one 256-token prefix plus its own 16-64 tokens, 16-64 new tokens;
   batched with and without prefix caching: prefill tokens computed and time to first token.
@@ -31,14 +31,17 @@ from kvports.batching.engine import BatchSettings, Engine, run_bytes
 from kvports.batching.requests import Request
 from kvports.bench.measure import load_average
 from kvports.bench.presets import load_bench_model
-from kvports.devices import device_problem, placement
+from kvports.devices import placement
 from kvports.limits import check_bytes
 from kvports.progress import make_progress
-from kvports.registry import COMPILES, PortUnavailable, load_port
+from kvports.registry import COMPILES, not_installed
+from kvports.run import LoadedModel, RunInputs, generate, load_model, usable_ports
 from kvports.shared.config import ModelConfig
+from kvports.shared.contract import Port
 from kvports.shared.errors import UserError
-from kvports.shared.generation import GenerationConfig, row_tokens
-from kvports.threads import check_threads, describe_threads, settle_threads, use_threads
+from kvports.shared.generation import GenerationConfig
+from kvports.threads import check_threads, describe_threads, use_threads
+from kvports.validation import Setup, check_rules
 
 WORKLOADS = ("mixed", "prefix")
 MIXED_PROMPT, MIXED_NEW = (16, 256), (16, 128)
@@ -105,13 +108,13 @@ def run_batched(
     }
 
 
-def run_sequential(port: Any, model: Any, requests: list[Request]) -> dict[str, Any]:
+def run_sequential(loaded: LoadedModel, requests: list[Request]) -> dict[str, Any]:
+    """Each request alone, one after another, through the run layer's cached generate."""
     tokens = {}
     start = time.perf_counter()
     for request in requests:
-        alone, _ = port.generate(model, np.asarray([request.prompt]), request.generation, "cached")
-        tokens[request.id] = row_tokens(alone)[0][len(request.prompt) :]
-    port.synchronize(model)
+        inputs = RunInputs(loaded.framework, "cached", request.generation)
+        tokens[request.id] = generate(loaded, np.asarray([request.prompt]), inputs).generated[0]
     return {"seconds": time.perf_counter() - start, "tokens": tokens}
 
 
@@ -131,20 +134,19 @@ def throughput(requests: list[Request], seconds: float) -> dict[str, float]:
     return {"seconds": seconds, "requests_per_s": len(requests) / seconds, "tokens_per_s": generated / seconds}
 
 
-def mixed_row(
-    port: Any, model: Any, config: ModelConfig, count: int, settings: BatchSettings, tick: Tick
-) -> dict[str, Any]:
+def mixed_row(loaded: LoadedModel, count: int, settings: BatchSettings, tick: Tick) -> dict[str, Any]:
+    port, model, config = loaded.port, loaded.model, loaded.config
     requests = mixed_requests(config, count)
     settings = BatchSettings(**{**vars(settings), "max_length": longest(requests)})
     warm_up = port.NAME in COMPILES
     # Thread pools and allocators start on a first call, whichever side would make it: a short one first.
     first = [Request("warm-up", requests[0].prompt[:16], GenerationConfig(2))]
     run_batched(port, model, config, first, settings)
-    run_sequential(port, model, first)
+    run_sequential(loaded, first)
     tick(f"{port.NAME} mixed: batched")
     batched = with_compile_time(lambda: run_batched(port, model, config, requests, settings), warm_up)
     tick(f"{port.NAME} mixed: sequential")
-    sequential = with_compile_time(lambda: run_sequential(port, model, requests), warm_up)
+    sequential = with_compile_time(lambda: run_sequential(loaded, requests), warm_up)
     same = sum(batched["tokens"][request.id] == sequential["tokens"][request.id] for request in requests)
     return {
         "framework": port.NAME,
@@ -157,9 +159,8 @@ def mixed_row(
     }
 
 
-def prefix_row(
-    port: Any, model: Any, config: ModelConfig, count: int, settings: BatchSettings, tick: Tick
-) -> dict[str, Any]:
+def prefix_row(loaded: LoadedModel, count: int, settings: BatchSettings, tick: Tick) -> dict[str, Any]:
+    port, model, config = loaded.port, loaded.model, loaded.config
     requests = prefix_requests(config, count)
     runs = {}
     for reuse in (False, True):
@@ -204,32 +205,26 @@ def run_workloads(
     dtype: str = "float32",
     device: str = "cpu",
     tick: Tick = lambda text: None,
+    ports: dict[str, Port] | None = None,
+    reasons: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per framework x workload; a framework that is not installed gets a row saying so."""
+    """One row per framework x workload; a framework without a usable port (`ports`: imported by
+    `run.usable_ports`) gets a row saying why (`reasons`: a rule of `check_rules`, not installed, no GPU)."""
     import gc
 
+    ports, reasons = ports or {}, reasons or {}
     rows: list[dict[str, Any]] = []
     for name in frameworks:
-        try:
-            port = load_port(name)
-            settle_threads()  # torch's pools exist once it is imported
-        except PortUnavailable as exc:
+        if name not in ports:
             rows.extend(
-                {"framework": name, "workload": workload, "available": False, "reason": exc.reason}
+                {"framework": name, "workload": workload, "available": False, "reason": reasons[name]}
                 for workload in workloads
             )
             continue
-        problem = device_problem(port, device)
-        if problem is not None:
-            rows.extend(
-                {"framework": name, "workload": workload, "available": False, "reason": problem}
-                for workload in workloads
-            )
-            continue
-        model = port.load_model(config, tensors, dtype, placement(name, device))
+        loaded = load_model(name, config, tensors, dtype, placement(name, device), port=ports[name])
         for workload in workloads:
-            rows.append({"available": True, **ROWS[workload](port, model, config, count, settings, tick)})
-        del model
+            rows.append({"available": True, **ROWS[workload](loaded, count, settings, tick)})
+        del loaded
         gc.collect()  # gpt2-small: free one framework's weights before the next loads them
     return rows
 
@@ -253,10 +248,18 @@ class BatchingBench:
     threads: int | None = None  # every framework's thread count (None: each one's default)
 
 
+# The batching bench runs each request's cached generate and the engine's paged steps, on one device.
+MODES = ("cached", "paged")
+
+
 def run_bench(bench: BatchingBench) -> int:
     settings, dtype = bench.settings, bench.dtype
+    setup = Setup(bench.frameworks, MODES, dtype, device=bench.device)
+    ports: dict[str, Port] = {}
+    reasons: dict[str, str] = {}  # framework -> why its rows cannot run
 
     def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
+        reasons.update(check_rules(setup, models=[("the model", config)]))
         config.validate_at(dtype)
         needed = max(longest(mixed_requests(config, bench.count)), PREFIX_LEN + PREFIX_SUFFIX[1] + PREFIX_NEW[1])
         if needed > config.max_seq_len:
@@ -265,6 +268,10 @@ def run_bench(bench: BatchingBench) -> int:
             )
         chosen = BatchSettings(**{**vars(settings), "max_length": needed}).validate(config)
         check_bytes(run_bytes(config, dtype, chosen), f"the batching bench in {dtype}")
+        runnable = [name for name in bench.frameworks if name not in reasons]
+        usable, unusable = usable_ports(runnable, bench.device, missing=not_installed)  # before a model is drawn
+        ports.update(usable)
+        reasons.update(unusable)
 
     check_threads(bench.threads)
     name, config, tensors = load_bench_model(bench.preset, bench.weights, dtype, check)
@@ -290,6 +297,8 @@ def run_bench(bench: BatchingBench) -> int:
             dtype,
             bench.device,
             tick,
+            ports,
+            reasons,
         )
         progress.update(task, completed=begun[0])  # the last run has finished too
     result = {

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvports import registry
+from kvports import registry, run
 from kvports.agreement import NEAR_TIE, compare_tokens, top2_margin
 from kvports.checker import variants
 from kvports.checker.plugin import Implementation, ImplementationError, load_implementation
@@ -25,6 +25,7 @@ from kvports.checker.report import FAIL, NOISE, PASS, SKIP, Check, Report
 from kvports.formats.weights import gpt2_init_weights, load_weights
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
+from kvports.shared.generation import GenerationConfig
 
 FAMILIES = ("seed", "gpt2", "llama", "mistral")
 SEED_PROMPT = np.array([[160, 248, 104, 209, 394]], dtype=np.int64)  # [1, 5]: the seed's demo prompt
@@ -104,21 +105,27 @@ class Checker:
     def __init__(self, implementation: Implementation, family: str, label: str):
         self.impl, self.family = implementation, family
         use_torch = implementation.framework == "torch" and registry.available_port("torch") is not None
-        self.port = registry.load_port("torch" if use_torch else "numpy")
+        self.framework = "torch" if use_torch else "numpy"
         self.config, self.weights = family_weights(family)
-        self.report = Report(label, implementation.kind, family, f"kvports {self.port.NAME} port")
-        self.references: dict[str, Any] = {}
+        self.report = Report(label, implementation.kind, family, f"kvports {self.framework} port")
+        self.references: dict[str, run.LoadedModel] = {}
         self.failed_runs: list[tuple[Check, np.ndarray, list[int], np.ndarray]] = []  # cached FAILs: inputs, logits
         self.failed_tokens: list[tuple[Check, np.ndarray, np.ndarray]] = []  # generate_cached FAILs
         self.raised_at: set[tuple[str, str, type]] = set()  # (function, file:line, exception type) explained
         self.explained: set[str] = set()  # checks whose failure has its own line (an exception)
 
     # -- the reference ---------------------------------------------------------------------
-    def reference(self, dtype: str) -> Any:
+    def reference(self, dtype: str) -> run.LoadedModel:
+        """The reference port's model at `dtype`, loaded once by the run layer (on the CPU)."""
         if dtype not in self.references:
             weights = self.weights if dtype == "float32" else family_weights(self.family, dtype)[1]
-            self.references[dtype] = self.port.load_model(self.config, weights, dtype)
+            self.references[dtype] = run.load_model(self.framework, self.config, weights, dtype, "cpu")
         return self.references[dtype]
+
+    def forward(self, dtype: str, tokens: np.ndarray) -> np.ndarray:
+        """The reference's logits [B, T, V] for tokens [B, T], in one chunk."""
+        reference = self.reference(dtype)
+        return reference.port.forward_chunks(reference.model, tokens, [tokens.shape[1]])
 
     def add(self, check: Check) -> Check:
         self.report.checks.append(check)
@@ -167,8 +174,10 @@ class Checker:
 
     def generators(self, model: Any, prompt: np.ndarray) -> None:
         n = GOLDEN_TOKENS if self.family == "seed" else 16
-        reference, ref_logits = self.port.generate(self.reference("float32"), prompt, n, "cached", return_logits=True)
-        assert ref_logits is not None
+        inputs = run.RunInputs(self.framework, "cached", GenerationConfig(n))
+        result = run.generate(self.reference("float32"), prompt, inputs, return_logits=True)
+        reference, ref_logits = result.padded, result.logits
+        assert reference is not None and ref_logits is not None
         what = "golden tokens" if self.family == "seed" else "greedy tokens"
         self.training_after: list[str] = []
         for mode in self.impl.generators():
@@ -250,7 +259,6 @@ class Checker:
             fulls, cacheds = [(1, M)], [(1, 5, 15)]
         else:
             fulls, cacheds = [(1, 1), (1, 5), (1, M), (3, 16)], [(1, 1, 15), (1, 5, 15), (1, M - 8, 8), (3, 7, 9)]
-        reference = self.reference(dtype)
         for batch, T in fulls:
             tokens = random_tokens(config, batch, T, 10 + T)
             name = f"full logits {dtype}, T={T}" + (f", batch {batch}" if batch > 1 else "")
@@ -259,7 +267,7 @@ class Checker:
             except (ImplementationError, UserError) as error:
                 self.skip_or_fail(name, batch, error)
                 continue
-            self.add(compare_logits(name, self.port.forward_chunks(reference, tokens, [T]), logits, dtype, None))
+            self.add(compare_logits(name, self.forward(dtype, tokens), logits, dtype, None))
         for batch, P, N in cacheds:
             name = f"cached == full {dtype}, P={P} + {N} steps" + (f", batch {batch}" if batch > 1 else "")
             if not self.impl.can_step(model):
@@ -271,9 +279,7 @@ class Checker:
             except (ImplementationError, UserError) as error:
                 self.skip_or_fail(name, batch, error)
                 continue
-            check = self.add(
-                compare_logits(name, self.port.forward_chunks(reference, tokens, [P + N]), logits, dtype, P)
-            )
+            check = self.add(compare_logits(name, self.forward(dtype, tokens), logits, dtype, P))
             if check.status == FAIL:
                 self.failed_runs.append((check, tokens, chunks, logits))
 

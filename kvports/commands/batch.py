@@ -30,7 +30,7 @@ from kvports.batching.requests import BadLine, Chat, Request, parse_requests, sp
 from kvports.batching.scheduler import Sequence
 from kvports.bench.presets import PRESETS
 from kvports.bench.throughput import WORKLOADS, BatchingBench, choices, run_bench
-from kvports.devices import add_device_argument, prepare_tensor_parallel
+from kvports.devices import add_device_argument
 from kvports.flags import (
     add_quant_argument,
     add_tensor_parallel_argument,
@@ -38,15 +38,14 @@ from kvports.flags import (
     add_weights_arguments,
     positive_int,
 )
-from kvports.formats.weights import DEFAULT_WEIGHTS, open_weights
 from kvports.limits import check_bytes, check_count
 from kvports.progress import make_progress
 from kvports.registry import PORTS, REFERENCE
-from kvports.run import load_model
+from kvports.run import load_model, read_model
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.errors import UserError, echo_path
 from kvports.threads import check_threads, use_threads
-from kvports.validation import check_precision, check_q4_file, check_tensor_parallel
+from kvports.validation import Setup, check_rules
 
 HELP = "run a JSONL file of requests with continuous batching over a paged KV cache (or --bench it)"
 EXIT_BAD_LINES = 2  # a user error, as every other: some lines were not run
@@ -134,29 +133,31 @@ def settings_of(args: argparse.Namespace, max_length: int | None) -> BatchSettin
     )
 
 
+# What the batch runs: the engine's paged steps (a torch split has no paged cache to share).
+MODES = ("paged",)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench:
         if args.requests is not None:
             raise UserError("give --requests FILE or --bench (it makes its own requests), not both")
         if args.quant != "none":
             raise UserError(f"--bench times float weights; --quant {args.quant} is for --requests FILE")
+        if args.tensor_parallel != 1:
+            raise UserError(
+                f"--bench times one device; --tensor-parallel {args.tensor_parallel} is for --requests FILE"
+            )
         return run_bench(bench_inputs(args))
     if args.requests is None:
         raise UserError("give --requests FILE.jsonl (or --bench)")
     check_threads(args.threads)
-    check_precision(args.framework, args.dtype, args.quant)
-    with open_weights(args.weights if args.weights is not None else DEFAULT_WEIGHTS) as weights:
-        config = weights.config.validate_at(args.dtype)
+    setup = Setup((args.framework,), MODES, args.dtype, args.quant, args.device, args.tensor_parallel)
+
+    def check(config: ModelConfig) -> tuple[BatchSettings, Any, list[Request], list[BadLine]]:
+        check_rules(setup, models=[("the model", config)])
         # The flags, before the file: they decide what fits. The default pool is sized below, for the
         # requests' own lengths: a model's long context must not refuse a file of short requests.
         settings_of(args, 1).validate(config)
-        check_tensor_parallel(args.tensor_parallel, args.framework, [("the model", config)])
-        if args.framework == "torch" and args.tensor_parallel > 1:
-            # torch's ranks each run a whole generate call; the engine steps one shared block pool
-            raise UserError(
-                f"--tensor-parallel {args.tensor_parallel} in batch runs on jax only: torch's ranks have no paged cache"
-            )
-        prepare_tensor_parallel(args.tensor_parallel, args.device, [args.framework])
         tokenizer = load_tokenizer(args.tokenizer, args.weights, config)
         requests, bad = read_requests(args, config, tokenizer)
         for line in bad:
@@ -165,8 +166,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"no request to run in {echo_path(args.requests)}")
         settings = settings_of(args, max(request.max_length for request in requests)).validate(config)
         check_bytes(run_bytes(config, args.dtype, settings), f"a batch of {len(requests)} requests in {args.dtype}")
-        check_q4_file(args.quant, weights.has_q4(), weights.source)
-        tensors = weights.read(args.dtype, args.quant)
+        return settings, tokenizer, requests, bad
+
+    config, tensors, checked = read_model(args.weights, args.dtype, check, args.quant)
+    assert checked is not None
+    settings, tokenizer, requests, bad = checked
     use_threads(args.threads)
     loaded = load_model(
         args.framework,

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvports import registry
+from kvports import run as run_layer
 from kvports.agreement import NEAR_TIE, comparable_steps, compare_tokens, logit_difference
 from kvports.commands.generate import describe_generation
 from kvports.commands.inputs import (
@@ -27,18 +28,11 @@ from kvports.commands.inputs import (
     read_inputs,
     warn_unused,
 )
-from kvports.devices import (
-    add_device_argument,
-    check_gpu_reachable,
-    check_parallel_devices,
-    device_problem,
-    placement,
-    prepare_tensor_parallel,
-)
+from kvports.devices import add_device_argument, placement
 from kvports.families import describe
 from kvports.flags import add_speculative_arguments, positive_int
 from kvports.progress import make_progress
-from kvports.run import LoadedModel, RunInputs, draft_model, run_port, speculative_summary, timed
+from kvports.run import LoadedModel, RunInputs
 from kvports.shared.checks import check_count
 from kvports.shared.config import ModelConfig
 from kvports.shared.contract import Port
@@ -46,8 +40,8 @@ from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import PAD, GenerationConfig, row_tokens
 from kvports.shared.quant import float_tensors
 from kvports.terminal import console_for
-from kvports.threads import describe_threads, settle_threads, use_threads
-from kvports.validation import MODES, missing_precision
+from kvports.threads import describe_threads, use_threads
+from kvports.validation import MODES
 
 HELP = "every framework x mode against the torch reference: tokens, logit differences, time"
 EXIT_DISAGREE = 1  # a row disagrees and no float near-tie explains it
@@ -98,23 +92,24 @@ def chosen_rows(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
     return frameworks, modes
 
 
-def usable_ports(device: str) -> tuple[dict[str, Port | None], dict[str, str]]:
-    """Each framework's port, or None with the reason it cannot run (not installed, no GPU)."""
-    usable: dict[str, Port | None] = {}
-    reasons: dict[str, str] = {}
-    problems: dict[str, str | None] = {}
-    for name in registry.PORTS:
-        port = registry.available_port(name)
-        problem = "not installed" if port is None else device_problem(port, device)
-        problems[name] = problem
-        usable[name] = None if problem is not None else port
-        if problem is not None:
-            reasons[name] = problem
-    if not any(usable.values()):
-        if device == "cpu":
+def usable_ports(
+    frameworks: list[str], unable: dict[str, str], device: str, tensor_parallel: int, given: str
+) -> tuple[dict[str, Port], dict[str, str]]:
+    """Each framework asked for that can run here, with its port; the others with the reason their
+    rows give: a rule (`unable`, from `check_rules`: no bfloat16), not installed, no GPU. `given`: --frameworks."""
+    runnable = [name for name in frameworks if name not in unable]
+    ports, reasons = run_layer.usable_ports(runnable, device, tensor_parallel)
+    reasons = {**unable, **reasons}
+    if not ports:
+        if (
+            device == "cpu"
+            and set(frameworks) == set(registry.PORTS)
+            and set(reasons.values()) == {run_layer.NOT_INSTALLED}
+        ):
             raise UserError("no framework is installed: install kvports[torch], kvports[jax] or use numpy")
-    check_gpu_reachable(device, problems)
-    return usable, reasons
+        unusable = "; ".join(f"{name}: {reasons[name]}" for name in frameworks)
+        raise UserError(f"--frameworks {echo(given)} names no framework that can run here ({unusable})")
+    return ports, reasons
 
 
 def teacher_forced_logits(
@@ -143,23 +138,13 @@ def run(args: argparse.Namespace) -> int:
     frameworks, modes = chosen_rows(args)
     speculative = "speculative" in modes  # a speculative row per framework, beside naive and cached
     check_count("--repeats", args.repeats)  # as the bench bounds its own
-    given = read_inputs(args, registry.REFERENCE, "naive", modes)
+    given = read_inputs(args, registry.REFERENCE, "naive", modes, frameworks)
     warn_unused(args, speculative)
     config, tensors, prompts, generation = given.config, given.tensors, given.prompts, given.inputs.generation
     P = prompts.shape[1]
-    prepare_tensor_parallel(args.tensor_parallel, args.device, registry.PORTS)  # before usable_ports starts JAX
     use_threads(given.inputs.threads)
-    usable, reasons = usable_ports(args.device)
-    settle_threads()  # the ports are imported now: torch's pools exist
-    usable = {name: port for name, port in usable.items() if name in frameworks}
-    for name in usable:  # a port without the run's precision gets rows that say so
-        missing = missing_precision(name, args.dtype, args.quant)
-        if usable[name] is not None and missing is not None:
-            usable[name], reasons[name] = None, f"no {missing}"
-    if not any(usable.values()):
-        unusable = "; ".join(f"{name}: {reasons[name]}" for name in frameworks)
-        raise UserError(f"--frameworks {echo(args.frameworks)} names no framework that can run here ({unusable})")
-    reference = next(name for name in [registry.REFERENCE, *frameworks] if usable.get(name) is not None)
+    usable, reasons = usable_ports(frameworks, given.unable, args.device, args.tensor_parallel, args.frameworks)
+    reference = next(name for name in [registry.REFERENCE, *frameworks] if name in usable)
     reference_mode = next(mode for mode in modes if mode != "speculative")
     order = [reference] + [name for name in frameworks if name != reference]
     rows: list[dict[str, Any]] = []
@@ -168,34 +153,24 @@ def run(args: argparse.Namespace) -> int:
     with make_progress(args.json) as progress:
         task = progress.add_task("compare", total=len(modes) * len(order))
         for name in order:
-            port = usable[name]
             model = None
             for mode in modes:
                 progress.update(task, description=f"{name} {mode}")
                 row: dict[str, Any] = {"framework": name, "mode": mode, "device": placement(name, args.device)}
-                if port is None or (name == "numpy" and args.tensor_parallel > 1):
-                    reason = reasons[name] if port is None else "numpy has no tensor parallelism"
-                    rows.append({**row, "available": False, "reason": reason})
+                if name not in usable:
+                    rows.append({**row, "available": False, "reason": reasons[name]})
                     progress.advance(task)
                     continue
                 if model is None:
-                    shown = f"--tensor-parallel {args.tensor_parallel}"
-                    check_parallel_devices(name, placement(name, args.device), args.tensor_parallel, shown)
-                    model = LoadedModel(
-                        port,
-                        port.load_model(
-                            config,
-                            tensors,
-                            args.dtype,
-                            placement(name, args.device),
-                            quant=args.quant,
-                            tensor_parallel=args.tensor_parallel,
-                        ),
-                        config,
+                    model = run_layer.load_model(
                         name,
+                        config,
+                        tensors,
                         args.dtype,
                         placement(name, args.device),
+                        quant=args.quant,
                         tensor_parallel=args.tensor_parallel,
+                        port=usable[name],
                     )
                     if given.draft is not None:
                         model.add_draft(args.draft, *given.draft)
@@ -204,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
                 row.update(measure(model, prompts, inputs, args.repeats, results))
                 if mode != "speculative" and args.teacher_forced:
                     reference_tokens = results[(reference, reference_mode)][0]
-                    forced[(name, mode)] = teacher_forced_logits(port, model.model, prompts, reference_tokens, mode)
+                    forced[(name, mode)] = teacher_forced_logits(
+                        model.port, model.model, prompts, reference_tokens, mode
+                    )
                 rows.append(row)
                 progress.advance(task)
     ref_tokens, ref_logits = results[(reference, reference_mode)]
@@ -294,27 +271,23 @@ def measure(
     """One row: tokens (and for naive and cached, logits) from a first call, then a warm-up and
     `repeats` timed calls without logits (for JAX another compiled program: the warm-up is its
     compile). A speculative row's first call is its warm-up."""
-    draft = draft_model(loaded, inputs) if inputs.mode == "speculative" else None
-
-    def call(return_logits: bool = False) -> tuple[np.ndarray, np.ndarray | None, dict[str, int] | None]:
-        return run_port(loaded.port, loaded.model, draft, prompts, inputs, return_logits)
-
     figures: dict[str, Any] = {}
     if inputs.mode != "speculative":
-        tokens, logits, _ = call(return_logits=True)
-        results[(loaded.framework, inputs.mode)] = (tokens, logits)
-    (tokens, _, counts), first_call = timed(call, loaded.port, loaded.model)
-    seconds = [timed(call, loaded.port, loaded.model)[1] for _ in range(repeats)]
+        first = run_layer.generate(loaded, prompts, inputs, return_logits=True)
+        assert first.padded is not None
+        results[(loaded.framework, inputs.mode)] = (first.padded, first.logits)
+    warm = run_layer.generate(loaded, prompts, inputs)
+    seconds = [run_layer.generate(loaded, prompts, inputs).seconds for _ in range(repeats)]
     median = float(np.median(seconds))
     if inputs.mode == "speculative":
-        results[(loaded.framework, "speculative")] = (tokens, None)
-        assert counts is not None
-        figures["speculative"] = speculative_summary(counts, inputs, tokens, prompts.shape[1])  # with its rates
+        assert warm.padded is not None and warm.speculative is not None
+        results[(loaded.framework, "speculative")] = (warm.padded, None)
+        figures["speculative"] = warm.speculative  # with its rates
     return {
         "seconds": median,
-        "first_call_seconds": first_call,
+        "first_call_seconds": warm.seconds,
         # Only where the first call compiles: elsewhere first minus median is warm-up noise, not a cost.
-        "compile_seconds": max(0.0, first_call - median) if loaded.framework in registry.COMPILES else None,
+        "compile_seconds": max(0.0, warm.seconds - median) if loaded.framework in registry.COMPILES else None,
         "repeat_seconds": seconds,
         **figures,
     }
@@ -323,7 +296,7 @@ def measure(
 def compare_float32(
     rows: list[dict[str, Any]],
     results: dict[tuple[str, str], tuple[np.ndarray, np.ndarray | None]],
-    reference: Port | None,
+    reference: Port,
     config: ModelConfig,
     tensors: dict[str, np.ndarray],
     prompts: np.ndarray,
@@ -333,10 +306,16 @@ def compare_float32(
     """What the run's bfloat16 or quantization costs: each row against the reference's float32 path on
     the same weights (a GGUF's dequantized ones), as `vs_float32`: the largest |logit difference| up to
     the first divergence, and that step (None: every token agrees). Reported, never a failure."""
-    assert reference is not None
-    model = reference.load_model(config, float_tensors(tensors), "float32", placement(reference.NAME, device))
-    tokens32, logits32 = reference.generate(model, prompts, inputs.generation, "naive", True)
-    assert logits32 is not None
+    name = reference.NAME
+    model = run_layer.load_model(
+        name, config, float_tensors(tensors), "float32", placement(name, device), port=reference
+    )
+    float32 = dataclasses.replace(
+        inputs, framework=name, mode="naive", dtype="float32", quant="none", tensor_parallel=1
+    )
+    result = run_layer.generate(model, prompts, float32, return_logits=True)
+    tokens32, logits32 = result.padded, result.logits
+    assert tokens32 is not None and logits32 is not None
     P = prompts.shape[1]
     for row in rows:
         tokens, logits = results.get((row["framework"], row["mode"]), (None, None))

@@ -139,28 +139,39 @@ class CommandInputs:
     prompts: np.ndarray  # [B, P], left-padded
     tokenizer: Any  # None without --tokenizer
     draft: tuple[ModelConfig, run.Tensors] | None  # a draft model's config and tensors (speculative with a file)
+    unable: dict[str, str]  # frameworks asked for that cannot run it -> the reason their rows give (compare)
 
 
 def read_inputs(
-    args: argparse.Namespace, framework: str, mode: str, modes: Sequence[str] | None = None
+    args: argparse.Namespace,
+    framework: str,
+    mode: str,
+    modes: Sequence[str] | None = None,
+    frameworks: Sequence[str] | None = None,
 ) -> CommandInputs:
     """The flags as typed inputs, checked once against the model (its header: before any tensor
-    is read), then the weights and any draft read. `modes`: the modes the command runs (default: `mode`)."""
+    is read), then the weights and any draft read. `modes`: the modes the command runs (default:
+    `mode`); `frameworks`: the frameworks it runs (default: `framework`)."""
     read_prompt_files(args)
     draft = draft_of(args)
     wanted = None if draft is None or draft.source == "ngram" else draft.source
     if wanted is None or "speculative" not in (modes if modes is not None else [mode]):
-        return read_checked(args, framework, mode, modes, None)
+        return read_checked(args, framework, mode, modes, None, frameworks)
     check_draft_source(wanted)
     with open_weights(Path(wanted)) as file:  # its header is checked with the rest, before any tensor is read
-        given = read_checked(args, framework, mode, modes, file.config)
+        given = read_checked(args, framework, mode, modes, file.config, frameworks)
         return dataclasses.replace(given, draft=(file.config, file.read(args.dtype)))
 
 
 def read_checked(
-    args: argparse.Namespace, framework: str, mode: str, modes: Sequence[str] | None, draft: ModelConfig | None
+    args: argparse.Namespace,
+    framework: str,
+    mode: str,
+    modes: Sequence[str] | None,
+    draft: ModelConfig | None,
+    frameworks: Sequence[str] | None,
 ) -> CommandInputs:
-    def check(config: ModelConfig) -> tuple[run.RunInputs, Any, np.ndarray]:
+    def check(config: ModelConfig) -> tuple[run.RunInputs, Any, run.Checked]:
         tokenizer = text_tokenizer(args, config)
         inputs = run.RunInputs(
             framework,
@@ -177,12 +188,16 @@ def read_checked(
         inputs = dataclasses.replace(inputs, quant=args.quant)
         inputs, rows = run.with_samples(inputs, prompt_rows(args, tokenizer), getattr(args, "num_samples", 1))
         check_default_prompt(args, config)
-        return inputs, tokenizer, run.check_inputs(inputs, config, rows, modes=modes, draft=draft)
+        return (
+            inputs,
+            tokenizer,
+            run.checked_inputs(inputs, config, rows, modes=modes, draft=draft, frameworks=frameworks),
+        )
 
     config, tensors, checked = run.read_model(args.weights, args.dtype, check, args.quant)
     assert checked is not None
-    inputs, tokenizer, prompts = checked
-    return CommandInputs(inputs, config, tensors, prompts, tokenizer, None)
+    inputs, tokenizer, run_checked = checked
+    return CommandInputs(inputs, config, tensors, run_checked.prompts, tokenizer, None, run_checked.unable)
 
 
 def warn_unused(args: argparse.Namespace, speculative: bool) -> None:
