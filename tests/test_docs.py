@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import side_by_side
+from tools import pasted_outputs, side_by_side
 from tools.ports_doc import PORTS_MD, section
 from tools.side_by_side import table
 
@@ -73,3 +73,47 @@ def test_bench_md_peers_table_is_the_committed_runs():
 
     table = peers_report.markdown(peers_report.read_runs(peers_report.RUNS))
     assert table in (ROOT / "docs" / "BENCH.md").read_text(), "regenerate it: python tools/peers_report.py"
+
+
+# ---------------------------------------------------------------- pasted outputs (tools/pasted_outputs.py)
+
+
+@pytest.mark.parametrize("pasted", pasted_outputs.every_pasted(), ids=lambda pasted: pasted.name[:80])
+def test_a_pasted_output_is_what_its_command_prints_now(pasted):
+    reason = pasted_outputs.missing(pasted)
+    if reason is not None:
+        pytest.skip(reason)
+    assert pasted_outputs.stale(pasted) is None, "regenerate it: python tools/pasted_outputs.py"
+
+
+def test_every_document_with_a_pasted_command_output_has_its_marker():
+    # The README's real model answer and each doc's example run are regenerated, not typed.
+    marked = {pasted.document.name for pasted in pasted_outputs.every_pasted()}
+    assert {"README.md", "API.md", "CHECK.md", "COMMANDS.md", "GENERATION.md"} <= marked
+
+
+def test_a_pasted_output_that_no_longer_matches_is_named_with_its_line(tmp_path, monkeypatch):
+    document = tmp_path / "DOC.md"
+    document.write_text("<!-- output of: echo one; echo two -->\n```text\none\nthree\n```\n")
+    [pasted] = pasted_outputs.find(document)
+    assert pasted_outputs.stale(pasted) == "DOC.md: echo one; echo two: line 2 is now 'two' (pasted: 'three')"
+    monkeypatch.setattr(pasted_outputs, "DOCUMENTS", [document])
+    pasted_outputs.main([])
+    assert document.read_text() == "<!-- output of: echo one; echo two -->\n```text\none\ntwo\n```\n"
+    assert pasted_outputs.stale(pasted_outputs.find(document)[0]) is None
+
+
+def test_a_pasted_output_differing_only_in_timings_and_widths_still_matches():
+    printed = "done in 0.410 s, 698.2 tokens/s, 2.9x faster\n a    b   1e-06\n────────"
+    pasted = "done in 6.543 s, 12.0 tokens/s, 14.5x faster\n a  b 1e-06\n──"
+    assert pasted_outputs.normalize(printed) == pasted_outputs.normalize(pasted)
+    assert pasted_outputs.normalize("max 1.4e-06") != pasted_outputs.normalize("max 9.5e-07")
+    assert pasted_outputs.normalize("max 1.4e-06", numbers_vary=True) == pasted_outputs.normalize("max 9.5e-07", True)
+
+
+def test_the_block_above_runs_as_python(tmp_path):
+    document = tmp_path / "DOC.md"
+    example = "```python\nprint(6 * 7)\n```\n\n"
+    document.write_text(example + "<!-- output of: python (the block above) -->\n```text\n42\n```\n")
+    [pasted] = pasted_outputs.find(document)
+    assert pasted_outputs.stale(pasted) is None
