@@ -296,9 +296,9 @@ def write_hf_dir(directory: Path, config: dict, tensors: dict) -> Path:
 
 
 def calling_internals(port: Port) -> contextlib.AbstractContextManager:
-    """The context for a test that calls a port's model.py or speculative.py directly: the JAX
-    port's own calls run in JAX's x64 mode (jax_impl/port.py's `exact`), which is not on
-    for the process, so such a test turns it on as they do."""
+    """The context for a test that calls a port's model.py, sampling.py, generate.py or speculative.py
+    directly: the JAX port's own calls run in JAX's x64 mode (jax_impl/port.py's `exact`), which is
+    not on for the process, so such a test turns it on as they do."""
     if port.NAME == "jax":
         import jax
 
@@ -508,7 +508,7 @@ def tensor_parallel_runs(out: str, dtype: str = "float64", cases: tuple[str, ...
     asks for 4 simulated devices (`tensor_parallel_subprocess`)."""
     import jax
 
-    from kvports.jax_impl import model as jax_model
+    from kvports.jax_impl import generate as jax_generate
     from kvports.jax_impl.split import split_model
     from kvports.shared.generation import GenerationConfig
 
@@ -536,8 +536,8 @@ def tensor_parallel_runs(out: str, dtype: str = "float64", cases: tuple[str, ...
                     )
             with jax.enable_x64(True):
                 prompt = jax.device_put(np.asarray(prompts, np.int32), model.emb.embedding[...].sharding)
-                decoding, tokens = jax_model.start_generation(prompt, GenerationConfig(2), dtype)
-                state, _ = jax_model._start_cached(*split_model(model), prompt, tokens, decoding, False, True)
+                decoding, tokens = jax_generate.start_generation(prompt, GenerationConfig(2), dtype)
+                state, _ = jax_generate._start_cached(*split_model(model), prompt, tokens, decoding, False, True)
             for name, array in (("cache", state.cache.keys), ("qkv", model.blocks[0].qkv.kernel[...])):
                 spec = getattr(array.sharding, "spec", ())
                 saved[f"{key.rsplit('/', 2)[0]}/{n}/{name}_spec"] = np.array(repr(tuple(spec)))

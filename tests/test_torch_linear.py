@@ -10,7 +10,7 @@ from kvports.shared.config import ModelConfig
 from tests.helpers import assert_logits_close, assert_tokens_agree, port_or_skip, random_prompts, random_weights
 
 torch = pytest.importorskip("torch")
-onednn = pytest.importorskip("kvports.torch_impl.onednn")
+onednn = pytest.importorskip("kvports.torch_impl.fast.onednn")
 
 needs_onednn = pytest.mark.skipif(not onednn.ONEDNN, reason="this torch build has no oneDNN linear")
 
