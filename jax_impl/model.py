@@ -1,13 +1,13 @@
 """The JAX/Flax port: the seed's TinyModel in flax.nnx, with a preallocated KV cache.
 
-Read it beside torch_impl/model.py: the same names in the same order. What JAX forces
-to differ: the cache is an immutable pytree passed into and out of compiled calls
-(donated, so XLA writes it in place), writes return a new cache instead of mutating,
-shapes are static under jit (every slot is attended, the empty ones masked), and the decode
-loop is one compiled `lax.while_loop` over a named state (`DecodeState`), whose one jitted
-step also serves the streamed loop. float64 needs JAX's x64 mode, which port.py turns on
-around its calls (not for the process): every dtype below is pinned, so no array's dtype
-depends on it.
+The model and its cache, nothing else: the loops are generate.py's (the sampling rule
+sampling.py's), and whatever makes a loaded model faster, smaller or split across devices is
+fast/'s, applied from outside. Read it beside torch_impl/model.py: the same names in the same
+order. What JAX forces to differ: the cache is an immutable pytree passed into and out of
+compiled calls (donated, so XLA writes it in place), writes return a new cache instead of
+mutating, and shapes are static under jit (every slot is attended, the empty ones masked).
+float64 needs JAX's x64 mode, which port.py turns on around its calls (not for the process):
+every dtype below is pinned, so no array's dtype depends on it.
 
 Shapes: B batch, T tokens in this call, P prompt, N new tokens, S cache slots, S' keys a
 query attends over, D d_model, H query heads, Hkv key/value heads, G = H / Hkv, Dh head
@@ -18,20 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import partial
-from typing import Callable, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 from jax.typing import DTypeLike
 
 import kvports.jax_impl.functional as F
-from kvports.jax_impl.split import Static, merge_model, split_model  # the model as jit takes it
 from kvports.shared.config import ModelConfig, cache_slots
-from kvports.shared.generation import PAD, GenerationConfig, check_finite, dtype_name, uniforms
 
 
 @jax.tree_util.register_dataclass
@@ -187,9 +183,8 @@ class FeedForward(nnx.Module):
     """Seed: Sequential(Linear(d, 4d), GELU(), Linear(4d, d)); `0` and `2` keep its names.
     SwiGLU fuses gate and up into `0` (gate first), as qkv fuses q, k and v."""
 
-    def __init__(self, config: ModelConfig, *, dtype: DTypeLike, rngs: nnx.Rngs, shards: int = 1):
+    def __init__(self, config: ModelConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.activation = config.activation
-        self.shards = shards
         gated = 2 if config.activation == "swiglu" else 1
         setattr(
             self,
@@ -214,10 +209,7 @@ class FeedForward(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         h = getattr(self, "0")(x)  # [B, T, ffn_dim] (swiglu: [B, T, 2 * ffn_dim])
         if self.activation == "swiglu":
-            B, T, width = h.shape
-            groups = h.reshape(B, T, self.shards, 2, width // (2 * self.shards))  # [B, T, shards, 2, ffn_dim / shards]
-            gate = groups[:, :, :, 0].reshape(B, T, -1)  # [B, T, ffn_dim]
-            up = groups[:, :, :, 1].reshape(B, T, -1)  # [B, T, ffn_dim]
+            gate, up = jnp.split(h, 2, axis=-1)  # [B, T, ffn_dim] each
             h = jax.nn.silu(gate) * up
         elif self.activation == "gelu_tanh":
             h = jax.nn.gelu(h, approximate=True)
@@ -227,12 +219,8 @@ class FeedForward(nnx.Module):
 
 
 class Block(nnx.Module):
-    # JAX only: `shards` groups of columns in the fused qkv (and SwiGLU's gate and up), each a whole
-    # set of heads, so that tensor parallelism (parallel.py) gives each device one contiguous block
-    # under jit's global shapes; 1 is torch's layout, q then k then v.
-    def __init__(self, config: ModelConfig, *, dtype: DTypeLike, rngs: nnx.Rngs, shards: int = 1):
+    def __init__(self, config: ModelConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.config = config
-        self.shards = shards
         self.ln1, self.ln2 = make_norm(config, dtype, rngs), make_norm(config, dtype, rngs)
         self.qkv = nnx.Linear(
             config.d_model, config.qkv_dim, use_bias=config.attn_bias, dtype=dtype, param_dtype=dtype, rngs=rngs
@@ -240,7 +228,7 @@ class Block(nnx.Module):
         self.proj = nnx.Linear(
             config.d_model, config.d_model, use_bias=config.attn_bias, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.ffn = FeedForward(config, dtype=dtype, rngs=rngs, shards=shards)
+        self.ffn = FeedForward(config, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(config.dropout, rngs=rngs)  # pitfall 3: active only in train mode
 
     def attention(
@@ -249,18 +237,18 @@ class Block(nnx.Module):
         # Returns (out, cache): the cache cannot be written in place, so the new one comes back.
         config = self.config
         B, T, D = x.shape
-        H, Hkv, Dh, n = config.n_heads, config.kv_heads, config.head_dim, self.shards
-        qkv = self.qkv(x).reshape(B, T, n, (H + 2 * Hkv) // n, Dh)  # [B, T, n, (H + 2 Hkv) / n, Dh]
-        q, k, v = jnp.split(qkv, [H // n, (H + Hkv) // n], axis=3)  # [B, T, n, H / n, Dh], [B, T, n, Hkv / n, Dh] x 2
-        # [B, H, T, Dh], [B, Hkv, T, Dh], [B, Hkv, T, Dh]
-        q, k, v = (part.reshape(B, T, -1, Dh).transpose(0, 2, 1, 3) for part in (q, k, v))
+        H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
+        q, k, v = jnp.split(self.qkv(x), [H * Dh, (H + Hkv) * Dh], axis=-1)  # [B, T, H Dh], [B, T, Hkv Dh] x 2
+        q = q.reshape(B, T, H, Dh).transpose(0, 2, 1, 3)  # [B, H, T, Dh]
+        k = k.reshape(B, T, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, T, Dh]
+        v = v.reshape(B, T, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, T, Dh]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v, cache = cache.update(layer, k, v)  # [B, Hkv, S', Dh]: the cache, this chunk written in
         # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)  # [B, H, T, Dh]
-        out = out.transpose(0, 2, 1, 3).reshape(B, T, D)  # [B, T, D]
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)  # [B, T, H Dh] (= D): the heads side by side
         return self.proj(out), cache  # [B, T, D]
 
     def __call__(
@@ -274,15 +262,13 @@ class Block(nnx.Module):
 class TinyModel(nnx.Module):
     # nnx builds parameters eagerly, so it needs their dtype and a random source here;
     # port.load_model then overwrites every parameter with the file's.
-    def __init__(
-        self, config: ModelConfig = ModelConfig(), *, dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs, shards: int = 1
-    ):
+    def __init__(self, config: ModelConfig = ModelConfig(), *, dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs):
         self.config = config
         self.emb = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
         if config.positions == "learned":
             self.pos = nnx.Embed(config.max_seq_len, config.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
         # nnx.List, not a list: nnx refuses a plain list of modules as an attribute.
-        self.blocks = nnx.List([Block(config, dtype=dtype, rngs=rngs, shards=shards) for _ in range(config.n_layers)])
+        self.blocks = nnx.List([Block(config, dtype=dtype, rngs=rngs) for _ in range(config.n_layers)])
         self.ln = make_norm(config, dtype, rngs)
         if not config.tie_embeddings:
             self.head = nnx.Linear(
@@ -313,299 +299,6 @@ class TinyModel(nnx.Module):
         if cache is not None:
             cache = cache.advance(positions)
         x = self.ln(x)  # [B, T, D]
-        if hasattr(self, "head"):  # a tied model has one only when quantized (quant.py): the lookup stays float
-            return self.head(x), cache  # [B, T, V]
-        return F.linear(x, self.emb.embedding[...]), cache  # [B, T, V]: the tied head
-
-
-def greedy(logits: jax.Array) -> jax.Array:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, V] -> [B]
-
-
-def filter_logits(logits: jax.Array, top_k: Union[int, jax.Array], top_p: Union[float, jax.Array]) -> jax.Array:
-    """Top-k, then top-p (the smallest set of most likely tokens whose probability reaches
-    top_p, the most likely always kept), as transformers' warpers do; the rest -inf. top_k and
-    top_p: one value for every row, or one per row, [B, 1] (0 and 1: no filter), which filter
-    exactly as the same values given one row at a time (traced: one program for any values)."""
-    V = logits.shape[-1]
-    if isinstance(top_k, jax.Array):  # lax.top_k takes one static k: one sort serves every row's
-        kth = jnp.take_along_axis(jnp.sort(logits, axis=-1, descending=True), jnp.clip(top_k - 1, 0, V - 1), axis=-1)
-        logits = jnp.where((0 < top_k) & (top_k < V) & (logits < kth), -jnp.inf, logits)  # [B, V]
-    elif 0 < top_k < V:
-        kth = lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)  # [B, V]; ties with the k-th stay
-    # Per row, top_p 1 removes only what has probability 0 already: the same probabilities
-    if isinstance(top_p, jax.Array) or top_p < 1.0:
-        order = jnp.argsort(logits, axis=-1, stable=True)  # [B, V], ascending
-        ascending = jnp.take_along_axis(logits, order, axis=-1)  # [B, V]
-        remove = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1) <= 1 - top_p  # [B, V], in ascending order
-        remove = remove.at[:, -1].set(False)
-        in_vocab_order = jnp.zeros_like(remove).at[jnp.arange(logits.shape[0])[:, None], order].set(remove)  # [B, V]
-        logits = jnp.where(in_vocab_order, -jnp.inf, logits)  # [B, V]
-    return logits
-
-
-def probabilities(logits: jax.Array, generation: GenerationConfig) -> jax.Array:
-    """logits [..., V] -> what sampling draws from [..., V]: the temperature, top-k and top-p,
-    then softmax. In float64, so the ports' draws can differ only where their logits do."""
-    logits = logits.astype(jnp.float64) / generation.temperature  # [..., V]
-    shape = logits.shape
-    return jax.nn.softmax(
-        filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p), axis=-1
-    ).reshape(shape)
-
-
-def draw(probs: jax.Array, uniform: jax.Array) -> jax.Array:
-    """probs [B, V] (summing to any positive total), uniform [B] in [0, 1) -> tokens [B]: the
-    first token whose cumulative probability exceeds the uniform's share of the total."""
-    cumulative = jnp.cumsum(probs, axis=-1)  # [B, V]
-    # [B]: tokens whose interval ends at or below it
-    drawn = jnp.sum(cumulative <= uniform[:, None] * cumulative[:, -1:], axis=-1)
-    return jnp.minimum(drawn, probs.shape[-1] - 1).astype(jnp.int32)
-
-
-def sample(logits: jax.Array, generation: GenerationConfig, uniform: jax.Array) -> jax.Array:
-    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: greedy at temperature 0, else a draw
-    from the filtered probabilities."""
-    if generation.greedy:
-        return greedy(logits)
-    return draw(probabilities(logits, generation), uniform)
-
-
-def choose(
-    logits: jax.Array, generation: GenerationConfig, uniform: jax.Array, done: jax.Array, stops: jax.Array
-) -> Tuple[jax.Array, jax.Array]:
-    """Each row's next token [B] and whether it has stopped [B]: a stopped row stays stopped (PAD)."""
-    token = sample(logits, generation, uniform)  # [B]
-    if generation.stop_ids:  # without stop ids no row can stop: no bookkeeping
-        token = jnp.where(done, PAD, token)
-        done = done | jnp.isin(token, stops)
-    return token, done
-
-
-# on_token(token [B]) is called as each new token reaches the host (streaming, per-step timing).
-OnToken = Optional[Callable[[np.ndarray], None]]
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class Decoding:
-    """What a generation reads at every step and never changes, by name: built once by
-    start_generation, passed whole to every step. A pytree whose arrays are traced and whose
-    settings are static (jit's cache key, as a static argument's would be)."""
-
-    pad: Optional[jax.Array]  # [B] int32: each row's left padding (None when no row is padded)
-    draws: jax.Array  # [B, N]: each row's uniform for each new token
-    stops: jax.Array  # [K] int32: the stop ids
-    generation: GenerationConfig = dataclasses.field(metadata=dict(static=True))
-    dtype: str = dataclasses.field(metadata=dict(static=True))  # the model's, named when a forward overflows it
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class DecodeState:
-    """What the decode loop carries from one token to the next, by name: a pytree, so the
-    compiled loop carries it and the streamed loop passes it (donated) from step to step."""
-
-    step: jax.Array  # [] int32: new tokens made so far; an array, so a new step is not a new compile
-    tokens: jax.Array  # [B, P + N] int32: the prompt, then the new tokens (PAD after a row stops)
-    done: jax.Array  # [B] bool: the rows that have stopped
-    nonfinite: jax.Array  # [2] int32: (step, row) of the first logits with an inf or a NaN in a running row, or -1s
-    # [B, N, V]: what each token was chosen from, when asked for (a buffer, not a list: the compiled loop keeps shapes)
-    step_logits: Optional[jax.Array]
-    cache: Optional[KVCache]  # None: naive, the whole history again at every step
-
-
-def start_generation(prompt: jax.Array, generation: GenerationConfig, dtype: DTypeLike) -> Tuple[Decoding, jax.Array]:
-    """What both loops need: the generation's constants (each row's left padding, its draws,
-    the stop ids, the model's dtype) and the token buffer [B, P + N] with the prompt in it.
-    Run before anything is compiled: whether there is padding shapes the program."""
-    B, P = prompt.shape
-    padding = jnp.sum(prompt == PAD, axis=1, dtype=jnp.int32)  # [B]
-    pad = padding if bool(jnp.any(padding)) else None  # unpadded batches skip every mask they can
-    # [B, N]: each row's stream, keyed by its seed
-    draws = jnp.asarray(uniforms(generation.row_seeds(B), generation.max_new_tokens))
-    stops = jnp.asarray(generation.stop_ids, dtype=jnp.int32)  # [K]
-    tokens = jnp.full((B, P + generation.max_new_tokens), PAD, dtype=jnp.int32).at[:, :P].set(prompt)  # [B, P + N]
-    return Decoding(pad, draws, stops, generation, dtype_name(np.dtype(dtype))), tokens
-
-
-def no_nonfinite() -> jax.Array:
-    return jnp.full(2, -1, dtype=jnp.int32)  # [2]: no step's logits have overflowed yet
-
-
-def first_nonfinite(logits: jax.Array, done: jax.Array, step: jax.Array, nonfinite: jax.Array) -> jax.Array:
-    """(step, row) of the first step whose logits [B, V] hold an inf or a NaN in a running row, kept
-    from the first such step on [2]. Carried, not raised here: no host look per step."""
-    bad = ~jnp.all(jnp.isfinite(logits), axis=-1) & ~done  # [B]
-    found = jnp.stack([jnp.asarray(step, dtype=jnp.int32), jnp.argmax(bad).astype(jnp.int32)])  # [2]
-    return jnp.where((nonfinite[0] < 0) & jnp.any(bad), found, nonfinite)
-
-
-def check_logits(state: DecodeState, decoding: Decoding) -> None:
-    """Stop the run at the first step whose logits were not finite: one line naming it (a host look at two numbers)."""
-    check_finite(np.asarray(state.nonfinite).tolist(), decoding.dtype)
-
-
-def next_token(
-    state: DecodeState, logits: jax.Array, cache: Optional[KVCache], decoding: Decoding
-) -> Tuple[DecodeState, jax.Array]:
-    """The token [B] at state.step chosen from its logits [B, V] and written; the state one step on."""
-    column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
-    uniform = lax.dynamic_index_in_dim(decoding.draws, state.step, axis=1, keepdims=False)  # [B]
-    token, done = choose(logits, decoding.generation, uniform, state.done, decoding.stops)  # [B], [B]
-    nonfinite = first_nonfinite(logits, state.done, state.step, state.nonfinite)  # [2]
-    tokens = lax.dynamic_update_index_in_dim(state.tokens, token, column, axis=1)  # [B, P + N]
-    step_logits = state.step_logits
-    if step_logits is not None:
-        step_logits = lax.dynamic_update_index_in_dim(step_logits, logits, state.step, axis=1)  # [B, N, V]
-    return DecodeState(state.step + 1, tokens, done, nonfinite, step_logits, cache), token
-
-
-def decode_one_token(model: TinyModel, state: DecodeState, decoding: Decoding) -> Tuple[DecodeState, jax.Array]:
-    """One step of either loop: the logits of the token at state.step, then next_token."""
-    column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
-    if state.cache is None:
-        # The whole fixed-shape buffer [B, P + N] again (causal masking keeps its unfilled tail from
-        # reaching earlier positions): one compile serves every step.
-        logits, cache = model(jnp.maximum(state.tokens, 0), None, decoding.pad)  # [B, P + N, V]
-        last = lax.dynamic_index_in_dim(logits, column - 1, axis=1, keepdims=False)  # [B, V]
-    else:
-        # A stopped row feeds PAD as token 0: its outputs are never used.
-        token = jnp.maximum(lax.dynamic_slice_in_dim(state.tokens, column - 1, 1, axis=1), 0)  # [B, 1]
-        logits, cache = model(token, state.cache, decoding.pad)  # [B, 1, V]
-        last = logits[:, -1]  # [B, V]
-    return next_token(state, last, cache, decoding)
-
-
-# The model as (static, leaves), split once per generation: jit takes it so (split.py).
-def decode_n_tokens(
-    static: Static, leaves: list, state: DecodeState, decoding: Decoding, on_token: OnToken
-) -> DecodeState:
-    """The one loop: decode_one_token until N new tokens, or until every row has stopped;
-    on_token(token [B]) after each. Without on_token, one compiled while_loop; with it, the
-    same jitted step called from here, so each token reaches the host as it is made. Logits that
-    overflowed stop it with an error: at once when streaming (no token made from them is heard),
-    else after the loop, which carries the step and ends there (no host look per step)."""
-    if on_token is None:
-        state = _decode_n_tokens(static, leaves, state, decoding)
-        check_logits(state, decoding)
-        return state
-    generation = decoding.generation
-    for _ in range(int(state.step), generation.max_new_tokens):
-        if generation.stop_ids and bool(jnp.all(state.done)):
-            break  # every row has stopped
-        state, token = _decode_one_token(static, leaves, state, decoding)
-        check_logits(state, decoding)
-        on_token(np.asarray(token))
-    check_logits(state, decoding)
-    return state
-
-
-def finish(state: DecodeState) -> Tuple[jax.Array, Optional[jax.Array]]:
-    """tokens [B, P + N] and, when asked for, the step logits [B, steps, V]."""
-    return state.tokens, None if state.step_logits is None else state.step_logits[:, : int(state.step)]
-
-
-def generate_naive(
-    model: TinyModel,
-    prompt: jax.Array,
-    generation: GenerationConfig,
-    return_logits: bool = False,
-    on_token: OnToken = None,
-) -> Tuple[jax.Array, Optional[jax.Array]]:
-    """Recompute the whole history every step: O(n^2) work per token.
-    prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
-    model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    static, leaves = split_model(model)
-    decoding, tokens = start_generation(prompt, generation, model.emb.embedding.dtype)
-    B, N = prompt.shape[0], generation.max_new_tokens
-    done = jnp.zeros(B, dtype=bool)  # [B]
-    step_logits = jnp.zeros((B, N, model.config.vocab_size), model.emb.embedding.dtype) if return_logits else None
-    state = DecodeState(jnp.zeros((), dtype=jnp.int32), tokens, done, no_nonfinite(), step_logits, None)
-    return finish(decode_n_tokens(static, leaves, state, decoding, on_token))
-
-
-def generate_cached(
-    model: TinyModel,
-    prompt: jax.Array,
-    generation: GenerationConfig,
-    return_logits: bool = False,
-    prefill: bool = True,
-    on_token: OnToken = None,
-) -> Tuple[jax.Array, Optional[jax.Array]]:
-    """Prefill the prompt in one forward, then one token per step against the cache.
-    prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
-    model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    static, leaves = split_model(model)
-    decoding, tokens = start_generation(prompt, generation, model.emb.embedding.dtype)
-    state, token = _start_cached(static, leaves, prompt, tokens, decoding, return_logits, prefill)
-    if on_token is not None:
-        check_logits(state, decoding)
-        on_token(np.asarray(token))
-    return finish(decode_n_tokens(static, leaves, state, decoding, on_token))
-
-
-# A forward against the cache, as its own compiled call (port.forward_chunks feeds chunks
-# through it). The cache is donated: XLA updates it in place, and the caller must use the
-# returned cache (the one passed in is deleted).
-def prefill(
-    model: TinyModel, prompt: jax.Array, cache: KVCache, pad: Optional[jax.Array] = None
-) -> Tuple[jax.Array, KVCache]:
-    return _forward(*split_model(model), prompt, cache, pad)  # [B, P, V], cache
-
-
-# What the functions above compile. Shapes must be static, so new_tokens and the sampling
-# settings are compile-time: a new (batch, prompt length, new tokens) is a new compile, a
-# new prompt is not.
-@partial(jax.jit, static_argnums=0, donate_argnames="cache")
-def _forward(
-    static: Static, leaves: list, tokens: jax.Array, cache: KVCache, pad: Optional[jax.Array]
-) -> Tuple[jax.Array, KVCache]:
-    return merge_model(static, leaves)(tokens, cache, pad)  # [B, T, V], cache
-
-
-@partial(jax.jit, static_argnums=(0, 5, 6))
-def _start_cached(
-    static: Static,
-    leaves: list,
-    prompt: jax.Array,
-    tokens: jax.Array,
-    decoding: Decoding,
-    return_logits: bool,
-    prefill: bool,
-) -> Tuple[DecodeState, jax.Array]:
-    """The prefill, and the first token chosen from its logits: the state the loop starts from."""
-    model = merge_model(static, leaves)
-    B, P = prompt.shape
-    N = decoding.generation.max_new_tokens
-    cache = init_cache(model.config, B, P + N, model.emb.embedding.dtype)
-    if prefill:
-        logits, cache = model(jnp.maximum(prompt, 0), cache, decoding.pad)  # [B, P, V]
-    else:
-        for i in range(P):
-            logits, cache = model(jnp.maximum(prompt[:, i : i + 1], 0), cache, decoding.pad)  # [B, 1, V]
-    done = jnp.zeros(B, dtype=bool)  # [B]
-    step_logits = jnp.zeros((B, N, logits.shape[-1]), logits.dtype) if return_logits else None  # [B, N, V]
-    state = DecodeState(jnp.zeros((), dtype=jnp.int32), tokens, done, no_nonfinite(), step_logits, cache)
-    return next_token(state, logits[:, -1], cache, decoding)  # the prefill's logits choose it
-
-
-@partial(jax.jit, static_argnums=0, donate_argnames="state")
-def _decode_one_token(
-    static: Static, leaves: list, state: DecodeState, decoding: Decoding
-) -> Tuple[DecodeState, jax.Array]:
-    """decode_one_token, compiled: the streamed loop's step and the compiled loop's body."""
-    return decode_one_token(merge_model(static, leaves), state, decoding)
-
-
-@partial(jax.jit, static_argnums=0, donate_argnames="state")
-def _decode_n_tokens(static: Static, leaves: list, state: DecodeState, decoding: Decoding) -> DecodeState:
-    def running(state: DecodeState) -> jax.Array:
-        # N tokens, or sooner when every row has stopped or a step's logits overflowed
-        return (state.step < decoding.generation.max_new_tokens) & ~jnp.all(state.done) & (state.nonfinite[0] < 0)
-
-    def step(state: DecodeState) -> DecodeState:
-        return _decode_one_token(static, leaves, state, decoding)[0]
-
-    return lax.while_loop(running, step, state)
+        if config.tie_embeddings:
+            return F.linear(x, self.emb.embedding[...]), cache  # [B, T, V]: the head is the embedding, read as a matrix
+        return self.head(x), cache  # [B, T, V]

@@ -24,11 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.typing import DTypeLike
 
-from kvports.jax_impl.model import TinyModel, attention_mask, draw, filter_logits, greedy, token_positions
+from kvports.jax_impl.model import TinyModel, attention_mask, token_positions
+from kvports.jax_impl.sampling import draw, filter_logits, greedy
 from kvports.jax_impl.split import Static, merge_model, split_model
-from kvports.shared.config import ModelConfig
 from kvports.shared.generation import PAD, RowSampling
 
 
@@ -44,16 +43,18 @@ class BlockPool:
     max_blocks: int = dataclasses.field(metadata=dict(static=True))
 
 
-def init_block_pool(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: DTypeLike, max_batch: int, max_blocks: int
-) -> BlockPool:
+def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> BlockPool:
+    """The pool, beside the model's weights and at their dtype. max_batch and max_blocks (per
+    sequence) fix the compiled step's shapes."""
+    config, embedding = model.config, model.emb.embedding[...]
     shape = (config.n_layers, num_blocks, block_size, config.kv_heads, config.head_dim)
-    return BlockPool(
-        keys=jnp.zeros(shape, dtype=dtype),
-        values=jnp.zeros(shape, dtype=dtype),
-        max_batch=max_batch,
-        max_blocks=max_blocks,
-    )
+    with jax.default_device(next(iter(embedding.devices()))):
+        return BlockPool(
+            keys=jnp.zeros(shape, dtype=embedding.dtype),
+            values=jnp.zeros(shape, dtype=embedding.dtype),
+            max_batch=max_batch,
+            max_blocks=max_blocks,
+        )
 
 
 @jax.tree_util.register_dataclass

@@ -4,7 +4,6 @@ The same names in every port (the contract: docs/PORTS.md); only the framework c
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
@@ -15,14 +14,16 @@ import jaxlib
 import numpy as np
 from flax import nnx
 
-from kvports.jax_impl import speculative
-from kvports.jax_impl.model import TinyModel, generate_cached, generate_naive, init_cache
-from kvports.jax_impl.model import prefill as prefill_step
-from kvports.jax_impl.quant import quantize_model
+from kvports.jax_impl import bandwidth, paged, speculative
+from kvports.jax_impl.fast.layout import lay_out
+from kvports.jax_impl.fast.quant import quantize_model
+from kvports.jax_impl.generate import generate_cached, generate_naive
+from kvports.jax_impl.generate import prefill as prefill_step
+from kvports.jax_impl.model import TinyModel, init_cache
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, RowSampling, as_generation
-from kvports.shared.quant import float_tensors
+from kvports.shared.quantization import float_tensors
 
 NAME = "jax"
 JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64, "bfloat16": jnp.bfloat16}
@@ -125,13 +126,14 @@ def load_model(
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     target = resolve_device(device)
     placement: Callable[[str], jax.Device | jax.sharding.Sharding] = lambda name: target  # noqa: E731
-    if tensor_parallel > 1:  # split across devices: the layout and each parameter's sharding (parallel.py)
-        from kvports.jax_impl import parallel
+    if tensor_parallel > 1:  # split across devices: the layout and each parameter's sharding (fast/parallel.py)
+        from kvports.jax_impl.fast import parallel
 
         config, tensors, placement = parallel.split_model(config, tensors, target.platform, tensor_parallel)
     with jax.default_device(target):
-        # every parameter is overwritten below
-        model = TinyModel(config, dtype=JAX_DTYPES[dtype], rngs=nnx.Rngs(0), shards=tensor_parallel)
+        model = TinyModel(config, dtype=JAX_DTYPES[dtype], rngs=nnx.Rngs(0))  # every parameter is overwritten below
+    if tensor_parallel > 1:
+        model = parallel.regroup_fused(model, tensor_parallel)  # the fused products read their shard-major kernels
     slots = _parameter_slots(model)
     weights = float_tensors(tensors)
     assert set(slots) == set(weights), f"names differ: {sorted(set(slots) ^ set(weights))}"
@@ -141,11 +143,13 @@ def load_model(
         variable.set_value(jax.device_put(np.ascontiguousarray(array, dtype=JAX_DTYPES[dtype]), placement(name)))
     n_params = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n_params == len(slots), f"model has {n_params} parameters, the file fills {len(slots)}"
-    if quant != "none" or (dtype == "bfloat16" and tensor_parallel == 1):
-        # The Linear layers swapped (quant.py): quantized, or bfloat16 in the layout XLA's CPU dot is fast in.
-        # Not under tensor parallelism, whose shardings name nnx's kernels (quant is refused there).
-        with jax.default_device(target):
+    # The Linear layers swapped: quantized (fast/quant.py), or bfloat16 in the layout XLA's CPU dot is fast in
+    # (fast/layout.py). Not under tensor parallelism, whose shardings name nnx's kernels (quant is refused there).
+    with jax.default_device(target):
+        if quant != "none":
             model = quantize_model(model, tensors, quant, JAX_DTYPES[dtype])
+        elif dtype == "bfloat16" and tensor_parallel == 1:
+            model = lay_out(model, tensors, JAX_DTYPES[dtype])
     model.eval()  # nnx's eval() sets dropout off in place and returns None
     return model
 
@@ -234,36 +238,15 @@ def synchronize(model: TinyModel) -> None:
 
 @exact
 def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> list[float]:
-    """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
-    call (which also compiles): the matrix's bytes over this time is the streaming bandwidth
-    a roofline divides by."""
-    target = resolve_device(device)
-    with jax.default_device(target):
-        matrix = jnp.ones((rows, cols), dtype=jnp.float32)  # [rows, cols]
-        vector = jnp.ones(cols, dtype=jnp.float32)  # [cols]
-    product = jax.jit(jnp.matmul)
-    seconds = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        product(matrix, vector).block_until_ready()  # [rows]
-        seconds.append(time.perf_counter() - start)
-    return seconds[1:]
+    """Seconds for each of `repeats` float32 products [rows, cols] @ [cols] (bandwidth.py)."""
+    return bandwidth.matvec_seconds(rows, cols, repeats, resolve_device(device))
 
 
 # ---------------------------------------------------------------- continuous batching
-# What kvports/batching's engine calls: a pool of KV blocks shared by the running sequences,
-# and one step of the running batch over it (jax_impl/paged.py; docs/BATCHING.md).
+# What kvports/batching's engine calls: a pool of KV blocks shared by the running sequences
+# (init_block_pool, from paged.py), and one step of the running batch over it (docs/BATCHING.md).
 
-
-@exact
-def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> Any:
-    """The pool of keys and of values, [L, num_blocks, block_size, Hkv, Dh] each. max_batch and
-    max_blocks (per sequence) fix the compiled step's shapes."""
-    from kvports.jax_impl import paged
-
-    with jax.default_device(_model_device(model)):
-        dtype = model.emb.embedding.dtype
-        return paged.init_block_pool(model.config, num_blocks, block_size, dtype, max_batch, max_blocks)
+init_block_pool = exact(paged.init_block_pool)  # the contract's, as paged.py makes it (under x64, as every call)
 
 
 @exact
@@ -279,8 +262,6 @@ def paged_step(
     `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), sampling: each
     row's temperature, top-k, top-p and draw [B]. The next token of every row [B] (PAD where its
     logits were not finite), and the pool to pass to the next step (the one passed in is donated)."""
-    from kvports.jax_impl import paged
-
     B = tokens.shape[0]
     tokens, start, block_tables, sampling = paged.static_shapes(
         pool.max_batch, pool.max_blocks, tokens, start, block_tables, sampling

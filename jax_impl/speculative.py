@@ -26,17 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvports.jax_impl.model import (
-    KVCache,
-    TinyModel,
-    draw,
-    first_nonfinite,
-    init_cache,
-    no_nonfinite,
-    probabilities,
-    sample,
-    start_generation,
-)
+from kvports.jax_impl.generate import first_nonfinite, no_nonfinite, start_generation
+from kvports.jax_impl.model import KVCache, TinyModel, init_cache
+from kvports.jax_impl.sampling import draw, probabilities, sample
 from kvports.jax_impl.split import Static, merge_model, split_model
 from kvports.shared.generation import PAD, GenerationConfig, check_finite, speculative_uniforms
 

@@ -4,7 +4,7 @@ JAX only: jit over the model's split state, not the module, because flattening a
 on every call costs more than a decode step. The split happens once per generation; the
 graphdef and the state's tree structure are static (models of one config share them, and with
 them every compiled program), the state's arrays a flat list that jit takes at C++ speed.
-model.py, speculative.py and paged.py jit their loops and steps over it.
+generate.py, speculative.py and paged.py jit their loops and steps over it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """What torch.nn.functional gives the reference, in NumPy: linear, the activations,
-softmax and scaled_dot_product_attention. model.py imports this as `F`. NumPy has no
-erf (SciPy's stands in), and the seed's GELU is the exact erf form."""
+softmax and scaled_dot_product_attention, and a tensor's split. model.py imports this as `F`.
+NumPy has no erf (SciPy's stands in), and the seed's GELU is the exact erf form."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from scipy.special import erf
@@ -45,6 +46,16 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
     if bias is not None:
         y += bias
     return y
+
+
+def split(x: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    """torch's x.split(sizes, dim=-1): views of consecutive pieces of the last axis. Slices, not
+    np.split, whose Python bookkeeping costs more than a decode step's views."""
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(x[..., start : start + size])  # [..., size]
+        start += size
+    return pieces
 
 
 def scaled_dot_product_attention(

@@ -1,9 +1,11 @@
 """The NumPy port: the seed's TinyModel in plain NumPy, with a preallocated KV cache.
 
-Read it beside torch_impl/model.py: the same names in the same order. NumPy has no
-torch.nn, so numpy_impl/nn.py and numpy_impl/functional.py stand in for it, imported
-as `nn` and `F`: the model's lines then read as the reference's.
-NumPy also defaults to float64, so every array made here takes the model's dtype.
+The model and its cache, nothing else: the loops are generate.py's (the sampling rule
+sampling.py's), and the weights' memory layout for OpenBLAS is fast/'s, applied to a loaded
+model from outside. Read it beside torch_impl/model.py: the same names in the same order.
+NumPy has no torch.nn, so numpy_impl/nn.py and numpy_impl/functional.py stand in for it,
+imported as `nn` and `F`: the model's lines then read as the reference's. NumPy also defaults
+to float64, so every array made here takes the model's dtype.
 
 Shapes: B batch, T tokens in this call, P prompt, N new tokens, S cache slots, S' keys a
 query attends over, D d_model, H query heads, Hkv key/value heads, G = H / Hkv, Dh head
@@ -13,7 +15,7 @@ dim, V vocabulary, L layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -21,7 +23,6 @@ from numpy.typing import DTypeLike
 import kvports.numpy_impl.functional as F
 import kvports.numpy_impl.nn as nn
 from kvports.shared.config import ModelConfig, cache_slots
-from kvports.shared.generation import PAD, GenerationConfig, check_finite, dtype_name, uniforms
 
 
 @dataclass
@@ -184,8 +185,7 @@ class FeedForward(nn.Module):
     def forward(self, x: np.ndarray) -> np.ndarray:
         h = getattr(self, "0")(x)  # [B, T, ffn_dim] (swiglu: [B, T, 2 * ffn_dim])
         if self.activation == "swiglu":
-            half = h.shape[-1] // 2
-            gate, up = h[..., :half], h[..., half:]  # [B, T, ffn_dim] each: slices, not np.split, as qkv's
+            gate, up = F.split(h, [h.shape[-1] // 2] * 2)  # [B, T, ffn_dim] each
             h = F.silu(gate) * up
         elif self.activation == "gelu_tanh":
             h = F.gelu_tanh(h)
@@ -210,16 +210,17 @@ class Block(nn.Module):
         config = self.config
         B, T, D = x.shape
         H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
-        qkv = self.qkv(x).reshape(B, T, H + 2 * Hkv, Dh).transpose(0, 2, 1, 3)  # [B, H + 2 Hkv, T, Dh]
-        # Slices, not np.split: its Python bookkeeping costs more than a decode step's views.
-        q, k, v = qkv[:, :H], qkv[:, H : H + Hkv], qkv[:, H + Hkv :]  # [B, H, T, Dh], [B, Hkv, T, Dh], [B, Hkv, T, Dh]
+        q, k, v = F.split(self.qkv(x), [H * Dh, Hkv * Dh, Hkv * Dh])  # [B, T, H Dh], [B, T, Hkv Dh] x 2
+        q = q.reshape(B, T, H, Dh).transpose(0, 2, 1, 3)  # [B, H, T, Dh]
+        k = k.reshape(B, T, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, T, Dh]
+        v = v.reshape(B, T, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, T, Dh]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, Hkv, S', Dh]: the cache, this chunk written in
         # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)  # [B, H, T, Dh]
-        out = out.transpose(0, 2, 1, 3).reshape(B, T, D)  # [B, T, D]
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)  # [B, T, H Dh] (= D): the heads side by side
         return self.proj(out)  # [B, T, D]
 
     def forward(
@@ -265,231 +266,6 @@ class TinyModel(nn.Module):
         if cache is not None:
             cache = cache.advance(positions)
         x = self.ln(x)  # [B, T, D]
-        head_weight = self.emb.weight if config.tie_embeddings else self.head.weight  # [V, D]
-        return F.linear(x, head_weight), cache  # [B, T, V]
-
-
-def greedy(logits: np.ndarray) -> np.ndarray:
-    return logits.argmax(axis=-1).astype(np.int64)  # [B, V] -> [B]; argmax gives intp
-
-
-def filter_logits(logits: np.ndarray, top_k: Union[int, np.ndarray], top_p: Union[float, np.ndarray]) -> np.ndarray:
-    """Top-k, then top-p (the smallest set of most likely tokens whose probability reaches
-    top_p, the most likely always kept), as transformers' warpers do; the rest -inf. top_k and
-    top_p: one value for every row, or one per row, [B, 1] (0 and 1: no filter), which filter
-    exactly as the same values given one row at a time."""
-    V = logits.shape[-1]
-    if isinstance(top_k, np.ndarray):
-        kth = np.take_along_axis(-np.sort(-logits, axis=-1), np.clip(top_k - 1, 0, V - 1), axis=-1)  # [B, 1]
-        logits = np.where((0 < top_k) & (top_k < V) & (logits < kth), -np.inf, logits)  # [B, V]
-    elif 0 < top_k < V:
-        kth = -np.partition(-logits, top_k - 1, axis=-1)[:, top_k - 1 : top_k]  # [B, 1]
-        logits = np.where(logits < kth, -np.inf, logits)  # [B, V]; ties with the k-th stay
-    # Per row, top_p 1 removes only what has probability 0 already: the same probabilities
-    if isinstance(top_p, np.ndarray) or top_p < 1.0:
-        order = np.argsort(logits, axis=-1, kind="stable")  # [B, V], ascending
-        ascending = np.take_along_axis(logits, order, axis=-1)  # [B, V]
-        remove = F.softmax(ascending, axis=-1).cumsum(axis=-1) <= 1 - top_p  # [B, V], in ascending order
-        remove[:, -1] = False
-        in_vocab_order = np.empty_like(remove)
-        np.put_along_axis(in_vocab_order, order, remove, axis=-1)
-        logits = np.where(in_vocab_order, -np.inf, logits)  # [B, V]
-    return logits
-
-
-def probabilities(logits: np.ndarray, generation: GenerationConfig) -> np.ndarray:
-    """logits [..., V] -> what sampling draws from [..., V]: the temperature, top-k and top-p,
-    then softmax. In float64, so the ports' draws can differ only where their logits do."""
-    logits = logits.astype(np.float64) / generation.temperature  # [..., V]
-    shape = logits.shape
-    return F.softmax(filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p), axis=-1).reshape(
-        shape
-    )
-
-
-def draw(probs: np.ndarray, uniform: np.ndarray) -> np.ndarray:
-    """probs [B, V] (summing to any positive total), uniform [B] in [0, 1) -> tokens [B]: the
-    first token whose cumulative probability exceeds the uniform's share of the total."""
-    cumulative = probs.cumsum(axis=-1)  # [B, V]
-    # [B]: tokens whose interval ends at or below it
-    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(axis=-1)
-    return np.minimum(drawn, probs.shape[-1] - 1)
-
-
-def sample(logits: np.ndarray, generation: GenerationConfig, uniform: np.ndarray) -> np.ndarray:
-    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: greedy at temperature 0, else a draw
-    from the filtered probabilities."""
-    if generation.greedy:
-        return greedy(logits)
-    return draw(probabilities(logits, generation), uniform)
-
-
-def choose(
-    logits: np.ndarray, generation: GenerationConfig, uniform: np.ndarray, done: np.ndarray, stops: np.ndarray
-) -> Tuple[np.ndarray, np.ndarray]:
-    """Each row's next token [B] and whether it has stopped [B]: a stopped row stays stopped (PAD)."""
-    token = sample(logits, generation, uniform)  # [B]
-    if generation.stop_ids:  # without stop ids no row can stop: no bookkeeping
-        token = np.where(done, PAD, token)
-        done = done | np.isin(token, stops)
-    return token, done
-
-
-# on_token(token [B]) is called as each new token is made (streaming, per-step timing).
-OnToken = Optional[Callable[[np.ndarray], None]]
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """What a generation reads at every step and never changes, by name: built once by
-    start_generation, passed whole to every step."""
-
-    pad: Optional[np.ndarray]  # [B]: each row's left padding (None when no row is padded)
-    draws: np.ndarray  # [B, N]: each row's uniform for each new token
-    stops: np.ndarray  # [K]: the stop ids
-    generation: GenerationConfig
-    dtype: str  # the model's, for the message when a forward overflows it
-
-
-@dataclass
-class DecodeState:
-    """What the decode loop carries from one token to the next, by name."""
-
-    step: int  # new tokens made so far
-    tokens: np.ndarray  # [B, P + N]: the prompt, then the new tokens (PAD after a row stops)
-    done: np.ndarray  # [B] bool: the rows that have stopped
-    nonfinite: np.ndarray  # [2] int64: (step, row) of the first logits with an inf or a NaN in a running row, or -1s
-    step_logits: Optional[List[np.ndarray]]  # [B, V] each: what each token was chosen from, when asked for
-    cache: Optional[KVCache]  # None: naive, the whole history again at every step
-
-
-def start_generation(prompt: np.ndarray, generation: GenerationConfig, dtype: np.dtype) -> Tuple[Decoding, np.ndarray]:
-    """What both loops need: the generation's constants (each row's left padding, its draws,
-    the stop ids, the model's dtype) and the token buffer [B, P + N] with the prompt in it."""
-    B, P = prompt.shape
-    padding = (prompt == PAD).sum(axis=1)  # [B]
-    pad = padding if padding.any() else None  # unpadded batches skip every mask they can
-    # [B, N]: each row's stream, keyed by its seed
-    draws = uniforms(generation.row_seeds(B), generation.max_new_tokens)
-    stops = np.asarray(generation.stop_ids, dtype=prompt.dtype)  # [K]
-    tokens = np.full((B, P + generation.max_new_tokens), PAD, dtype=prompt.dtype)  # [B, P + N]
-    tokens[:, :P] = prompt
-    return Decoding(pad, draws, stops, generation, dtype_name(dtype)), tokens
-
-
-def no_nonfinite() -> np.ndarray:
-    return np.full(2, -1, dtype=np.int64)  # [2]: no step's logits have overflowed yet
-
-
-def first_nonfinite(logits: np.ndarray, done: np.ndarray, step: int, nonfinite: np.ndarray) -> np.ndarray:
-    """(step, row) of the first step whose logits [B, V] hold an inf or a NaN in a running row, kept
-    from the first such step on [2]. Carried, not raised here: no host look per step."""
-    bad = ~np.isfinite(logits).all(axis=-1) & ~done  # [B]
-    found = np.stack([np.asarray(step), bad.astype(np.int64).argmax()])  # [2]
-    return np.where((nonfinite[0] < 0) & bad.any(), found, nonfinite)
-
-
-def check_logits(state: DecodeState, decoding: Decoding) -> None:
-    """Stop the run at the first step whose logits were not finite: one line naming it (a host look at two numbers)."""
-    check_finite(state.nonfinite.tolist(), decoding.dtype)
-
-
-def next_token(
-    state: DecodeState, logits: np.ndarray, cache: Optional[KVCache], decoding: Decoding
-) -> Tuple[DecodeState, np.ndarray]:
-    """The token [B] at state.step chosen from its logits [B, V] and written; the state one step on."""
-    column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
-    uniform = decoding.draws[:, state.step]  # [B]
-    token, done = choose(logits, decoding.generation, uniform, state.done, decoding.stops)  # [B], [B]
-    nonfinite = first_nonfinite(logits, state.done, state.step, state.nonfinite)  # [2]
-    state.tokens[:, column] = token
-    if state.step_logits is not None:
-        state.step_logits.append(logits)
-    return DecodeState(state.step + 1, state.tokens, done, nonfinite, state.step_logits, cache), token
-
-
-def decode_one_token(model: TinyModel, state: DecodeState, decoding: Decoding) -> Tuple[DecodeState, np.ndarray]:
-    """One step of either loop: the logits of the token at state.step, then next_token."""
-    column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
-    if state.cache is None:
-        # The whole history again
-        logits, cache = model(np.maximum(state.tokens[:, :column], 0), pad=decoding.pad)  # [B, column, V]
-    else:
-        # A stopped row feeds PAD as token 0: its outputs are never used.
-        token = np.maximum(state.tokens[:, column - 1 : column], 0)  # [B, 1]
-        logits, cache = model(token, state.cache, decoding.pad)  # [B, 1, V]
-    return next_token(state, logits[:, -1], cache, decoding)
-
-
-def decode_n_tokens(model: TinyModel, state: DecodeState, decoding: Decoding, on_token: OnToken) -> DecodeState:
-    """The one loop: decode_one_token until N new tokens, or until every row has stopped;
-    on_token(token [B]) after each. Logits that overflowed stop it with an error: at once when
-    streaming (no token made from them is heard), else after the loop (no host look per step)."""
-    generation = decoding.generation
-    for _ in range(state.step, generation.max_new_tokens):
-        if generation.stop_ids and state.done.all():
-            break  # every row has stopped
-        state, token = decode_one_token(model, state, decoding)
-        if on_token is not None:
-            check_logits(state, decoding)
-            on_token(token)
-    check_logits(state, decoding)
-    return state
-
-
-def finish(state: DecodeState) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    """tokens [B, P + N] and, when asked for, the step logits [B, steps, V]."""
-    return state.tokens, None if state.step_logits is None else np.stack(state.step_logits, axis=1)
-
-
-# No inference_mode decorator: NumPy records no autograd graph to switch off.
-def generate_naive(
-    model: TinyModel,
-    prompt: np.ndarray,
-    generation: GenerationConfig,
-    return_logits: bool = False,
-    on_token: OnToken = None,
-) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    """Recompute the whole history every step: O(n^2) work per token.
-    prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
-    model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    decoding, tokens = start_generation(prompt, generation, model.emb.weight.dtype)
-    done = np.zeros(prompt.shape[0], dtype=bool)  # [B]
-    state = DecodeState(0, tokens, done, no_nonfinite(), [] if return_logits else None, None)
-    return finish(decode_n_tokens(model, state, decoding, on_token))
-
-
-def generate_cached(
-    model: TinyModel,
-    prompt: np.ndarray,
-    generation: GenerationConfig,
-    return_logits: bool = False,
-    prefill: bool = True,
-    on_token: OnToken = None,
-) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    """Prefill the prompt in one forward, then one token per step against the cache.
-    prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one."""
-    model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    B, P = prompt.shape
-    decoding, tokens = start_generation(prompt, generation, model.emb.weight.dtype)
-    cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
-    if prefill:
-        logits, cache = model(np.maximum(prompt, 0), cache, decoding.pad)  # [B, P, V]
-    else:
-        for i in range(P):
-            logits, cache = model(np.maximum(prompt[:, i : i + 1], 0), cache, decoding.pad)  # [B, 1, V]
-    done = np.zeros(B, dtype=bool)  # [B]
-    state = DecodeState(0, tokens, done, no_nonfinite(), [] if return_logits else None, cache)
-    state, token = next_token(state, logits[:, -1], cache, decoding)  # the prefill's logits choose it
-    if on_token is not None:
-        check_logits(state, decoding)
-        on_token(token)
-    return finish(decode_n_tokens(model, state, decoding, on_token))
-
-
-# A forward against the cache, as its own call (port.forward_chunks feeds chunks through it;
-# in JAX it is the compiled, cache-donating forward).
-def prefill(
-    model: TinyModel, prompt: np.ndarray, cache: KVCache, pad: Optional[np.ndarray] = None
-) -> Tuple[np.ndarray, KVCache]:
-    return model(prompt, cache, pad)  # [B, P, V], cache
+        if config.tie_embeddings:
+            return F.linear(x, self.emb.weight), cache  # [B, T, V]: the head is the embedding, read as a matrix
+        return self.head(x), cache  # [B, T, V]

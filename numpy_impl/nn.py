@@ -14,15 +14,6 @@ import kvports.numpy_impl.functional as F
 M = TypeVar("M", bound="Module")
 
 
-def memory_order(weight: np.ndarray) -> str:
-    """Where a matrix's bytes go; its shape and values stay torch's. x @ weight.T at one row is one
-    OpenBLAS gemv, and which gemv streams the weight faster depends on its shape (measured at batch 1,
-    1 thread, 30 weights per shape): with at least as many outputs as inputs, weight.T contiguous
-    ("F": ~1.3-2x on SmolLM2's qkv and gate/up, ~1.8x on its tied head, 49152 x 576); with more
-    inputs than outputs (the down projection) the (out, in) rows ("C": ~1.05-1.1x)."""
-    return "F" if weight.ndim == 2 and weight.shape[0] >= weight.shape[1] else "C"
-
-
 class Module:
     """The part of nn.Module this port needs: named parameters (so torch's state_dict
     names load as they are), a dtype cast, and the train/eval switch."""
@@ -66,8 +57,7 @@ class Module:
 
     def to(self: M, dtype: DTypeLike) -> M:
         for _, owner, attr in self.named_parameters():
-            array = getattr(owner, attr)
-            setattr(owner, attr, array.astype(dtype, order=memory_order(array)))  # a copy: the model owns its weights
+            setattr(owner, attr, getattr(owner, attr).astype(dtype))  # a copy: the model owns its weights
         return self
 
     def train(self: M, mode: bool = True) -> M:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 import kvports.numpy_impl.functional as F
-from kvports.numpy_impl.model import TinyModel, attention_mask, draw, filter_logits, greedy, token_positions
-from kvports.shared.config import ModelConfig
+from kvports.numpy_impl.model import TinyModel, attention_mask, token_positions
+from kvports.numpy_impl.sampling import draw, filter_logits, greedy
 from kvports.shared.generation import PAD
 
 
@@ -33,7 +33,10 @@ class BlockPool:
     values: np.ndarray  # [L, NB, bs, Hkv, Dh]
 
 
-def init_block_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype: np.dtype) -> BlockPool:
+def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> BlockPool:
+    """The pool, at the model's dtype. max_batch and max_blocks (per sequence) fix JAX's step
+    shapes; eager steps take the shapes each step has."""
+    config, dtype = model.config, model.emb.weight.dtype
     shape = (config.n_layers, num_blocks, block_size, config.kv_heads, config.head_dim)
     return BlockPool(keys=np.zeros(shape, dtype=dtype), values=np.zeros(shape, dtype=dtype))
 

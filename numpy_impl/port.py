@@ -3,14 +3,16 @@ The same names in every port (the contract: docs/PORTS.md); only the framework c
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from kvports.numpy_impl import speculative
-from kvports.numpy_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
+from kvports.numpy_impl import bandwidth, paged, speculative
+from kvports.numpy_impl.fast.layout import lay_out
+from kvports.numpy_impl.generate import generate_cached, generate_naive, prefill
+from kvports.numpy_impl.model import TinyModel, init_cache
+from kvports.numpy_impl.paged import init_block_pool as init_block_pool  # the contract's, as paged.py makes it
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, RowSampling, as_generation
@@ -49,7 +51,8 @@ def load_model(
     resolve_device(device)
     model = TinyModel(config)  # placeholder weights: every tensor comes from the file
     model.load_state_dict(tensors)
-    return model.to(NUMPY_DTYPES[dtype]).eval()
+    model = model.to(NUMPY_DTYPES[dtype]).eval()
+    return lay_out(model)  # each matrix in the memory order OpenBLAS streams fastest at batch 1 (fast/layout.py)
 
 
 def generate(
@@ -108,18 +111,8 @@ def synchronize(model: TinyModel) -> None:
 
 
 def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> list[float]:
-    """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
-    call (page faults, thread start-up): the matrix's bytes over this time is the streaming
-    bandwidth a roofline divides by."""
-    resolve_device(device)
-    matrix = np.ones((rows, cols), dtype=np.float32)  # [rows, cols]
-    vector = np.ones(cols, dtype=np.float32)  # [cols]
-    seconds = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        matrix @ vector  # [rows]
-        seconds.append(time.perf_counter() - start)
-    return seconds[1:]
+    """Seconds for each of `repeats` float32 products [rows, cols] @ [cols] (bandwidth.py)."""
+    return bandwidth.matvec_seconds(rows, cols, repeats, resolve_device(device))
 
 
 def clear_compiled() -> None:
@@ -127,16 +120,8 @@ def clear_compiled() -> None:
 
 
 # ---------------------------------------------------------------- continuous batching
-# What kvports/batching's engine calls: a pool of KV blocks shared by the running sequences,
-# and one step of the running batch over it (numpy_impl/paged.py; docs/BATCHING.md).
-
-
-def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> Any:
-    """The pool of keys and of values, [L, num_blocks, block_size, Hkv, Dh] each. max_batch and
-    max_blocks (per sequence) fix JAX's step shapes; eager steps take the shapes each step has."""
-    from kvports.numpy_impl import paged
-
-    return paged.init_block_pool(model.config, num_blocks, block_size, model.emb.weight.dtype)
+# What kvports/batching's engine calls: a pool of KV blocks shared by the running sequences
+# (init_block_pool, from paged.py), and one step of the running batch over it (docs/BATCHING.md).
 
 
 def paged_step(
@@ -150,9 +135,7 @@ def paged_step(
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
     `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), sampling: each
     row's temperature, top-k, top-p and draw [B]. The next token of every row [B] (PAD where its
-    logits were not finite), and the pool to pass to the next step."""
-    from kvports.numpy_impl import paged
-
+    logits were not finite), and the pool to pass to the next step (paged.py)."""
     settings = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.uniform)
     next_tokens, pool = paged.paged_step(
         model, pool, np.asarray(tokens), np.asarray(start), np.asarray(block_tables), *map(np.asarray, settings)

@@ -21,17 +21,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvports.numpy_impl.model import (
-    KVCache,
-    TinyModel,
-    draw,
-    first_nonfinite,
-    init_cache,
-    no_nonfinite,
-    probabilities,
-    sample,
-    start_generation,
-)
+from kvports.numpy_impl.generate import first_nonfinite, no_nonfinite, start_generation
+from kvports.numpy_impl.model import KVCache, TinyModel, init_cache
+from kvports.numpy_impl.sampling import draw, probabilities, sample
 from kvports.shared.generation import PAD, GenerationConfig, check_finite, speculative_uniforms
 
 

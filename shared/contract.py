@@ -92,7 +92,7 @@ class Port(Timed, Protocol):
     ) -> Model:
         """`Timed.load_model`, and dtype `"bfloat16"` (float32 tensors, cast; norms and softmax accumulate in
         float32) and quant `"int8"` (per output channel, at load) or `"q4"` (a GGUF's own 4-bit blocks beside the
-        dequantized tensors, `shared.quant.q4_names`) where `kvports.validation.PRECISIONS` lists them; elsewhere
+        dequantized tensors, `shared.quantization.q4_names`) where `kvports.validation.PRECISIONS` lists them; elsewhere
         they are refused before this is called. Split Megatron-style across `tensor_parallel` devices (checked
         beforehand by `checks.check_tensor_parallel`; NumPy: 1 only)."""
         ...

@@ -296,9 +296,9 @@ def write_hf_dir(directory: Path, config: dict, tensors: dict) -> Path:
 
 
 def calling_internals(port: Port) -> contextlib.AbstractContextManager:
-    """The context for a test that calls a port's model.py or speculative.py directly: the JAX
-    port's own calls run in JAX's x64 mode (jax_impl/port.py's `exact`), which is not on
-    for the process, so such a test turns it on as they do."""
+    """The context for a test that calls a port's model.py, sampling.py, generate.py or speculative.py
+    directly: the JAX port's own calls run in JAX's x64 mode (jax_impl/port.py's `exact`), which is
+    not on for the process, so such a test turns it on as they do."""
     if port.NAME == "jax":
         import jax
 
@@ -508,7 +508,7 @@ def tensor_parallel_runs(out: str, dtype: str = "float64", cases: tuple[str, ...
     asks for 4 simulated devices (`tensor_parallel_subprocess`)."""
     import jax
 
-    from kvports.jax_impl import model as jax_model
+    from kvports.jax_impl import generate as jax_generate
     from kvports.jax_impl.split import split_model
     from kvports.shared.generation import GenerationConfig
 
@@ -536,23 +536,59 @@ def tensor_parallel_runs(out: str, dtype: str = "float64", cases: tuple[str, ...
                     )
             with jax.enable_x64(True):
                 prompt = jax.device_put(np.asarray(prompts, np.int32), model.emb.embedding[...].sharding)
-                decoding, tokens = jax_model.start_generation(prompt, GenerationConfig(2), dtype)
-                state, _ = jax_model._start_cached(*split_model(model), prompt, tokens, decoding, False, True)
+                decoding, tokens = jax_generate.start_generation(prompt, GenerationConfig(2), dtype)
+                state, _ = jax_generate._start_cached(*split_model(model), prompt, tokens, decoding, False, True)
             for name, array in (("cache", state.cache.keys), ("qkv", model.blocks[0].qkv.kernel[...])):
                 spec = getattr(array.sharding, "spec", ())
                 saved[f"{key.rsplit('/', 2)[0]}/{n}/{name}_spec"] = np.array(repr(tuple(spec)))
     np.savez(out, **saved)
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def tensor_parallel_collectives(out: str) -> None:
+    """How many of each collective the JAX port's compiled forward holds, split across 2 and 4
+    devices: a prefill (T = 5) and a decode step (T = 1) through generate.py's `_forward`, for the
+    gpt2 family (biases, GELU) and llama (SwiGLU, GQA: at N = 4 its 2 key/value heads are copied),
+    read from XLA's compiled program and saved to `out` (.npz) by "family/N/T/collective"."""
+    import re
+
+    import jax
+
+    from kvports.jax_impl import generate as jax_generate
+    from kvports.jax_impl.model import init_cache
+    from kvports.jax_impl.split import split_model
+
+    jax_port = registry.load_port("jax")
+    counts: dict[str, np.ndarray] = {}
+    for family in ("gpt2", "llama"):
+        config = TINY_FAMILIES[family]
+        tensors = random_weights(config)
+        for n in (2, 4):
+            model = jax_port.load_model(config, tensors, "float32", tensor_parallel=n)
+            for T in (5, 1):
+                with jax.enable_x64(True):  # as the port runs it (jax_impl/port.py's exact)
+                    tokens = jax.device_put(np.zeros((2, T), np.int32), model.emb.embedding[...].sharding)
+                    cache = init_cache(model.config, 2, 8, np.float32)
+                    compiled = jax_generate._forward.lower(*split_model(model), tokens, cache, None).compile()
+                text = compiled.as_text()
+                for name in COLLECTIVES:  # an op, not an operand's name (%all-reduce.3): a space before it
+                    counts[f"{family}/{n}/{T}/{name}"] = np.array(len(re.findall(rf"\s{name}(?:-start)?\(", text)))
+    np.savez(out, **counts)
+
+
 def tensor_parallel_subprocess(
-    out: Path, dtype: str = "float64", cases: tuple[str, ...] = tuple(TP_CASES)
+    out: Path, dtype: str = "float64", cases: tuple[str, ...] = tuple(TP_CASES), run: str = "tensor_parallel_runs"
 ) -> dict[str, np.ndarray]:
-    """`tensor_parallel_runs` in a fresh Python with 4 simulated CPU devices; its arrays by key."""
+    """`tensor_parallel_runs` (or `run`, another function here that takes `out`) in a fresh Python
+    with 4 simulated CPU devices; its arrays by key."""
     import subprocess
     import sys
 
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    code = f"from tests.helpers import tensor_parallel_runs; tensor_parallel_runs({str(out)!r}, {dtype!r}, {cases!r})"
+    arguments = f"{str(out)!r}, {dtype!r}, {cases!r}" if run == "tensor_parallel_runs" else repr(str(out))
+    code = f"from tests.helpers import {run}; {run}({arguments})"
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root, timeout=900)
     with np.load(out) as runs:

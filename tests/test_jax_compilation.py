@@ -11,6 +11,8 @@ import pytest
 jax = pytest.importorskip("jax")
 jax_port = pytest.importorskip("kvports.jax_impl.port")
 jax_model = pytest.importorskip("kvports.jax_impl.model")
+jax_generate = pytest.importorskip("kvports.jax_impl.generate")
+jax_sampling = pytest.importorskip("kvports.jax_impl.sampling")
 
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 
@@ -81,13 +83,13 @@ def test_a_forward_donates_the_cache_and_returns_the_updated_one(seed_model):
     with jax.enable_x64(True):  # as the port runs it (jax_impl/port.py's exact)
         cache = jax_model.init_cache(seed_model.config, 1, 8, jax.numpy.float32)
         prompt = jax.numpy.asarray([[160, 248, 104, 209, 394]], dtype=jax.numpy.int32)
-        logits, new_cache = jax_model.prefill(seed_model, prompt, cache)
+        logits, new_cache = jax_generate.prefill(seed_model, prompt, cache)
         assert cache.keys.is_deleted()  # donated: XLA reused its buffer for new_cache
-        token = jax_model.greedy(logits[:, -1])[:, None]  # [B, 1]
-        logits, newer_cache = jax_model.prefill(seed_model, token, new_cache)  # a decode step: one token
+        token = jax_sampling.greedy(logits[:, -1])[:, None]  # [B, 1]
+        logits, newer_cache = jax_generate.prefill(seed_model, token, new_cache)  # a decode step: one token
         assert new_cache.keys.is_deleted()
         assert int(newer_cache.length) == 6 and int(token[0, 0]) == 315
-        assert int(jax_model.greedy(logits[:, -1])[0]) == 391
+        assert int(jax_sampling.greedy(logits[:, -1])[0]) == 391
 
 
 def test_the_port_turns_on_x64_for_its_own_calls_only(seed_weights):

@@ -53,9 +53,10 @@ def test_windowed_cache_holds_the_window_not_the_sequence(port):
 @pytest.mark.parametrize("name", ["torch", "numpy"])
 def test_cached_generation_allocates_through_init_cache(name, monkeypatch):
     """The bytes measured above are the ones generation uses: generate_cached builds its
-    cache with init_cache, once, of window size. (JAX allocates inside its compiled call.)"""
+    cache with model.py's init_cache, once, of window size. (JAX allocates inside its compiled call.)"""
     port = port_or_skip(name)
     model_module = importlib.import_module(f"kvports.{name}_impl.model")
+    generate_module = importlib.import_module(f"kvports.{name}_impl.generate")
     made = []
 
     def recording_init_cache(*args, **kwargs):
@@ -63,7 +64,8 @@ def test_cached_generation_allocates_through_init_cache(name, monkeypatch):
         return made[-1]
 
     original = model_module.init_cache
-    monkeypatch.setattr(model_module, "init_cache", recording_init_cache)
+    assert generate_module.init_cache is original
+    monkeypatch.setattr(generate_module, "init_cache", recording_init_cache)
     config = VARIANTS["window"]
     model = port.load_model(config, random_weights(config), "float32")
     port.generate(model, np.zeros((BATCH, 16), np.int64), TOTAL - 16, "cached")

@@ -13,7 +13,7 @@ import kvports
 from kvports.agreement import comparable_steps, compare_tokens, logit_difference, top2_margin
 from kvports.formats.weights import GGUFWeights
 from kvports.shared.generation import GenerationConfig
-from kvports.shared.quant import float_tensors, q4_names
+from kvports.shared.quantization import float_tensors, q4_names
 from kvports.validation import PRECISIONS
 from tests.helpers import (
     TINY_FAMILIES,
@@ -96,7 +96,7 @@ def test_q4_tokens_equal_the_dequantized_path(port, tmp_path, qtype):
 
 @pytest.mark.parametrize("quant", ["int8", "q4"])
 def test_a_quantized_model_gives_the_same_logits_in_every_port_that_offers_it(tmp_path, quant):
-    # The same codes and scales everywhere (shared.quant): only the order of the float32 sums differs.
+    # The same codes and scales everywhere (shared.quantization): only the order of the float32 sums differs.
     offered = [port_or_skip(name) for name, precisions in PRECISIONS.items() if quant in precisions]
     if len(offered) < 2:
         pytest.skip(f"{quant}: fewer than two ports offer it")

@@ -23,8 +23,8 @@ SETTINGS = [
 ]
 
 
-def model_module(port):
-    return importlib.import_module(port.__name__.rsplit(".", 1)[0] + ".model")
+def sampling_module(port):
+    return importlib.import_module(port.__name__.rsplit(".", 1)[0] + ".sampling")
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_uniforms_are_a_stream_per_seed():
 
 def sample_many(port, logits, generation, draws):
     """The port's own sampling rule on one row of logits [V], once per uniform."""
-    module = model_module(port)
+    module = sampling_module(port)
     batch = np.repeat(logits[None], len(draws), axis=0)  # [M, V]
     if port.NAME == "torch":
         import torch
@@ -133,7 +133,7 @@ def test_the_filter_equals_transformers_warpers(port, top_k, top_p):
         expected = generation_utils.TopKLogitsWarper(top_k)(None, expected)
     if top_p < 1:
         expected = generation_utils.TopPLogitsWarper(top_p)(None, expected)
-    module = model_module(port)
+    module = sampling_module(port)
     if port.NAME == "torch":
         ours = module.filter_logits(torch.from_numpy(logits), top_k, top_p).numpy()
     elif port.NAME == "jax":

@@ -101,14 +101,15 @@ def test_speculative_counts_are_the_same_in_every_port(port, reference, pair):
 def test_rollback_leaves_the_cache_as_if_the_rejected_tokens_were_never_written(port, window):
     config = dataclasses.replace(ATTENTION["gqa"], sliding_window=window)
     model = port.load_model(config, random_weights(config, seed=6), "float64")
-    module = importlib.import_module(port.__name__.rsplit(".", 1)[0] + ".model")
+    package = port.__name__.rsplit(".", 1)[0]
+    module, generate = importlib.import_module(package + ".model"), importlib.import_module(package + ".generate")
     tokens = np.random.default_rng(2).integers(0, config.vocab_size, size=(2, 20))  # [B, 20]
     K = 4
 
     def run(chunks, crop_to=None):
         cache = module.init_cache(config, 2, 20, np.float64 if port.NAME == "numpy" else _dtype(port), chunk=K + 1)
         for index, (start, stop) in enumerate(chunks):
-            logits, cache = module.prefill(model, _array(port, tokens[:, start:stop]), cache)
+            logits, cache = generate.prefill(model, _array(port, tokens[:, start:stop]), cache)
             if index == 1 and crop_to is not None:
                 cache = cache.crop(crop_to)
         return np.asarray(logits), cache

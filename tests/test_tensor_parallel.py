@@ -14,6 +14,7 @@ import kvports
 from kvports.shared.checks import API, COMMAND_LINE
 from kvports.validation import check_tensor_parallel
 from tests.helpers import (
+    COLLECTIVES,
     TINY_FAMILIES,
     TP_CASES,
     assert_logits_close,
@@ -72,6 +73,26 @@ def test_jax_splits_qkv_by_output_and_the_kv_cache_by_key_value_heads(runs, fami
         assert str(runs[f"{family}/{n}/qkv_spec"]) == "(None, 'model')"
         assert str(runs[f"{family}/{n}/cache_spec"]) == "(None, None, 'model')"
     assert str(runs[f"{family}/1/cache_spec"]) == "()"
+
+
+@pytest.fixture(scope="module")
+def collectives(tmp_path_factory):
+    port_or_skip("jax")
+    port_or_skip("torch")
+    out = tmp_path_factory.mktemp("hlo") / "collectives.npz"
+    return tensor_parallel_subprocess(out, run="tensor_parallel_collectives")
+
+
+@pytest.mark.parametrize("T", [5, 1], ids=["prefill", "decode"])
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_jax_split_forward_compiles_to_two_all_reduces_a_layer_and_no_other_collective(collectives, family, n, T):
+    # The fused kernels are stored shard-major and regrouped after the product (fast/parallel.py): XLA
+    # keeps each device on its own columns. Read in their natural order instead, q, k and v would each
+    # move between devices (collective-permutes).
+    found = {name: int(collectives[f"{family}/{n}/{T}/{name}"]) for name in COLLECTIVES}
+    expected = dict.fromkeys(COLLECTIVES, 0) | {"all-reduce": 2 * TINY_FAMILIES[family].n_layers}
+    assert found == expected
 
 
 # ---------------------------------------------------------------- bad values: one line, every port

@@ -4,13 +4,15 @@ to MKL. The route must not change what is computed."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvports.shared.config import ModelConfig
 from tests.helpers import assert_logits_close, assert_tokens_agree, port_or_skip, random_prompts, random_weights
 
 torch = pytest.importorskip("torch")
-onednn = pytest.importorskip("kvports.torch_impl.onednn")
+onednn = pytest.importorskip("kvports.torch_impl.fast.onednn")
 
 needs_onednn = pytest.mark.skipif(not onednn.ONEDNN, reason="this torch build has no oneDNN linear")
 
@@ -74,6 +76,18 @@ def test_float32_weights_load_laid_out_in_out_with_the_same_values():
     weight = model.blocks[0].qkv.weight  # [out, in]
     assert weight.t().is_contiguous()
     torch.testing.assert_close(weight.detach(), torch.from_numpy(tensors["blocks.0.qkv.weight"]), rtol=0, atol=0)
+
+
+def test_a_tied_head_takes_the_same_route_over_the_embeddings_own_weight():
+    """Loading makes the tied head a Linear of its own over the embedding's weight (the same tensor,
+    not a copy), so it streams as every other matrix; the lookup reads that tensor too."""
+    torch_port = port_or_skip("torch")
+    config = dataclasses.replace(STREAMED_CONFIG, tie_embeddings=True)
+    tensors = {name: array for name, array in random_weights(STREAMED_CONFIG).items() if name != "head.weight"}
+    model = torch_port.load_model(config, tensors)
+    assert type(model.head) is onednn.Linear and model.head.weight is model.emb.weight
+    assert not model.config.tie_embeddings and model.emb.weight.t().is_contiguous()
+    torch.testing.assert_close(model.emb.weight.detach(), torch.from_numpy(tensors["emb.weight"]), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["naive", "cached"])

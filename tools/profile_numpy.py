@@ -1,7 +1,7 @@
 """Where the NumPy port's float32 decode step at SmolLM2's shapes goes: each product in both
 memory orders of its (out, in) weight (row-major "C", where x @ weight.T is OpenBLAS's gemv over
-(out, in) rows, and column-major "F", over [in, out] rows; nn.memory_order picks one per shape),
-streamed as the model streams them (30 distinct weights per shape, the head once), in interleaved
+(out, in) rows, and column-major "F", over [in, out] rows; numpy_impl/fast/layout.py's memory_order
+picks one per shape), streamed as the model streams them (30 distinct weights per shape, the head once), in interleaved
 rounds; then the real model's cached step with and without its products (every F.linear answered
 from a table), which leaves the ~hundreds of small element-wise calls, the cache write and the
 Python around them.
@@ -29,7 +29,7 @@ LAYERS = 30
 
 
 def time_orders(rounds: int) -> None:
-    from kvports.numpy_impl.nn import memory_order
+    from kvports.numpy_impl.fast.layout import memory_order
 
     rng = np.random.default_rng(0)
     print(f"us per product (GB/s), median of {rounds} interleaved rounds; load average {os.getloadavg()[0]:.1f}")

@@ -34,7 +34,7 @@ def products(out: int, inn: int, rng: np.random.Generator) -> tuple[int, dict[st
     import torch
     import torch.nn.functional as F
 
-    from kvports.torch_impl.onednn import _onednn_linear
+    from kvports.torch_impl.fast.onednn import _onednn_linear
 
     count = 1 if out * inn > 1 << 24 else LAYERS  # the head is streamed by itself
     weights = [rng.standard_normal((out, inn)).astype(np.float32) for _ in range(count)]  # [out, in] each

@@ -1,11 +1,12 @@
-"""Print a function, class or method of the three ports' model.py side by side, as a Markdown
-table with one source line per row (comments and docstrings dropped).
+"""Print a function, class or method of the three ports' lessons (model.py, sampling.py, generate.py)
+side by side, as a Markdown table with one source line per row (comments and docstrings dropped).
 
     python tools/side_by_side.py                   # Block.attention: the README's table, which a test keeps current
     python tools/side_by_side.py KVCache.update    # a method
     python tools/side_by_side.py token_positions   # a function
     python tools/side_by_side.py KVCache           # a whole class
-    python tools/side_by_side.py --list            # every name the three model.py files share
+    python tools/side_by_side.py decode_one_token  # generate.py's loop step
+    python tools/side_by_side.py --list            # every name the three ports' lessons share
 
 Where the ports' line counts differ, lines are aligned against the reference (torch):
 identical lines share a row, differing lines share one where they are alike (difflib's
@@ -22,13 +23,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PORTS = ("torch_impl", "jax_impl", "numpy_impl")
+FILES = ("model.py", "sampling.py", "generate.py")  # the files every port mirrors, in reading order
 DEFAULT = "Block.attention"
 Definition = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
-def parse(port: str) -> tuple[ast.Module, list[str]]:
-    source = (ROOT / port / "model.py").read_text()
+def parse(port: str, file: str = "model.py") -> tuple[ast.Module, list[str]]:
+    source = (ROOT / port / file).read_text()
     return ast.parse(source), source.splitlines()
+
+
+def locate(port: str, name: str) -> tuple[str, ast.AST, list[str]]:
+    """The file of `port` that defines `name`, its definition's node and the file's lines."""
+    for file in FILES:
+        tree, lines = parse(port, file)
+        node = find(tree, name)
+        if node is not None:
+            return file, node, lines
+    raise LookupError(f"{name} is not defined in {port}/{', '.join(FILES[:-1])} or {FILES[-1]}")
 
 
 def find(tree: ast.Module, name: str) -> ast.AST | None:
@@ -54,10 +66,14 @@ def names(tree: ast.Module) -> list[str]:
     return found
 
 
+def port_names(port: str) -> list[str]:
+    """names() of each of the port's FILES, in reading order."""
+    return [name for file in FILES for name in names(parse(port, file)[0])]
+
+
 def shared_names() -> list[str]:
-    trees = [parse(port)[0] for port in PORTS]
-    common = set.intersection(*(set(names(tree)) for tree in trees))
-    return [name for name in names(trees[0]) if name in common]
+    common = set.intersection(*(set(port_names(port)) for port in PORTS))
+    return [name for name in port_names(PORTS[0]) if name in common]
 
 
 def docstring_lines(node: ast.AST) -> set[int]:
@@ -75,10 +91,7 @@ def docstring_lines(node: ast.AST) -> set[int]:
 def source_lines(port: str, name: str) -> list[str]:
     """The definition's code lines (decorators included; comment-only lines and docstrings
     dropped), dedented to its own indentation."""
-    tree, lines = parse(port)
-    node = find(tree, name)
-    if node is None:
-        raise LookupError(f"{name} is not defined in {port}/model.py")
+    _, node, lines = locate(port, name)
     assert isinstance(node, Definition)
     first = min([node.lineno] + [decorator.lineno for decorator in node.decorator_list])
     skipped = docstring_lines(node)
@@ -166,7 +179,7 @@ def table(name: str = DEFAULT) -> str:
     def cell(line: str) -> str:
         return "`" + line.replace("|", "\\|") + "`" if line.strip() else ""
 
-    lines = ["| " + " | ".join(f"`{port}/model.py`" for port in PORTS) + " |", "|---|---|---|"]
+    lines = ["| " + " | ".join(f"`{port}/{locate(port, name)[0]}`" for port in PORTS) + " |", "|---|---|---|"]
     lines += [
         "| " + " | ".join(cell(line) for line in row) + " |" for row in rows([source_lines(p, name) for p in PORTS])
     ]
@@ -176,8 +189,8 @@ def table(name: str = DEFAULT) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python tools/side_by_side.py",
-        description="Print a function, class or method of the three ports' model.py side by side "
-        "(a Markdown table, one source line per row, comments and docstrings dropped).",
+        description="Print a function, class or method of the three ports' model.py, sampling.py or generate.py "
+        "side by side (a Markdown table, one source line per row, comments and docstrings dropped).",
     )
     parser.add_argument(
         "name",
@@ -185,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT,
         help=f"a function (token_positions), class (KVCache) or method (KVCache.update) (default {DEFAULT})",
     )
-    parser.add_argument("--list", action="store_true", help="list every name the three model.py files share")
+    parser.add_argument("--list", action="store_true", help="list every name the three ports' lessons share")
     args = parser.parse_args(argv)
     if args.list:
         print("\n".join(shared_names()))

@@ -1,7 +1,9 @@
 """The reference port: the seed's TinyModel in PyTorch, with a preallocated KV cache.
 
-Read it beside jax_impl/model.py and numpy_impl/model.py: the same names in the
-same order; only what the framework forces differs.
+The model and its cache, nothing else: the loops that generate with it are generate.py's
+(the sampling rule sampling.py's), and whatever makes a loaded model faster, smaller or split
+across devices is fast/'s, applied from outside. Read it beside jax_impl/model.py and
+numpy_impl/model.py: the same names in the same order; only what the framework forces differs.
 
 Shapes: B batch, T tokens in this call, P prompt, N new tokens, S cache slots, S' keys a
 query attends over, D d_model, H query heads, Hkv key/value heads, G = H / Hkv, Dh head
@@ -11,15 +13,13 @@ dim, V vocabulary, L layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kvports.shared.config import ModelConfig, cache_slots
-from kvports.shared.generation import PAD, GenerationConfig, check_finite, dtype_name, uniforms
-from kvports.torch_impl.onednn import Linear, linear  # F.linear, nn.Linear; large CPU weights to oneDNN
 
 
 @dataclass
@@ -179,8 +179,8 @@ class FeedForward(nn.Module):
         super().__init__()
         self.activation = config.activation
         gated = 2 if config.activation == "swiglu" else 1
-        self.add_module("0", Linear(config.d_model, gated * config.ffn_dim, bias=config.ffn_bias))
-        self.add_module("2", Linear(config.ffn_dim, config.d_model, bias=config.ffn_bias))
+        self.add_module("0", nn.Linear(config.d_model, gated * config.ffn_dim, bias=config.ffn_bias))
+        self.add_module("2", nn.Linear(config.ffn_dim, config.d_model, bias=config.ffn_bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = getattr(self, "0")(x)  # [B, T, ffn_dim] (swiglu: [B, T, 2 * ffn_dim])
@@ -200,8 +200,8 @@ class Block(nn.Module):
         self.config = config
         # Construction order is the seed's: it fixes which random numbers each weight gets.
         self.ln1, self.ln2 = make_norm(config), make_norm(config)
-        self.qkv = Linear(config.d_model, config.qkv_dim, bias=config.attn_bias)
-        self.proj = Linear(config.d_model, config.d_model, bias=config.attn_bias)
+        self.qkv = nn.Linear(config.d_model, config.qkv_dim, bias=config.attn_bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.attn_bias)
         self.ffn = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout)  # pitfall 3: active only in train mode
 
@@ -211,16 +211,17 @@ class Block(nn.Module):
         config = self.config
         B, T, D = x.shape
         H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
-        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, Dh).transpose(1, 2)  # [B, H + 2 Hkv, T, Dh]
-        q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # [B, H, T, Dh], [B, Hkv, T, Dh], [B, Hkv, T, Dh]
+        q, k, v = self.qkv(x).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)  # [B, T, H Dh], [B, T, Hkv Dh] x 2
+        q = q.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
+        k = k.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
+        v = v.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, Hkv, S', Dh]: the cache, this chunk written in
         # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)  # [B, H, T, Dh]
-        # H Dh is D; on a tensor-parallel rank H counts only its own heads (parallel.py): D / n.
-        out = out.transpose(1, 2).reshape(B, T, H * Dh)  # [B, T, D]
+        out = out.transpose(1, 2).reshape(B, T, H * Dh)  # [B, T, H Dh] (= D): the heads side by side
         return self.proj(out)  # [B, T, D]
 
     def forward(
@@ -240,7 +241,7 @@ class TinyModel(nn.Module):
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layers)])
         self.ln = make_norm(config)
         if not config.tie_embeddings:
-            self.head = Linear(config.d_model, config.vocab_size, bias=False)
+            self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     def forward(
         self, tokens: torch.Tensor, cache: Optional[KVCache] = None, pad: Optional[torch.Tensor] = None
@@ -266,241 +267,6 @@ class TinyModel(nn.Module):
         if cache is not None:
             cache = cache.advance(positions)
         x = self.ln(x)  # [B, T, D]
-        if hasattr(self, "head"):  # a tied model has one only when quantized (quant.py): the lookup stays float
-            return self.head(x), cache  # [B, T, V]
-        return linear(x, self.emb.weight), cache  # [B, T, V]: the tied head
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)  # [B, V] -> [B]
-
-
-def filter_logits(
-    logits: torch.Tensor, top_k: Union[int, torch.Tensor], top_p: Union[float, torch.Tensor]
-) -> torch.Tensor:
-    """Top-k, then top-p (the smallest set of most likely tokens whose probability reaches
-    top_p, the most likely always kept), as transformers' warpers do; the rest -inf. top_k and
-    top_p: one value for every row, or one per row, [B, 1] (0 and 1: no filter), which filter
-    exactly as the same values given one row at a time."""
-    V = logits.shape[-1]
-    if isinstance(top_k, torch.Tensor):
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).clamp(0, V - 1))  # [B, 1]
-        logits = logits.masked_fill((0 < top_k) & (top_k < V) & (logits < kth), float("-inf"))  # [B, V]
-    elif 0 < top_k < V:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))  # [B, V]; ties with the k-th stay
-    # Per row, top_p 1 removes only what has probability 0 already: the same probabilities
-    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
-        ascending, order = logits.sort(dim=-1, stable=True)  # [B, V] each
-        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p  # [B, V], in ascending order
-        remove[:, -1] = False
-        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))  # [B, V], back in vocab order
-    return logits
-
-
-def probabilities(logits: torch.Tensor, generation: GenerationConfig) -> torch.Tensor:
-    """logits [..., V] -> what sampling draws from [..., V]: the temperature, top-k and top-p,
-    then softmax. In float64, so the ports' draws can differ only where their logits do."""
-    logits = logits.to(torch.float64) / generation.temperature  # [..., V]
-    shape = logits.shape
-    return (
-        filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p).softmax(dim=-1).reshape(shape)
-    )
-
-
-def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """probs [B, V] (summing to any positive total), uniform [B] in [0, 1) -> tokens [B]: the
-    first token whose cumulative probability exceeds the uniform's share of the total."""
-    cumulative = probs.cumsum(dim=-1)  # [B, V]
-    # [B]: tokens whose interval ends at or below it
-    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)
-    return drawn.clamp(max=probs.shape[-1] - 1)
-
-
-def sample(logits: torch.Tensor, generation: GenerationConfig, uniform: torch.Tensor) -> torch.Tensor:
-    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: greedy at temperature 0, else a draw
-    from the filtered probabilities."""
-    if generation.greedy:
-        return greedy(logits)
-    return draw(probabilities(logits, generation), uniform)
-
-
-def choose(
-    logits: torch.Tensor, generation: GenerationConfig, uniform: torch.Tensor, done: torch.Tensor, stops: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Each row's next token [B] and whether it has stopped [B]: a stopped row stays stopped (PAD)."""
-    token = sample(logits, generation, uniform)  # [B]
-    if generation.stop_ids:  # without stop ids no row can stop: no bookkeeping
-        token = token.masked_fill(done, PAD)
-        done = done | torch.isin(token, stops)
-    return token, done
-
-
-# on_token(token [B]) is called as each new token is made (streaming, per-step timing); the
-# tokens stay on the device: whoever wants them on the host pays for the copy.
-OnToken = Optional[Callable[[torch.Tensor], None]]
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """What a generation reads at every step and never changes, by name: built once by
-    start_generation, passed whole to every step."""
-
-    pad: Optional[torch.Tensor]  # [B]: each row's left padding (None when no row is padded)
-    draws: torch.Tensor  # [B, N]: each row's uniform for each new token
-    stops: torch.Tensor  # [K]: the stop ids
-    generation: GenerationConfig
-    dtype: str  # the model's, for the message when a forward overflows it
-
-
-@dataclass
-class DecodeState:
-    """What the decode loop carries from one token to the next, by name."""
-
-    step: int  # new tokens made so far
-    tokens: torch.Tensor  # [B, P + N]: the prompt, then the new tokens (PAD after a row stops)
-    done: torch.Tensor  # [B] bool: the rows that have stopped
-    nonfinite: torch.Tensor  # [2] int64: (step, row) of the first logits with an inf or a NaN in a running row, or -1s
-    step_logits: Optional[List[torch.Tensor]]  # [B, V] each: what each token was chosen from, when asked for
-    cache: Optional[KVCache]  # None: naive, the whole history again at every step
-
-
-def start_generation(
-    prompt: torch.Tensor, generation: GenerationConfig, dtype: torch.dtype
-) -> Tuple[Decoding, torch.Tensor]:
-    """What both loops need: the generation's constants (each row's left padding, its draws,
-    the stop ids, the model's dtype) and the token buffer [B, P + N] with the prompt in it."""
-    B, P = prompt.shape
-    padding = (prompt == PAD).sum(dim=1)  # [B]
-    # The one host look before the loop: unpadded batches skip every mask they can
-    pad = padding if bool(padding.any()) else None
-    # [B, N]: each row's stream, keyed by its seed
-    draws = torch.from_numpy(uniforms(generation.row_seeds(B), generation.max_new_tokens)).to(prompt.device)
-    stops = torch.tensor(generation.stop_ids, dtype=prompt.dtype, device=prompt.device)  # [K]
-    tokens = torch.full((B, P + generation.max_new_tokens), PAD, dtype=prompt.dtype, device=prompt.device)  # [B, P + N]
-    tokens[:, :P] = prompt
-    return Decoding(pad, draws, stops, generation, dtype_name(dtype)), tokens
-
-
-def no_nonfinite(device: torch.device) -> torch.Tensor:
-    return torch.full((2,), -1, dtype=torch.int64, device=device)  # [2]: no step's logits have overflowed yet
-
-
-def first_nonfinite(logits: torch.Tensor, done: torch.Tensor, step: int, nonfinite: torch.Tensor) -> torch.Tensor:
-    """(step, row) of the first step whose logits [B, V] hold an inf or a NaN in a running row, kept
-    from the first such step on [2]. Carried, not raised here: no host look per step."""
-    bad = ~torch.isfinite(logits).all(dim=-1) & ~done  # [B]
-    found = torch.stack([torch.tensor(step, device=bad.device), bad.int().argmax()])  # [2]
-    return torch.where((nonfinite[0] < 0) & bad.any(), found, nonfinite)
-
-
-def check_logits(state: DecodeState, decoding: Decoding) -> None:
-    """Stop the run at the first step whose logits were not finite: one line naming it (a host look at two numbers)."""
-    check_finite(state.nonfinite.tolist(), decoding.dtype)
-
-
-def next_token(
-    state: DecodeState, logits: torch.Tensor, cache: Optional[KVCache], decoding: Decoding
-) -> Tuple[DecodeState, torch.Tensor]:
-    """The token [B] at state.step chosen from its logits [B, V] and written; the state one step on."""
-    column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
-    uniform = decoding.draws[:, state.step]  # [B]
-    token, done = choose(logits, decoding.generation, uniform, state.done, decoding.stops)  # [B], [B]
-    nonfinite = first_nonfinite(logits, state.done, state.step, state.nonfinite)  # [2]
-    state.tokens[:, column] = token
-    if state.step_logits is not None:
-        state.step_logits.append(logits)
-    return DecodeState(state.step + 1, state.tokens, done, nonfinite, state.step_logits, cache), token
-
-
-def decode_one_token(model: TinyModel, state: DecodeState, decoding: Decoding) -> Tuple[DecodeState, torch.Tensor]:
-    """One step of either loop: the logits of the token at state.step, then next_token."""
-    column = state.tokens.shape[1] - decoding.draws.shape[1] + state.step  # P + step
-    if state.cache is None:
-        # The whole history again
-        logits, cache = model(state.tokens[:, :column].clamp(min=0), pad=decoding.pad)  # [B, column, V]
-    else:
-        # A stopped row feeds PAD as token 0: its outputs are never used.
-        token = state.tokens[:, column - 1 : column].clamp(min=0)  # [B, 1]
-        logits, cache = model(token, state.cache, decoding.pad)  # [B, 1, V]
-    return next_token(state, logits[:, -1], cache, decoding)
-
-
-def decode_n_tokens(model: TinyModel, state: DecodeState, decoding: Decoding, on_token: OnToken) -> DecodeState:
-    """The one loop: decode_one_token until N new tokens, or until every row has stopped;
-    on_token(token [B]) after each. Logits that overflowed stop it with an error: at once when
-    streaming (no token made from them is heard), else after the loop (no host look per step)."""
-    generation = decoding.generation
-    for _ in range(state.step, generation.max_new_tokens):
-        if generation.stop_ids and bool(state.done.all()):
-            break  # every row has stopped (a host look per step, only when there are stop ids)
-        state, token = decode_one_token(model, state, decoding)
-        if on_token is not None:
-            check_logits(state, decoding)
-            on_token(token)
-    check_logits(state, decoding)
-    return state
-
-
-def finish(state: DecodeState) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """tokens [B, P + N] and, when asked for, the step logits [B, steps, V]."""
-    return state.tokens, None if state.step_logits is None else torch.stack(state.step_logits, dim=1)
-
-
-@torch.inference_mode()
-def generate_naive(
-    model: TinyModel,
-    prompt: torch.Tensor,
-    generation: GenerationConfig,
-    return_logits: bool = False,
-    on_token: OnToken = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Recompute the whole history every step: O(n^2) work per token.
-    prompt [B, P], PAD on the left of shorter rows -> tokens [B, P + N], PAD after a row stops."""
-    model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    decoding, tokens = start_generation(prompt, generation, model.emb.weight.dtype)
-    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)  # [B]
-    state = DecodeState(0, tokens, done, no_nonfinite(prompt.device), [] if return_logits else None, None)
-    return finish(decode_n_tokens(model, state, decoding, on_token))
-
-
-@torch.inference_mode()
-def generate_cached(
-    model: TinyModel,
-    prompt: torch.Tensor,
-    generation: GenerationConfig,
-    return_logits: bool = False,
-    prefill: bool = True,
-    on_token: OnToken = None,
-    cache: Optional[KVCache] = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Prefill the prompt in one forward, then one token per step against the cache.
-    prefill=False is pitfall 2 on purpose: the same tokens from P forwards instead of one.
-    cache: an empty cache to fill instead of init_cache's (torch only: compiled.py's, for a
-    torch.compile'd model)."""
-    model.eval()  # pitfall 3: dropout off, or the two paths disagree
-    B, P = prompt.shape
-    decoding, tokens = start_generation(prompt, generation, model.emb.weight.dtype)
-    if cache is None:
-        cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
-    if prefill:
-        logits, cache = model(prompt.clamp(min=0), cache, decoding.pad)  # [B, P, V]
-    else:
-        for i in range(P):
-            logits, cache = model(prompt[:, i : i + 1].clamp(min=0), cache, decoding.pad)  # [B, 1, V]
-    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # [B]
-    state = DecodeState(0, tokens, done, no_nonfinite(prompt.device), [] if return_logits else None, cache)
-    state, token = next_token(state, logits[:, -1], cache, decoding)  # the prefill's logits choose it
-    if on_token is not None:
-        check_logits(state, decoding)
-        on_token(token)
-    return finish(decode_n_tokens(model, state, decoding, on_token))
-
-
-# A forward against the cache, as its own call (port.forward_chunks feeds chunks through it;
-# in JAX it is the compiled, cache-donating forward).
-@torch.inference_mode()
-def prefill(
-    model: TinyModel, prompt: torch.Tensor, cache: KVCache, pad: Optional[torch.Tensor] = None
-) -> Tuple[torch.Tensor, KVCache]:
-    return model(prompt, cache, pad)  # [B, P, V], cache
+        if config.tie_embeddings:
+            return F.linear(x, self.emb.weight), cache  # [B, T, V]: the head is the embedding, read as a matrix
+        return self.head(x), cache  # [B, T, V]

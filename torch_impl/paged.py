@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvports.shared.config import ModelConfig
 from kvports.shared.generation import PAD
-from kvports.torch_impl.model import TinyModel, attention_mask, draw, filter_logits, greedy, token_positions
+from kvports.torch_impl.model import TinyModel, attention_mask, token_positions
+from kvports.torch_impl.sampling import draw, filter_logits, greedy
 
 
 @dataclass
@@ -32,9 +32,15 @@ class BlockPool:
     values: torch.Tensor  # [L, NB, bs, Hkv, Dh]
 
 
-def init_block_pool(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> BlockPool:
+def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> BlockPool:
+    """The pool, beside the model's weights and at their dtype. max_batch and max_blocks (per
+    sequence) fix JAX's step shapes; eager steps take the shapes each step has."""
+    config, weight = model.config, model.emb.weight
     shape = (config.n_layers, num_blocks, block_size, config.kv_heads, config.head_dim)
-    return BlockPool(keys=torch.zeros(shape, dtype=dtype), values=torch.zeros(shape, dtype=dtype))
+    return BlockPool(
+        keys=torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+        values=torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+    )
 
 
 @dataclass

@@ -4,7 +4,6 @@ The same names in every port (the contract: docs/PORTS.md); only the framework c
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,10 +13,13 @@ import torch
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, RowSampling, as_generation
-from kvports.shared.quant import float_tensors
-from kvports.torch_impl import onednn, speculative
-from kvports.torch_impl.model import TinyModel, generate_cached, generate_naive, init_cache, prefill
-from kvports.torch_impl.quant import quantize_model
+from kvports.shared.quantization import float_tensors
+from kvports.torch_impl import bandwidth, paged, speculative
+from kvports.torch_impl.fast.onednn import use_onednn
+from kvports.torch_impl.fast.quant import quantize_model
+from kvports.torch_impl.generate import generate_cached, generate_naive, prefill
+from kvports.torch_impl.model import TinyModel, init_cache
+from kvports.torch_impl.paged import init_block_pool as init_block_pool  # the contract's, as paged.py makes it
 
 NAME = "torch"
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -67,7 +69,7 @@ def load_model(
     tensor_parallel: int = 1,
 ) -> TinyModel:
     if tensor_parallel > 1:
-        from kvports.torch_impl.parallel import PortCalls, load_parallel
+        from kvports.torch_impl.fast.parallel import PortCalls, load_parallel
 
         calls = PortCalls(load_model, generate, generate_speculative, forward_chunks)  # what each rank runs
         return load_parallel(config, tensors, dtype, device, tensor_parallel, calls)
@@ -79,10 +81,10 @@ def load_model(
     state = {name: torch.tensor(array) for name, array in float_tensors(tensors).items()}
     model.load_state_dict(state, strict=True, assign=True)
     if quant != "none":
-        model = quantize_model(model, tensors, quant)  # the Linear layers swapped: float32 activations
+        model = quantize_model(model, tensors, quant)  # the Linear layers swapped (fast/quant.py)
     model = model.to(device=resolve_device(device), dtype=TORCH_DTYPES[dtype]).eval()
-    # float32 on the CPU: weights laid out [in, out], the layout MKL streams fastest at batch 1 (onednn.py)
-    return onednn.transpose_weights(model, tied=config.tie_embeddings and quant == "none")
+    # Every linear through the CPU's fastest route at batch 1, float32 weights laid out [in, out] (fast/onednn.py)
+    return use_onednn(model)
 
 
 def generate(
@@ -97,7 +99,7 @@ def generate(
     """prompts [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N] (PAD after a row
     stops) and step logits [B, steps, V]; on_token(token [B]) as each token reaches the host.
     generation: a GenerationConfig, or a number of greedy tokens."""
-    if not isinstance(model, TinyModel):  # a ParallelModel (parallel.py): its ranks make this call
+    if not isinstance(model, TinyModel):  # a ParallelModel (fast/parallel.py): its ranks make this call
         return model.call("generate", prompts, generation, mode, return_logits, prefill, on_token=on_token)
     device = model.emb.weight.device
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(device)  # [B, P]
@@ -122,7 +124,7 @@ def generate_speculative(
 ) -> tuple[np.ndarray, dict[str, int]]:
     """The target's own tokens [B, P + N] from draft-and-verify rounds, and their counts. draft:
     a model loaded with load_model (same vocabulary), or None for prompt lookup of n-grams."""
-    if not isinstance(model, TinyModel):  # a ParallelModel (parallel.py): its ranks make this call
+    if not isinstance(model, TinyModel):  # a ParallelModel (fast/parallel.py): its ranks make this call
         return model.call("generate_speculative", draft, prompts, generation, draft_tokens, ngram, on_token=on_token)
     device = model.emb.weight.device
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(device)  # [B, P]
@@ -137,7 +139,7 @@ def generate_speculative(
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
     """Feed tokens [B, T] into one cache in chunks of the given sizes; the logits [B, T, V]."""
     chunk_sizes = check_chunk_sizes(chunk_sizes, np.shape(tokens)[1])
-    if not isinstance(model, TinyModel):  # a ParallelModel (parallel.py): its ranks make this call
+    if not isinstance(model, TinyModel):  # a ParallelModel (fast/parallel.py): its ranks make this call
         return model.call("forward_chunks", tokens, chunk_sizes)
     device = model.emb.weight.device
     tokens = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(device)  # [B, T]
@@ -159,24 +161,8 @@ def synchronize(model: TinyModel) -> None:
 
 
 def matvec_seconds(rows: int, cols: int, repeats: int, device: str = "cpu") -> list[float]:
-    """Seconds for each of `repeats` float32 products [rows, cols] @ [cols], after one untimed
-    call: the matrix's bytes over this time is the streaming bandwidth a roofline divides by."""
-    target = resolve_device(device)
-    matrix = torch.ones((rows, cols), dtype=torch.float32, device=target)  # [rows, cols]
-    if target.type == "cpu":
-        matrix = matrix.t().contiguous().t()  # laid out [cols, rows], as load_model lays out the model's weights
-    vector = torch.ones(cols, dtype=torch.float32, device=target)  # [cols]
-    seconds = []
-    for _ in range(repeats + 1):
-        if target.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            onednn.linear(vector[None], matrix)  # [1, rows]: the model's own path (MKL on the CPU)
-        if target.type == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds[1:]
+    """Seconds for each of `repeats` float32 products [rows, cols] @ [cols] (bandwidth.py)."""
+    return bandwidth.matvec_seconds(rows, cols, repeats, resolve_device(device))
 
 
 def init_weights(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
@@ -191,18 +177,8 @@ def clear_compiled() -> None:
 
 
 # ---------------------------------------------------------------- continuous batching
-# What kvports/batching's engine calls: a pool of KV blocks shared by the running sequences,
-# and one step of the running batch over it (torch_impl/paged.py; docs/BATCHING.md).
-
-
-def init_block_pool(model: TinyModel, num_blocks: int, block_size: int, max_batch: int, max_blocks: int) -> Any:
-    """The pool of keys and of values, [L, num_blocks, block_size, Hkv, Dh] each. max_batch and
-    max_blocks (per sequence) fix JAX's step shapes; eager steps take the shapes each step has."""
-    from kvports.torch_impl import paged
-
-    weight = model.emb.weight
-    with _on_device(weight.device):
-        return paged.init_block_pool(model.config, num_blocks, block_size, weight.dtype)
+# What kvports/batching's engine calls: a pool of KV blocks shared by the running sequences
+# (init_block_pool, from paged.py), and one step of the running batch over it (docs/BATCHING.md).
 
 
 def paged_step(
@@ -216,9 +192,7 @@ def paged_step(
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
     `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), sampling: each
     row's temperature, top-k, top-p and draw [B]. The next token of every row [B] (PAD where its
-    logits were not finite), and the pool to pass to the next step."""
-    from kvports.torch_impl import paged
-
+    logits were not finite), and the pool to pass to the next step (paged.py)."""
     device = model.emb.weight.device
 
     def on_device(array: np.ndarray) -> torch.Tensor:

@@ -22,17 +22,9 @@ from collections.abc import Callable
 import torch
 
 from kvports.shared.generation import PAD, GenerationConfig, check_finite, speculative_uniforms
-from kvports.torch_impl.model import (
-    KVCache,
-    TinyModel,
-    draw,
-    first_nonfinite,
-    init_cache,
-    no_nonfinite,
-    probabilities,
-    sample,
-    start_generation,
-)
+from kvports.torch_impl.generate import first_nonfinite, no_nonfinite, start_generation
+from kvports.torch_impl.model import KVCache, TinyModel, init_cache
+from kvports.torch_impl.sampling import draw, probabilities, sample
 
 
 def propose_ngram(tokens: torch.Tensor, end: int, n: int, draft_tokens: int) -> torch.Tensor:

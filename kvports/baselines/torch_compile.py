@@ -1,7 +1,7 @@
 """The torch port with its model's forward under `torch.compile`: the optional compiled row.
 
-The same model and the same cached loop; only the cache's length is a tensor
-(torch_impl/compiled.py's cache), so every decode step has one shape and the attention one mask over all
+The same model and the same decode loop; only the cache's length is a tensor (torch_impl/fast/compiled.py's
+cache and `generate_compiled`), so every decode step has one shape and the attention one mask over all
 slots: one graph for the prefill, one for every decode step, no recompile per position.
 The first call compiles, so the bench reports its extra time as compile time, apart from
 the steady state. On a GPU, `mode="reduce-overhead"` replays each step as a CUDA graph.
@@ -16,9 +16,8 @@ import torch
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import as_generation
-from kvports.torch_impl import model as torch_model
 from kvports.torch_impl import port as torch_port
-from kvports.torch_impl.compiled import init_compiled_cache
+from kvports.torch_impl.fast.compiled import generate_compiled
 from kvports.torch_impl.model import TinyModel
 
 NAME = "torch"
@@ -52,12 +51,7 @@ def generate(
     device = model.emb.weight.device
     prompt = torch.from_numpy(np.asarray(prompts, dtype=np.int64)).to(device)  # [B, P]
     to_host = None if on_token is None else (lambda token: on_token(token.cpu().numpy()))
-    generation = as_generation(new_tokens)
-    B, P = prompt.shape
-    cache = init_compiled_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
-    tokens, logits = torch_model.generate_cached(
-        model, prompt, generation, return_logits, on_token=to_host, cache=cache
-    )
+    tokens, logits = generate_compiled(model, prompt, as_generation(new_tokens), return_logits, to_host)
     return tokens.cpu().numpy(), None if logits is None else logits.cpu().numpy()  # [B, P + N], [B, N, V]
 
 

@@ -28,7 +28,7 @@ from kvports.shared.checks import COMMAND_LINE
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig
-from kvports.shared.quant import float_tensors
+from kvports.shared.quantization import float_tensors
 from kvports.threads import check_threads, use_threads
 from kvports.validation import (
     Setup,

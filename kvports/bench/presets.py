@@ -12,7 +12,7 @@ from kvports.formats.weights import DEFAULT_WEIGHTS, cast_checked, gpt2_init_wei
 from kvports.shared.config import ModelConfig, host_dtype
 from kvports.shared.errors import UserError
 from kvports.shared.generation import pad_prompts
-from kvports.shared.quant import float_tensors
+from kvports.shared.quantization import float_tensors
 from kvports.validation import SEED_PROMPT, check_prompts, check_q4_file
 
 PRESETS: dict[str, ModelConfig | None] = {

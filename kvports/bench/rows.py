@@ -25,7 +25,7 @@ from kvports.bench.runners import Runner, import_runner, note
 from kvports.shared.config import ModelConfig, host_dtype, kv_cache_bytes
 from kvports.shared.contract import Port
 from kvports.shared.errors import UserError
-from kvports.shared.quant import float_tensors, is_q4_part
+from kvports.shared.quantization import float_tensors, is_q4_part
 from kvports.threads import settle_threads
 
 MEASURES = (

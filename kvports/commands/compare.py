@@ -38,7 +38,7 @@ from kvports.shared.config import ModelConfig
 from kvports.shared.contract import Port
 from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import PAD, GenerationConfig, row_tokens
-from kvports.shared.quant import float_tensors
+from kvports.shared.quantization import float_tensors
 from kvports.terminal import console_for
 from kvports.threads import describe_threads, use_threads
 from kvports.validation import MODES

@@ -25,7 +25,7 @@ import numpy as np
 from kvports.shared.config import STORED_DTYPES, ModelConfig, host_dtype
 from kvports.shared.errors import UserError, echo, echo_path
 from kvports.shared.files import write_atomic
-from kvports.shared.quant import q4_names
+from kvports.shared.quantization import q4_names
 from kvports.shared.shapes import iter_expected
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64", "F16": "float16", "BF16": "bfloat16"}
@@ -237,7 +237,7 @@ class GGUFWeights(Closing):
 
     def read(self, dtype: str | None = None, quant: str = "none") -> dict[str, np.ndarray]:
         """Every tensor, in state_dict order, finite, at `dtype` (None: float32); quant "q4": beside each
-        matrix stored in Q4_0/Q4_1, its own 4-bit blocks (`shared.quant.q4_names`)."""
+        matrix stored in Q4_0/Q4_1, its own 4-bit blocks (`shared.quantization.q4_names`)."""
         tensors = read_checked(self.config, self.dtype if dtype is None else dtype, self.file.read, self.source)
         if quant == "q4":
             for name in self.file.plan:

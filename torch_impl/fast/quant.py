@@ -1,4 +1,4 @@
-"""Weight-only quantized Linear layers, swapped into a loaded model (model.py stays float).
+"""Weight-only quantized Linear layers, swapped into a loaded model from outside (model.py stays float).
 
 The CPU kernels gpt-fast and torchao use: `aten._weight_int8pack_mm` (int8 codes [out, in], one
 float32 scale per output channel) and `aten._weight_int4pack_mm_for_cpu` (4-bit codes packed by
@@ -18,7 +18,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from kvports.shared.quant import Q4_GROUP, q4_blocks, quantize_int8
+from kvports.shared.quantization import Q4_GROUP, q4_blocks, quantize_int8
+from kvports.torch_impl.fast import untie_head
 
 INT4_ROWS = 16  # int4pack's CPU packing takes out_features in multiples of 16: others are padded
 
@@ -77,7 +78,7 @@ def quantized(name: str, weight: torch.Tensor, bias: torch.Tensor | None, tensor
 
 def quantize_model(model: nn.Module, tensors: dict[str, np.ndarray], quant: str) -> nn.Module:
     """Every Linear of `model` (loaded in float32) swapped for its quantized twin, and the head
-    of a tied model given its own (the embedding's lookup stays float32)."""
+    of a tied model given its own, quantized from the embedding (whose lookup stays float32)."""
     assert quant in ("int8", "q4")
     wanted = tensors if quant == "q4" else {}
     for name, module in list(model.named_modules()):
@@ -86,5 +87,5 @@ def quantize_model(model: nn.Module, tensors: dict[str, np.ndarray], quant: str)
                 full = f"{name}.{child_name}" if name else child_name
                 setattr(module, child_name, quantized(f"{full}.weight", child.weight, child.bias, wanted))
     if model.config.tie_embeddings:
-        model.head = quantized("emb.weight", model.emb.weight, None, wanted)
+        untie_head(model, quantized("emb.weight", model.emb.weight, None, wanted))
     return model

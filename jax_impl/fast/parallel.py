@@ -1,7 +1,7 @@
 """Tensor parallelism in JAX: one model split across N devices, Megatron-style, by GSPMD.
 
 Each parameter is placed on a one-axis `Mesh` with a `NamedSharding`, and the compiled loops in
-model.py run under `jit` unchanged: XLA propagates the shardings and inserts the one collective
+generate.py run under `jit` unchanged: XLA propagates the shardings and inserts the one collective
 the layout needs, an all-reduce after each row-parallel product. jit rather than `shard_map`:
 the model keeps its global shapes and its one code path, where shard_map would need per-device
 head counts and an explicit `psum` inside the model.
@@ -13,9 +13,16 @@ head counts and an explicit `psum` inside the model.
                  (argmax, cumulative sums over the vocabulary) runs on the whole row, as with one device
 
 The fused kernels are stored shard-major (device 0's q, k and v heads, then device 1's, ...;
-for SwiGLU its gate and up slices), so each device's columns are one contiguous block:
-`TinyModel(shards=N)` reads them so. When N exceeds the key/value heads, each is copied to the
-devices whose query heads read it (vLLM's rule), so the model runs with N key/value heads.
+for SwiGLU its gate and up slices), so each device's columns are one contiguous block. The model
+reads its fused outputs in their natural order ([q | k | v], [gate | up]), so each such product
+is swapped for a `ShardMajorLinear` (`regroup_fused`): the same kernel and bias, whose output is
+put back in that order by reshapes, slices and one concatenate. XLA folds those slices of a
+concatenate into slices of the product itself before it partitions the program, so each device
+keeps reading its own block: 2 all-reduces a layer and no other collective (tests/
+test_tensor_parallel.py counts them in the compiled program). A kernel stored in the natural
+order and split in N blocks instead would hand devices other devices' heads: a collective-permute
+for each of q, k and v. When N exceeds the key/value heads, each is copied to the devices whose
+query heads read it (vLLM's rule), so the model runs with N key/value heads.
 
 The float64 results equal one device's in every token; the logits differ in the last bits,
 since an all-reduce adds the partial sums in another order than one product does.
@@ -25,10 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -86,6 +95,36 @@ def shard_major(weight: np.ndarray, groups: list[int], tensor_parallel: int) -> 
     pieces = np.split(weight, np.cumsum(groups)[:-1], axis=0)  # each group [width, ...]
     slices = [np.split(piece, tensor_parallel, axis=0) for piece in pieces]  # [group][device]
     return np.concatenate([slices[g][d] for d in range(tensor_parallel) for g in range(len(groups))], axis=0)
+
+
+class ShardMajorLinear(nnx.Module):
+    """x [..., in] -> [..., out] through a fused product whose kernel [in, out] is stored shard-major,
+    the output in the natural order of its groups ([q | k | v], [gate | up]) that the model splits."""
+
+    def __init__(self, linear: nnx.Linear, groups: Sequence[int], tensor_parallel: int):
+        self.kernel, self.bias = linear.kernel, linear.bias  # the same parameters, under the names SPECS match
+        self.groups, self.tensor_parallel = tuple(groups), tensor_parallel
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        out = x @ self.kernel[...]  # [..., out]: device 0's columns of every group, then device 1's, ...
+        if self.bias is not None:
+            out = out + self.bias[...]
+        by_device = out.reshape(*out.shape[:-1], self.tensor_parallel, -1)  # [..., N, out / N]
+        widths = [width // self.tensor_parallel for width in self.groups]  # one device's columns of each group
+        parts = jnp.split(by_device, np.cumsum(widths)[:-1], axis=-1)  # [..., N, width / N] each
+        return jnp.concatenate([part.reshape(*out.shape[:-1], -1) for part in parts], axis=-1)  # [..., out]
+
+
+def regroup_fused(model: nnx.Module, tensor_parallel: int) -> nnx.Module:
+    """Each block's qkv (and SwiGLU's gate/up) a ShardMajorLinear over its own parameters: the kernels
+    split_model stores shard-major read back in the order the model splits."""
+    config = model.config
+    for block in model.blocks:
+        block.qkv = ShardMajorLinear(block.qkv, qkv_groups(config), tensor_parallel)
+        if config.activation == "swiglu":
+            gate_up = ShardMajorLinear(getattr(block.ffn, "0"), [config.ffn_dim] * 2, tensor_parallel)
+            setattr(block.ffn, "0", gate_up)
+    return model
 
 
 def replicate_kv_heads(

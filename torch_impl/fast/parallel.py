@@ -94,7 +94,7 @@ def shard(model: Any, mesh: Any, n: int, rank: int) -> Any:
         reorder_rows(block.qkv, qkv_rows)
         reorder_rows(getattr(block.ffn, "0"), ffn_rows)
         for product in (block.qkv, block.proj, *block.ffn.children()):
-            # Plain F.linear: oneDNN's op (onednn.py) has no DTensor sharding rule.
+            # Plain F.linear: oneDNN's op (fast/onednn.py) has no DTensor sharding rule.
             product.__class__ = nn.Linear
     plan = {
         "blocks.*.qkv": ColwiseParallel(),  # [B, T, D] replicated -> this rank's q, k and v heads

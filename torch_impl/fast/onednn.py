@@ -1,4 +1,5 @@
-"""The CPU's fastest route for each linear at batch 1: F.linear and nn.Linear otherwise.
+"""The CPU's fastest route for each linear at batch 1, swapped into a loaded model (`use_onednn`):
+model.py's nn.Linear and F.linear stay the lesson; this is what port.load_model makes of them.
 
 Torch only: a matrix-vector product streams its weight from memory, and how fast depends on the
 kernel and on the weight's layout (measured at 1 and 2 threads, tools/profile_decode.py):
@@ -8,6 +9,8 @@ kernel and on the weight's layout (measured at 1 and 2 threads, tools/profile_de
   oneDNN's linear (the op torch.compile emits for a CPU linear), faster there than MKL.
 - bfloat16: F.linear at one row is a slow fallback, and oneDNN's linear reorders a plain weight
   at every call; reordered once into oneDNN's own blocked layout (`packed`) it runs ~2-4x faster.
+The tied head is the largest matrix of a small model (SmolLM2's 49152 x 576): it gets a Linear of
+its own over the embedding's weight, so that it takes the same route.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from kvports.torch_impl.fast import untie_head
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _onednn_linear = torch.ops.mkldnn._linear_pointwise if ONEDNN else None
@@ -45,15 +50,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)  # [..., out]; a transposed weight: MKL's sgemm, no transpose
 
 
-def transpose_weights(model: nn.Module, tied: bool) -> nn.Module:
-    """Each Linear's float32 weight (and a tied head's embedding) stored [in, out]: the same
-    [out, in] tensor, a transposed view, whose product MKL streams faster."""
-    weights = [module.weight for module in model.modules() if isinstance(module, nn.Linear)]
-    if tied:
-        weights.append(model.get_submodule("emb").weight)  # the lookup reads a strided row: one token's cost
-    for weight in weights:
-        if weight.dtype == torch.float32 and weight.is_cpu:
-            weight.data = weight.data.t().contiguous().t()  # [out, in], laid out [in, out]
+def transpose_weights(model: nn.Module) -> nn.Module:
+    """Each Linear's float32 weight stored [in, out]: the same [out, in] tensor, a transposed view,
+    whose product MKL streams faster. A head over the embedding's weight transposes it too: the
+    lookup then reads a strided row, one token's cost."""
+    for module in model.modules():
+        weight = module.weight if isinstance(module, nn.Linear) else None
+        if weight is not None and weight.dtype == torch.float32 and weight.is_cpu:
+            weight.data = weight.data.t().contiguous().t()  # [out, in], laid out [in, out]; twice is once
     return model
 
 
@@ -62,3 +66,17 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def use_onednn(model: nn.Module) -> nn.Module:
+    """A loaded model (at its dtype and device) with every nn.Linear a Linear, the tied head one of
+    them over the embedding's weight (the same tensor, not a copy), and its weights laid out for MKL."""
+    if model.config.tie_embeddings:
+        emb = model.get_submodule("emb")
+        head = Linear(emb.embedding_dim, emb.num_embeddings, bias=False, device="meta")
+        head.weight = emb.weight  # [V, D]: shared, so the state and the lookup see one tensor
+        untie_head(model, head)
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = Linear  # the same parameters, through linear()
+    return transpose_weights(model)

@@ -1,4 +1,4 @@
-"""Weight-only quantized Linear layers, swapped into a loaded model (model.py stays float).
+"""Weight-only quantized Linear layers, swapped into a loaded model from outside (model.py stays float).
 
 JAX has no int8 or 4-bit weight kernel on the CPU; what XLA does instead is fuse: an elementwise
 producer of a dot's operand (a convert, a scale, a shift) runs inside the dot's own loop, when the
@@ -10,8 +10,7 @@ Measured with jax 0.10.2, one row, one thread, a SwiGLU FFN's two matrices (3072
 Stored [in, out] instead, the same int8 and bfloat16 dots take 210-220 ms. A q4 code is held one
 per byte: unpacking two nibbles inside the dot breaks the fusion (60 ms), so JAX's 4-bit reads a
 byte per weight, as int8 does, and keeps the file's exact values (no second rounding).
-
-The same layout serves bfloat16 (`RowLinear`): nnx.Linear's (in, out) kernel is the slow case above.
+The same layout serves unquantized bfloat16 (layout.py).
 """
 
 from __future__ import annotations
@@ -23,18 +22,9 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 import kvports.jax_impl.functional as F
-from kvports.shared.quant import Q4_GROUP, q4_blocks, quantize_int8
-
-
-class RowLinear(nnx.Module):
-    """x [..., in] -> [..., out] through a float weight [out, in]: nnx.Linear, stored as torch stores it."""
-
-    def __init__(self, weight: np.ndarray, bias: jax.Array | None, dtype: DTypeLike):
-        self.weight = nnx.Param(jnp.asarray(weight, dtype=dtype))  # [out, in]
-        self.bias = None if bias is None else nnx.Param(bias)  # [out]
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return F.linear(x, self.weight[...], None if self.bias is None else self.bias[...])  # [..., out]
+from kvports.jax_impl.fast import untie_head
+from kvports.jax_impl.fast.layout import linear_layers
+from kvports.shared.quantization import Q4_GROUP, q4_blocks, quantize_int8
 
 
 class Int8Linear(nnx.Module):
@@ -87,30 +77,18 @@ def quantized(
     return Int8Linear(weight, bias, dtype)
 
 
-def linear_layers(model: nnx.Module) -> list[tuple[str, nnx.Module, str]]:
-    """Every nnx.Linear as (its torch state_dict prefix, parent module, attribute name)."""
-    layers = []
-    for i, block in enumerate(model.blocks):
-        layers += [(f"blocks.{i}.qkv", block, "qkv"), (f"blocks.{i}.proj", block, "proj")]
-        layers += [(f"blocks.{i}.ffn.{j}", block.ffn, j) for j in ("0", "2")]
-    if not model.config.tie_embeddings:
-        layers.append(("head", model, "head"))
-    return layers
-
-
 def quantize_model(model: nnx.Module, tensors: dict[str, np.ndarray], quant: str, dtype: DTypeLike) -> nnx.Module:
-    """Every Linear of `model` swapped for its quantized twin ("int8", "q4"), or for a RowLinear
-    ("none": bfloat16's fast layout), and the head of a tied model given its own quantized one (the
-    embedding's lookup stays float). tensors: the file's, float32 weights [out, in] by torch name."""
+    """Every Linear of `model` swapped for its quantized twin ("int8", "q4"), and the head of a tied
+    model given its own, quantized from the embedding (whose lookup stays float). tensors: the file's,
+    float32 weights [out, in] by torch name."""
+    assert quant in ("int8", "q4")
     wanted = tensors if quant == "q4" else {}
     for prefix, parent, attribute in linear_layers(model):
         bias = getattr(parent, attribute).bias
         bias = None if bias is None else bias[...]
         weight = np.asarray(tensors[f"{prefix}.weight"], dtype=np.float32)  # [out, in]
-        if quant == "none":
-            setattr(parent, attribute, RowLinear(weight, bias, dtype))
-        else:
-            setattr(parent, attribute, quantized(f"{prefix}.weight", weight, bias, wanted, dtype))
-    if model.config.tie_embeddings and quant != "none":
-        model.head = quantized("emb.weight", np.asarray(tensors["emb.weight"], np.float32), None, wanted, dtype)
+        setattr(parent, attribute, quantized(f"{prefix}.weight", weight, bias, wanted, dtype))
+    if model.config.tie_embeddings:
+        head = quantized("emb.weight", np.asarray(tensors["emb.weight"], np.float32), None, wanted, dtype)
+        untie_head(model, head)
     return model

@@ -1,0 +1,5 @@
+"""What changes a loaded model from outside: model.py and nn.py stay the lesson (torch.nn's stand-in),
+and port.load_model applies these to the model it has loaded.
+
+- layout.py: each matrix's bytes in the memory order OpenBLAS streams fastest at batch 1
+"""

@@ -1,0 +1,22 @@
+"""What changes a loaded model from outside, as gpt-fast's quantize.py and tp.py do: model.py stays
+the lesson, and port.load_model applies these to the model it has loaded.
+
+- onednn.py: every linear through the CPU's fastest batch-1 route (oneDNN, MKL) and its layout
+- compiled.py: the cache a torch.compile'd forward takes, and the cached loop over it
+- quant.py: int8 and 4-bit weights, each Linear swapped for its quantized twin
+- parallel.py: tensor parallelism over torch.distributed ranks
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+
+def untie_head(model: nn.Module, head: nn.Module) -> nn.Module:
+    """A tied model given a head module of its own: TinyModel reads its config, so the config says
+    untied and the logits come from `head`; the embedding's lookup stays as it was."""
+    model.head = head
+    model.config = dataclasses.replace(model.config, tie_embeddings=False)
+    return model

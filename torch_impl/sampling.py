@@ -1,0 +1,82 @@
+"""The sampling rule in PyTorch: how a row of logits becomes the next token.
+
+Greedy at temperature 0; else temperature, top-k and top-p as transformers' warpers apply them,
+softmax in float64 and a draw by a uniform each row brings with it (shared.generation.uniforms),
+so every port draws the same token from the same logits. Read it beside jax_impl/sampling.py
+and numpy_impl/sampling.py: the same names in the same order.
+
+Shapes: B batch, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple, Union
+
+import torch
+
+from kvports.shared.generation import PAD, GenerationConfig
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)  # [B, V] -> [B]
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: Union[int, torch.Tensor], top_p: Union[float, torch.Tensor]
+) -> torch.Tensor:
+    """Top-k, then top-p (the smallest set of most likely tokens whose probability reaches
+    top_p, the most likely always kept), as transformers' warpers do; the rest -inf. top_k and
+    top_p: one value for every row, or one per row, [B, 1] (0 and 1: no filter), which filter
+    exactly as the same values given one row at a time."""
+    V = logits.shape[-1]
+    if isinstance(top_k, torch.Tensor):
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).clamp(0, V - 1))  # [B, 1]
+        logits = logits.masked_fill((0 < top_k) & (top_k < V) & (logits < kth), float("-inf"))  # [B, V]
+    elif 0 < top_k < V:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # [B, V]; ties with the k-th stay
+    # Per row, top_p 1 removes only what has probability 0 already: the same probabilities
+    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
+        ascending, order = logits.sort(dim=-1, stable=True)  # [B, V] each
+        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p  # [B, V], in ascending order
+        remove[:, -1] = False
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))  # [B, V], back in vocab order
+    return logits
+
+
+def probabilities(logits: torch.Tensor, generation: GenerationConfig) -> torch.Tensor:
+    """logits [..., V] -> what sampling draws from [..., V]: the temperature, top-k and top-p,
+    then softmax. In float64, so the ports' draws can differ only where their logits do."""
+    logits = logits.to(torch.float64) / generation.temperature  # [..., V]
+    shape = logits.shape
+    return (
+        filter_logits(logits.reshape(-1, shape[-1]), generation.top_k, generation.top_p).softmax(dim=-1).reshape(shape)
+    )
+
+
+def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] (summing to any positive total), uniform [B] in [0, 1) -> tokens [B]: the
+    first token whose cumulative probability exceeds the uniform's share of the total."""
+    cumulative = probs.cumsum(dim=-1)  # [B, V]
+    # [B]: tokens whose interval ends at or below it
+    drawn = (cumulative <= uniform[:, None] * cumulative[:, -1:]).sum(dim=-1)
+    return drawn.clamp(max=probs.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, generation: GenerationConfig, uniform: torch.Tensor) -> torch.Tensor:
+    """logits [B, V], uniform [B] in [0, 1) -> tokens [B]: greedy at temperature 0, else a draw
+    from the filtered probabilities."""
+    if generation.greedy:
+        return greedy(logits)
+    return draw(probabilities(logits, generation), uniform)
+
+
+def choose(
+    logits: torch.Tensor, generation: GenerationConfig, uniform: torch.Tensor, done: torch.Tensor, stops: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each row's next token [B] and whether it has stopped [B]: a stopped row stays stopped (PAD)."""
+    token = sample(logits, generation, uniform)  # [B]
+    if generation.stop_ids:  # without stop ids no row can stop: no bookkeeping
+        token = token.masked_fill(done, PAD)
+        done = done | torch.isin(token, stops)
+    return token, done
