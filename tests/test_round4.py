@@ -30,7 +30,7 @@ def no_threads_change(monkeypatch):
     from kvports import threads
 
     monkeypatch.setattr(threads, "use_threads", lambda count: None)
-    for module in ("kvports.commands.generate", "kvports.commands.compare"):
+    for module in ("kvports.commands.generate_command", "kvports.commands.compare"):
         monkeypatch.setattr(f"{module}.use_threads", lambda count: None)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from kvports import registry
 from kvports import run as run_layer
 from kvports.agreement import NEAR_TIE, comparable_steps, compare_tokens, logit_difference
-from kvports.commands.generate import describe_generation
+from kvports.commands.generate_command import describe_generation
 from kvports.commands.inputs import (
     add_generation_arguments,
     add_input_arguments,
