@@ -551,7 +551,7 @@ def tensor_parallel_subprocess(
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"}
     code = f"from tests.helpers import tensor_parallel_runs; tensor_parallel_runs({str(out)!r}, {dtype!r}, {cases!r})"
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root, timeout=900)
