@@ -84,3 +84,36 @@ def no_port_may_load(monkeypatch):
 
     monkeypatch.setattr(registry, "load_port", refuse)
     monkeypatch.setattr(registry, "available_port", refuse)
+
+
+# The slowest files first, by CPU seconds on a fresh clone (a JAX compilation cache to fill).
+# `make test` hands whole files to its workers in collection order (--dist loadfile
+# --no-loadscope-reorder; xdist's default order is by test count, which put these last), so the
+# longest start first and the short ones fill in behind them, instead of one worker finishing
+# a long file alone while the other idles. A file not named here keeps its place after them.
+SLOWEST_FILES = (
+    "test_tensor_parallel.py",  # its fixture waits on a subprocess compiling every split
+    "test_tensor_parallel_torch.py",  # two ranks spawned per model, each importing torch
+    "test_smollm2.py",
+    "test_speculative.py",
+    "test_bench.py",
+    "test_batching.py",
+    "test_generation.py",
+    "test_sampling.py",
+    "test_hf_agreement.py",
+    "test_loops.py",
+    "test_pitfalls.py",
+    "test_jax_compilation.py",
+    "test_quant.py",
+    "test_round4.py",
+    "test_round3.py",
+    "test_check.py",
+    "test_random_configs.py",
+    "test_compare.py",
+)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture, which it keeps within each file
+def pytest_collection_modifyitems(items):
+    rank = {name: index for index, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
