@@ -30,14 +30,16 @@ model: setup
 	$(BIN)/kvports fetch smollm2
 
 # Two workers, a test file each at a time (module fixtures are built once): most of the
-# suite's time is JAX compiling, one core per compile.
+# suite's time is JAX compiling, one core per compile. Files are handed out in collection
+# order, which tests/conftest.py sorts slowest first (xdist's default, most tests first, left
+# the slowest files for last and one worker idle while the other finished them).
 PYTEST_WORKERS ?= 2
 
 test: setup
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
 
 # ruff (lint and format) and mypy, all configured in pyproject.toml. All three run, so one
 # run shows every problem; the target fails if any found one.

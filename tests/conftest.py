@@ -16,6 +16,40 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 # of the JAX tests' time on a first run).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache/jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# XLA's CPU compiler at its cheapest: the suite's programs are tiny and each runs a few times,
+# so compiling them is most of its time. Without LLVM's optimisation passes (-O0), with the
+# older fusion emitters (the MLIR ones cost more to compile) and one LLVM module per program,
+# the suite's JAX programs compile ~3x faster (CPU seconds) and run at most ~2x slower.
+# Every result is unchanged to the tests' bounds (float64 tokens and logits against torch's
+# included). Subprocesses inherit it (tests.helpers.tensor_parallel_subprocess adds to it).
+FAST_COMPILE = {
+    "xla_backend_optimization_level": "0",
+    "xla_cpu_use_fusion_emitters": "false",
+    "xla_cpu_parallel_codegen_split_count": "1",
+}
+
+
+def _flags_jaxlib_knows(flags: dict[str, str]) -> str:
+    """The flags whose names the installed jaxlib's library holds: XLA aborts the process on a
+    flag it does not know, and a jaxlib that dropped one must cost speed, not the suite."""
+    import importlib.util
+    import mmap
+
+    spec = importlib.util.find_spec("jaxlib")  # finds it without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return ""
+    libraries = sorted(Path(spec.submodule_search_locations[0]).glob("*.so"), key=lambda p: p.stat().st_size)
+    if not libraries:
+        return ""
+    try:
+        with open(libraries[-1], "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as library:
+            return " ".join(f"--{name}={value}" for name, value in flags.items() if library.find(name.encode()) >= 0)
+    except (OSError, ValueError):  # unreadable: no flags, the default compiler
+        return ""
+
+
+if "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = _flags_jaxlib_knows(FAST_COMPILE)
 
 import pytest  # noqa: E402
 
@@ -50,3 +84,36 @@ def no_port_may_load(monkeypatch):
 
     monkeypatch.setattr(registry, "load_port", refuse)
     monkeypatch.setattr(registry, "available_port", refuse)
+
+
+# The slowest files first, by CPU seconds on a fresh clone (a JAX compilation cache to fill).
+# `make test` hands whole files to its workers in collection order (--dist loadfile
+# --no-loadscope-reorder; xdist's default order is by test count, which put these last), so the
+# longest start first and the short ones fill in behind them, instead of one worker finishing
+# a long file alone while the other idles. A file not named here keeps its place after them.
+SLOWEST_FILES = (
+    "test_tensor_parallel.py",  # its fixture waits on a subprocess compiling every split
+    "test_tensor_parallel_torch.py",  # two ranks spawned per model, each importing torch
+    "test_smollm2.py",
+    "test_speculative.py",
+    "test_bench.py",
+    "test_batching.py",
+    "test_generation.py",
+    "test_sampling.py",
+    "test_hf_agreement.py",
+    "test_loops.py",
+    "test_pitfalls.py",
+    "test_jax_compilation.py",
+    "test_quant.py",
+    "test_round4.py",
+    "test_round3.py",
+    "test_check.py",
+    "test_random_configs.py",
+    "test_compare.py",
+)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture, which it keeps within each file
+def pytest_collection_modifyitems(items):
+    rank = {name: index for index, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

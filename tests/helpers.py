@@ -509,10 +509,10 @@ def tensor_parallel_runs(out: str, dtype: str = "float64", cases: tuple[str, ...
     import jax
 
     from kvports.jax_impl import generate as jax_generate
+    from kvports.jax_impl import port as jax_port
     from kvports.jax_impl.split import split_model
     from kvports.shared.generation import GenerationConfig
 
-    jax_port = registry.load_port("jax")
     prompts = np.array([[-1, 5, 9, 2], [7, 3, 11, 4]])  # [2, 4]: a left-padded row (PAD = -1) and a full one
     saved: dict[str, np.ndarray] = {}
     for family, config in TINY_FAMILIES.items():
@@ -534,11 +534,19 @@ def tensor_parallel_runs(out: str, dtype: str = "float64", cases: tuple[str, ...
                     saved[f"{key}/tokens"], saved[f"{key}/logits"] = jax_port.generate(
                         model, prompts, generation, mode, True
                     )
-            with jax.enable_x64(True):
-                prompt = jax.device_put(np.asarray(prompts, np.int32), model.emb.embedding[...].sharding)
-                decoding, tokens = jax_generate.start_generation(prompt, GenerationConfig(2), dtype)
-                state, _ = jax_generate._start_cached(*split_model(model), prompt, tokens, decoding, False, True)
-            for name, array in (("cache", state.cache.keys), ("qkv", model.blocks[0].qkv.kernel[...])):
+
+            # The cache a prefill leaves, made as port.generate makes the first case's (the same
+            # settings, so the program it compiled serves this call too).
+            @jax_port.exact
+            def prefilled_cache(model=model):
+                prompt = jax.device_put(np.asarray(prompts, np.int32), jax_port._inputs_sharding(model))
+                with jax.default_device(jax_port._model_device(model)):
+                    generation = GenerationConfig(**TP_CASES[cases[0]][1])
+                    decoding, tokens = jax_generate.start_generation(prompt, generation, model.emb.embedding.dtype)
+                    state, _ = jax_generate._start_cached(*split_model(model), prompt, tokens, decoding, True, True)
+                return state.cache.keys
+
+            for name, array in (("cache", prefilled_cache()), ("qkv", model.blocks[0].qkv.kernel[...])):
                 spec = getattr(array.sharding, "spec", ())
                 saved[f"{key.rsplit('/', 2)[0]}/{n}/{name}_spec"] = np.array(repr(tuple(spec)))
     np.savez(out, **saved)
@@ -578,18 +586,23 @@ def tensor_parallel_collectives(out: str) -> None:
     np.savez(out, **counts)
 
 
-def tensor_parallel_subprocess(
-    out: Path, dtype: str = "float64", cases: tuple[str, ...] = tuple(TP_CASES), run: str = "tensor_parallel_runs"
-) -> dict[str, np.ndarray]:
-    """`tensor_parallel_runs` (or `run`, another function here that takes `out`) in a fresh Python
-    with 4 simulated CPU devices; its arrays by key."""
+def tensor_parallel_subprocess(out: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, dict[str, np.ndarray]]:
+    """`tensor_parallel_runs` for each dtype -> cases of `runs`, then `tensor_parallel_collectives`,
+    one after the other in one fresh Python with 4 simulated CPU devices (one start, one import of
+    JAX and torch); each dtype's arrays by key, and the collectives' under "collectives"."""
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    arguments = f"{str(out)!r}, {dtype!r}, {cases!r}" if run == "tensor_parallel_runs" else repr(str(out))
-    code = f"from tests.helpers import {run}; {run}({arguments})"
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"}
+    paths = {dtype: f"{out}.{dtype}.npz" for dtype in runs}
+    calls = [f"tensor_parallel_runs({paths[dtype]!r}, {dtype!r}, {cases!r})" for dtype, cases in runs.items()]
+    paths["collectives"] = f"{out}.collectives.npz"
+    calls.append(f"tensor_parallel_collectives({paths['collectives']!r})")
+    code = f"from tests.helpers import tensor_parallel_collectives, tensor_parallel_runs; {'; '.join(calls)}"
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root, timeout=900)
-    with np.load(out) as runs:
-        return {key: runs[key] for key in runs.files}
+    arrays = {}
+    for name, path in paths.items():
+        with np.load(path) as saved:
+            arrays[name] = {key: saved[key] for key in saved.files}
+    return arrays

@@ -13,7 +13,7 @@ from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, pad_prompts
 from tests.helpers import LLAMA_PARTS, calling_internals, random_weights
 
-BASE = ModelConfig(vocab_size=48, d_model=32, n_heads=4, n_layers=3, max_seq_len=96)
+BASE = ModelConfig(vocab_size=48, d_model=32, n_heads=4, n_layers=2, max_seq_len=96)
 ATTENTION = {
     "mha": BASE,
     "gqa": dataclasses.replace(BASE, n_kv_heads=2, **LLAMA_PARTS),

@@ -31,13 +31,21 @@ FLOAT32_LOGITS = 1e-5
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def all_runs(tmp_path_factory):
+    """Both dtypes' runs, from one subprocess: float64's every case, float32's greedy one, and the
+    collectives of the split forward's compiled program."""
     port_or_skip("jax")
     port_or_skip("torch")  # the tiny models' weights come from the reference initialisation
-    return tensor_parallel_subprocess(tmp_path_factory.mktemp("tp") / "runs.npz")
+    cases = {"float64": tuple(TP_CASES), "float32": ("cached_greedy",)}
+    return tensor_parallel_subprocess(tmp_path_factory.mktemp("tp") / "runs", cases)
 
 
-@pytest.mark.slow  # one subprocess compiling 3 families x 3 cases x 3 sizes: minutes on two busy cores
+@pytest.fixture(scope="module")
+def runs(all_runs):
+    return all_runs["float64"]
+
+
+@pytest.mark.slow  # one subprocess compiling 3 families x 3 cases x 3 sizes (and float32's greedy case)
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("case", list(TP_CASES))
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
@@ -49,10 +57,8 @@ def test_jax_split_across_n_devices_gives_one_devices_tokens_and_logits(runs, fa
 
 
 @pytest.fixture(scope="module")
-def runs_float32(tmp_path_factory):
-    port_or_skip("jax")
-    port_or_skip("torch")
-    return tensor_parallel_subprocess(tmp_path_factory.mktemp("tp32") / "runs.npz", "float32", ("cached_greedy",))
+def runs_float32(all_runs):
+    return all_runs["float32"]
 
 
 @pytest.mark.slow
@@ -76,13 +82,11 @@ def test_jax_splits_qkv_by_output_and_the_kv_cache_by_key_value_heads(runs, fami
 
 
 @pytest.fixture(scope="module")
-def collectives(tmp_path_factory):
-    port_or_skip("jax")
-    port_or_skip("torch")
-    out = tmp_path_factory.mktemp("hlo") / "collectives.npz"
-    return tensor_parallel_subprocess(out, run="tensor_parallel_collectives")
+def collectives(all_runs):
+    return all_runs["collectives"]
 
 
+@pytest.mark.slow  # the same subprocess
 @pytest.mark.parametrize("T", [5, 1], ids=["prefill", "decode"])
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
