@@ -79,7 +79,9 @@ def suggestion(extras: Sequence[str], parser: argparse.ArgumentParser) -> str:
     return ""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. `only`: the command being run, whose flags alone are built (every
+    command is still listed, with its help line, for `kvports --help` and a mistyped name)."""
     parser = Parser(
         prog="kvports", description="Naive vs KV-cached generation of one decoder, in PyTorch, JAX/Flax and NumPy."
     )
@@ -87,9 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         command = sub.add_parser(name, help=module.HELP)
-        COMMAND_PARSERS[name] = command
-        module.add_arguments(command)
-        command.set_defaults(run=module.run)
+        if only is None or name == only:
+            COMMAND_PARSERS[name] = command
+            module.add_arguments(command)
+            command.set_defaults(run=module.run)
     return parser
 
 
@@ -101,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():  # NumPy and JAX warn on stderr (an overflow) where torch is silent
             warnings.simplefilter("ignore")
-            args = build_parser().parse_args(argv)
+            given = list(sys.argv[1:] if argv is None else argv)
+            args = build_parser(only=given[0] if given[0] in COMMANDS else None).parse_args(given)
             resolve_model(args)
             return int(args.run(args))
     except UserError as exc:
