@@ -1,5 +1,5 @@
 """Fixtures shared by every test (the ports, by name, and the seed's model) and the session's
-settings. Helpers and constants live in tests/helpers.py; nothing imports this file."""
+settings. Helpers and constants live in tests/helpers/ (a module per role); nothing imports this file."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # older fusion emitters (the MLIR ones cost more to compile) and one LLVM module per program,
 # the suite's JAX programs compile ~3x faster (CPU seconds) and run at most ~2x slower.
 # Every result is unchanged to the tests' bounds (float64 tokens and logits against torch's
-# included). Subprocesses inherit it (tests.helpers.tensor_parallel_subprocess adds to it).
+# included). Subprocesses inherit it (tests.helpers.parallel.tensor_parallel_subprocess adds to it).
 FAST_COMPILE = {
     "xla_backend_optimization_level": "0",
     "xla_cpu_use_fusion_emitters": "false",
@@ -56,7 +56,7 @@ import pytest  # noqa: E402
 from kvports import registry  # noqa: E402
 from kvports.formats.weights import load_weights  # noqa: E402
 from kvports.registry import PORTS  # noqa: E402
-from tests.helpers import port_or_skip  # noqa: E402
+from tests.helpers.ports import port_or_skip  # noqa: E402
 
 
 @pytest.fixture(params=PORTS)

@@ -12,7 +12,9 @@ import kvports
 from kvports import cli, registry
 from kvports.formats.weights import save_weights
 from kvports.shared.config import ModelConfig
-from tests.helpers import GOLDEN, SEED_PROMPT, port_or_skip, random_weights, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.models import GOLDEN, SEED_PROMPT, random_weights
+from tests.helpers.ports import port_or_skip
 
 SEED = SEED_PROMPT[0].tolist()
 

@@ -35,7 +35,9 @@ from kvports.formats.weights import (
 from kvports.registry import PORTS
 from kvports.shared.config import MAX_SIZE, ModelConfig
 from kvports.shared.errors import UserError
-from tests.helpers import assert_one_error_line, llama_config, llama_tensors, port_or_skip, run_cli, write_hf_dir
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.hf_files import llama_config, llama_tensors, write_hf_dir
+from tests.helpers.ports import port_or_skip
 
 SEED_BYTES = DEFAULT_WEIGHTS.read_bytes()
 GIB = 2**30

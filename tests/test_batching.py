@@ -18,14 +18,10 @@ from kvports.registry import PORTS
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, RowSampling, row_tokens
-from tests.helpers import (
-    TINY_FAMILIES,
-    assert_one_error_line,
-    assert_tokens_agree,
-    port_or_skip,
-    random_weights,
-    run_cli,
-)
+from tests.helpers.agreement import assert_tokens_agree
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.models import TINY_FAMILIES, random_weights
+from tests.helpers.ports import port_or_skip
 
 # GQA, learned positions: small enough for float64 in every test. Blocks of 4 tokens, so short
 # prompts span several blocks; one engine shape everywhere, so JAX compiles each program once.

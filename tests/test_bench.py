@@ -20,16 +20,10 @@ from kvports.bench.runners import DEFAULT_MODES, RUNNERS
 from kvports.formats.weights import gpt2_init_weights, load_weights
 from kvports.shared.config import ModelConfig, kv_cache_bytes
 from kvports.validation import PRECISIONS, missing_precision
-from tests.helpers import (
-    GOLDEN,
-    SEED_PROMPT,
-    TINY_FAMILIES,
-    assert_one_error_line,
-    hide_port,
-    port_or_skip,
-    run_cli,
-    write_gguf,
-)
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.gguf_files import write_gguf
+from tests.helpers.models import GOLDEN, SEED_PROMPT, TINY_FAMILIES
+from tests.helpers.ports import hide_port, port_or_skip
 
 NEW_TOKENS = 4
 ROW_FIELDS = {

@@ -20,14 +20,9 @@ from kvports.formats.weights import DEFAULT_WEIGHTS, gpt2_init_weights, save_wei
 from kvports.shared.checks import MIN_TEMPERATURE
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig
-from tests.helpers import (
-    TINY_FAMILIES,
-    assert_one_error_line,
-    llama_config,
-    llama_tensors,
-    run_cli,
-    write_hf_dir,
-)
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.hf_files import llama_config, llama_tensors, write_hf_dir
+from tests.helpers.models import TINY_FAMILIES
 
 MiB = 2**20
 TEMPERATURE_RULE = "must be a finite number >= 0 (0 means greedy; else in [1e-12, 1e+18]"
@@ -56,7 +51,7 @@ def sparse(path: Path, size: int) -> Path:
 
 
 def hf_dir(tmp_path: Path, **config_changes) -> Path:
-    """The small Llama of tests.helpers, its config.json changed."""
+    """The small Llama of tests.helpers.hf_files, its config.json changed."""
     return write_hf_dir(tmp_path / "llama", llama_config(**config_changes), llama_tensors(llama_config()))
 
 

@@ -12,7 +12,9 @@ import pytest
 
 from kvports import registry
 from kvports.formats.weights import DEFAULT_WEIGHTS, load_weights
-from tests.helpers import GOLDEN, assert_one_error_line, hide_port, port_or_skip, run_cli
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.models import GOLDEN
+from tests.helpers.ports import hide_port, port_or_skip
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -258,7 +260,7 @@ def test_generate_checks_each_input_once(capsys, monkeypatch, tmp_path):
     from kvports import run, validation
     from kvports.formats.weights import save_weights
     from kvports.shared.config import ModelConfig
-    from tests.helpers import random_weights
+    from tests.helpers.models import random_weights
 
     draft = tmp_path / "draft.safetensors"
     config = ModelConfig(d_model=16, n_heads=2, n_layers=1)

@@ -16,17 +16,9 @@ from kvports.formats.gguf.tokenizer import gguf_tokenizer
 from kvports.formats.weights import GGUFWeights, open_weights
 from kvports.registry import PORTS
 from kvports.shared.generation import GenerationConfig
-from tests.helpers import (
-    CHATML,
-    GGUF_SIZE,
-    assert_one_error_line,
-    assert_tokens_agree,
-    edit_gguf_tensor,
-    gguf_tokens,
-    hf_llama_tensors,
-    run_cli,
-    write_gguf,
-)
+from tests.helpers.agreement import assert_tokens_agree
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.gguf_files import CHATML, GGUF_SIZE, edit_gguf_tensor, gguf_tokens, hf_llama_tensors, write_gguf
 
 QTYPES = ("F32", "F16", "Q8_0", "Q4_1")
 NEW_TOKENS = 8
@@ -57,7 +49,7 @@ class Reference:
             pytest.importorskip("accelerate")
             import torch
 
-            from tests.hf_util import hf_generate
+            from tests.helpers.hf_reference import hf_generate
 
             path = self.files[qtype]
             # dequantize=True: weights unpacked at load (else transformers multiplies packed blocks in float32).

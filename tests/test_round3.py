@@ -13,7 +13,9 @@ import pytest
 import kvports
 from kvports.registry import COMPILES, PORTS
 from kvports.shared.config import MAX_SIZE
-from tests.helpers import GOLDEN, SEED_PROMPT, assert_one_error_line, port_or_skip, run_cli
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.models import GOLDEN, SEED_PROMPT
+from tests.helpers.ports import port_or_skip
 
 SEED = SEED_PROMPT[0].tolist()
 SPECULATIVE = ["--mode", "speculative", "--draft", "ngram"]

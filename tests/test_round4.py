@@ -19,7 +19,10 @@ from kvports.formats.gguf.tokenizer import gguf_tokenizer
 from kvports.registry import PORTS
 from kvports.shared.generation import GenerationConfig
 from kvports.threads import max_threads
-from tests.helpers import SEED_PROMPT, assert_one_error_line, port_or_skip, run_cli, write_gguf
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.gguf_files import write_gguf
+from tests.helpers.models import SEED_PROMPT
+from tests.helpers.ports import port_or_skip
 
 SEED = SEED_PROMPT[0].tolist()
 
@@ -271,7 +274,7 @@ def test_the_seeds_default_prompt_outside_another_vocabulary_says_to_give_a_prom
     capsys, no_port_may_load, tmp_path, command
 ):
     from kvports.formats.weights import gpt2_init_weights, save_weights
-    from tests.helpers import TINY_FAMILIES
+    from tests.helpers.models import TINY_FAMILIES
 
     config = TINY_FAMILIES["gpt2"]  # a vocabulary of 64
     weights = tmp_path / "tiny.safetensors"
@@ -283,7 +286,7 @@ def test_the_seeds_default_prompt_outside_another_vocabulary_says_to_give_a_prom
 
 @pytest.mark.parametrize("given", ["folder", "its model.safetensors"])
 def test_a_hugging_face_checkpoint_as_weights_says_to_convert_it(capsys, no_port_may_load, tmp_path, given):
-    from tests.helpers import llama_config, llama_tensors, write_hf_dir
+    from tests.helpers.hf_files import llama_config, llama_tensors, write_hf_dir
 
     config = llama_config()
     folder = write_hf_dir(tmp_path / "hf", config, llama_tensors(config))

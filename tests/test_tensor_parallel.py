@@ -3,7 +3,7 @@ logits (float64: the same tokens, the logits to the last bits an all-reduce's or
 and every bad N is one `error:` line, the same for every port. (torch: test_tensor_parallel_torch.py.)
 
 JAX's simulated CPU devices exist only in a process that asked for them before JAX started, so
-the runs happen once, in a subprocess with 4 devices (`tests.helpers.tensor_parallel_subprocess`)."""
+the runs happen once, in a subprocess with 4 devices (`tests.helpers.parallel.tensor_parallel_subprocess`)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,11 @@ import pytest
 import kvports
 from kvports.shared.checks import API, COMMAND_LINE
 from kvports.validation import check_tensor_parallel
-from tests.helpers import (
-    COLLECTIVES,
-    TINY_FAMILIES,
-    TP_CASES,
-    assert_logits_close,
-    assert_one_error_line,
-    assert_tokens_agree,
-    llama_like,
-    port_or_skip,
-    run_cli,
-    tensor_parallel_subprocess,
-)
+from tests.helpers.agreement import assert_logits_close, assert_tokens_agree
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.models import TINY_FAMILIES, llama_like
+from tests.helpers.parallel import COLLECTIVES, TP_CASES, tensor_parallel_subprocess
+from tests.helpers.ports import port_or_skip
 
 FLOAT64_LOGITS = 1e-12  # an all-reduce sums the partial products in another order than one product
 FLOAT32_LOGITS = 1e-5
