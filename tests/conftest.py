@@ -86,11 +86,12 @@ def no_port_may_load(monkeypatch):
     monkeypatch.setattr(registry, "available_port", refuse)
 
 
-# The slowest files first, by CPU seconds on a fresh clone (a JAX compilation cache to fill).
-# `make test` hands whole files to its workers in collection order (--dist loadfile
-# --no-loadscope-reorder; xdist's default order is by test count, which put these last), so the
-# longest start first and the short ones fill in behind them, instead of one worker finishing
-# a long file alone while the other idles. A file not named here keeps its place after them.
+# The slowest files first, by CPU seconds on a fresh clone (a JAX compilation cache to fill), by
+# their paths under tests/. `make test` hands whole files to its workers in collection order
+# (--dist loadfile --no-loadscope-reorder; xdist's default order is by test count, which put these
+# last), so the longest start first and the short ones fill in behind them, instead of one worker
+# finishing a long file alone while the other idles. A file not named here keeps its place after
+# them; a name here that is no file fails tests/structure/test_suite_order.py.
 SLOWEST_FILES = (
     "test_tensor_parallel.py",  # its fixture waits on a subprocess compiling every split
     "test_tensor_parallel_torch.py",  # two ranks spawned per model, each importing torch
@@ -109,11 +110,20 @@ SLOWEST_FILES = (
     "test_round3.py",
     "test_check.py",
     "test_random_configs.py",
-    "test_compare.py",
+    "commands/test_compare_figures.py",
 )
+TESTS = Path(__file__).resolve().parent
+_RANK = {name: index for index, name in enumerate(SLOWEST_FILES)}
+
+
+def file_rank(path: Path) -> int:
+    """Where a test file comes in the order: its place in SLOWEST_FILES, or after all of them."""
+    try:
+        return _RANK.get(path.resolve().relative_to(TESTS).as_posix(), len(_RANK))
+    except ValueError:  # a file outside tests/
+        return len(_RANK)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture, which it keeps within each file
 def pytest_collection_modifyitems(items):
-    rank = {name: index for index, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    items.sort(key=lambda item: file_rank(item.path))
