@@ -56,6 +56,7 @@ import pytest  # noqa: E402
 from kvports import registry  # noqa: E402
 from kvports.formats.weights import load_weights  # noqa: E402
 from kvports.registry import PORTS  # noqa: E402
+from tests.helpers.gguf_files import write_gguf  # noqa: E402
 from tests.helpers.ports import port_or_skip  # noqa: E402
 
 
@@ -86,6 +87,12 @@ def no_port_may_load(monkeypatch):
     monkeypatch.setattr(registry, "available_port", refuse)
 
 
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny GGUF file with a byte-level tokenizer and a ChatML template: text and chats in any command."""
+    return write_gguf(tmp_path_factory.mktemp("chat") / "tiny.gguf", "F32")
+
+
 # The slowest files first, by CPU seconds on a fresh clone (a JAX compilation cache to fill), by
 # their paths under tests/. `make test` hands whole files to its workers in collection order
 # (--dist loadfile --no-loadscope-reorder; xdist's default order is by test count, which put these
@@ -106,8 +113,8 @@ SLOWEST_FILES = (
     "test_pitfalls.py",
     "test_jax_compilation.py",
     "test_quant.py",
-    "test_round4.py",
-    "test_round3.py",
+    "commands/test_threads.py",  # a subprocess per port, each importing its framework
+    "bad_input/test_command_line.py",  # a subprocess per command for a closed pipe
     "test_check.py",
     "test_random_configs.py",
     "commands/test_compare_figures.py",

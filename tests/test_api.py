@@ -12,11 +12,9 @@ import kvports
 from kvports import cli, registry
 from kvports.formats.weights import save_weights
 from kvports.shared.config import ModelConfig
-from tests.helpers.commands import run_cli
-from tests.helpers.models import GOLDEN, SEED_PROMPT, random_weights
+from tests.helpers.commands import api_message, run_cli
+from tests.helpers.models import GOLDEN, SEED, SEED_PROMPT, random_weights
 from tests.helpers.ports import port_or_skip
-
-SEED = SEED_PROMPT[0].tolist()
 
 
 @pytest.fixture(scope="module", params=registry.PORTS)
@@ -35,12 +33,6 @@ def cli_message(capsys, *argv: object) -> str:
     err = capsys.readouterr().err
     assert code == 2, err
     return err.strip().splitlines()[-1].split("error: ", 1)[1]
-
-
-def api_message(call) -> str:
-    with pytest.raises(kvports.UserError) as refusal:
-        call()
-    return str(refusal.value)
 
 
 # ---------------------------------------------------------------- what it gives

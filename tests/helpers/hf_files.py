@@ -83,3 +83,8 @@ def write_hf_dir(directory: Path, config: dict, tensors: dict) -> Path:
     (directory / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+def hf_dir(tmp_path: Path, **config_changes) -> Path:
+    """The small Llama above in its own directory, its config.json changed."""
+    return write_hf_dir(tmp_path / "llama", llama_config(**config_changes), llama_tensors(llama_config()))
