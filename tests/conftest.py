@@ -103,21 +103,22 @@ SLOWEST_FILES = (
     "test_tensor_parallel.py",  # its fixture waits on a subprocess compiling every split
     "test_tensor_parallel_torch.py",  # two ranks spawned per model, each importing torch
     "test_smollm2.py",
-    "test_speculative.py",
     "test_bench.py",
-    "test_batching.py",
     "test_generation.py",
+    "test_batching.py",
+    "test_speculative.py",
     "test_sampling.py",
+    "test_docs.py",  # every command output pasted in the docs, run again
     "test_hf_agreement.py",
     "test_loops.py",
-    "test_pitfalls.py",
-    "test_jax_compilation.py",
     "test_quant.py",
-    "commands/test_threads.py",  # a subprocess per port, each importing its framework
-    "bad_input/test_command_line.py",  # a subprocess per command for a closed pipe
     "test_check.py",
+    "test_jax_compilation.py",
     "test_random_configs.py",
     "commands/test_compare_figures.py",
+    "bad_input/test_command_line.py",  # a subprocess per command for a closed pipe
+    "test_pitfalls.py",
+    "commands/test_threads.py",  # a subprocess per port, each importing its framework
 )
 TESTS = Path(__file__).resolve().parent
 _RANK = {name: index for index, name in enumerate(SLOWEST_FILES)}
