@@ -1,5 +1,5 @@
 """Fixtures shared by every test (the ports, by name, and the seed's model) and the session's
-settings. Helpers and constants live in tests/helpers.py; nothing imports this file."""
+settings. Helpers and constants live in tests/helpers/ (a module per role); nothing imports this file."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # older fusion emitters (the MLIR ones cost more to compile) and one LLVM module per program,
 # the suite's JAX programs compile ~3x faster (CPU seconds) and run at most ~2x slower.
 # Every result is unchanged to the tests' bounds (float64 tokens and logits against torch's
-# included). Subprocesses inherit it (tests.helpers.tensor_parallel_subprocess adds to it).
+# included). Subprocesses inherit it (tests.helpers.parallel.tensor_parallel_subprocess adds to it).
 FAST_COMPILE = {
     "xla_backend_optimization_level": "0",
     "xla_cpu_use_fusion_emitters": "false",
@@ -56,7 +56,8 @@ import pytest  # noqa: E402
 from kvports import registry  # noqa: E402
 from kvports.formats.weights import load_weights  # noqa: E402
 from kvports.registry import PORTS  # noqa: E402
-from tests.helpers import port_or_skip  # noqa: E402
+from tests.helpers.gguf_files import write_gguf  # noqa: E402
+from tests.helpers.ports import port_or_skip  # noqa: E402
 
 
 @pytest.fixture(params=PORTS)
@@ -86,34 +87,51 @@ def no_port_may_load(monkeypatch):
     monkeypatch.setattr(registry, "available_port", refuse)
 
 
-# The slowest files first, by CPU seconds on a fresh clone (a JAX compilation cache to fill).
-# `make test` hands whole files to its workers in collection order (--dist loadfile
-# --no-loadscope-reorder; xdist's default order is by test count, which put these last), so the
-# longest start first and the short ones fill in behind them, instead of one worker finishing
-# a long file alone while the other idles. A file not named here keeps its place after them.
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny GGUF file with a byte-level tokenizer and a ChatML template: text and chats in any command."""
+    return write_gguf(tmp_path_factory.mktemp("chat") / "tiny.gguf", "F32")
+
+
+# The slowest files first, by CPU seconds on a fresh clone (a JAX compilation cache to fill), by
+# their paths under tests/. `make test` hands whole files to its workers in collection order
+# (--dist loadfile --no-loadscope-reorder; xdist's default order is by test count, which put these
+# last), so the longest start first and the short ones fill in behind them, instead of one worker
+# finishing a long file alone while the other idles. A file not named here keeps its place after
+# them; a name here that is no file fails tests/structure/test_suite_order.py.
 SLOWEST_FILES = (
     "test_tensor_parallel.py",  # its fixture waits on a subprocess compiling every split
     "test_tensor_parallel_torch.py",  # two ranks spawned per model, each importing torch
     "test_smollm2.py",
-    "test_speculative.py",
     "test_bench.py",
-    "test_batching.py",
     "test_generation.py",
+    "test_batching.py",
+    "test_speculative.py",
     "test_sampling.py",
+    "test_docs.py",  # every command output pasted in the docs, run again
     "test_hf_agreement.py",
     "test_loops.py",
-    "test_pitfalls.py",
-    "test_jax_compilation.py",
     "test_quant.py",
-    "test_round4.py",
-    "test_round3.py",
     "test_check.py",
+    "test_jax_compilation.py",
     "test_random_configs.py",
-    "test_compare.py",
+    "commands/test_compare_figures.py",
+    "bad_input/test_command_line.py",  # a subprocess per command for a closed pipe
+    "test_pitfalls.py",
+    "commands/test_threads.py",  # a subprocess per port, each importing its framework
 )
+TESTS = Path(__file__).resolve().parent
+_RANK = {name: index for index, name in enumerate(SLOWEST_FILES)}
+
+
+def file_rank(path: Path) -> int:
+    """Where a test file comes in the order: its place in SLOWEST_FILES, or after all of them."""
+    try:
+        return _RANK.get(path.resolve().relative_to(TESTS).as_posix(), len(_RANK))
+    except ValueError:  # a file outside tests/
+        return len(_RANK)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture, which it keeps within each file
 def pytest_collection_modifyitems(items):
-    rank = {name: index for index, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    items.sort(key=lambda item: file_rank(item.path))

@@ -12,9 +12,9 @@ import kvports
 from kvports import cli, registry
 from kvports.formats.weights import save_weights
 from kvports.shared.config import ModelConfig
-from tests.helpers import GOLDEN, SEED_PROMPT, port_or_skip, random_weights, run_cli
-
-SEED = SEED_PROMPT[0].tolist()
+from tests.helpers.commands import api_message, run_cli
+from tests.helpers.models import GOLDEN, SEED, SEED_PROMPT, random_weights
+from tests.helpers.ports import port_or_skip
 
 
 @pytest.fixture(scope="module", params=registry.PORTS)
@@ -33,12 +33,6 @@ def cli_message(capsys, *argv: object) -> str:
     err = capsys.readouterr().err
     assert code == 2, err
     return err.strip().splitlines()[-1].split("error: ", 1)[1]
-
-
-def api_message(call) -> str:
-    with pytest.raises(kvports.UserError) as refusal:
-        call()
-    return str(refusal.value)
 
 
 # ---------------------------------------------------------------- what it gives

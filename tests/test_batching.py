@@ -14,18 +14,16 @@ from kvports.batching.blocks import BlockManager, chain_hash
 from kvports.batching.engine import BatchSettings, Engine
 from kvports.batching.requests import Request, parse_requests
 from kvports.batching.scheduler import MIN_FILL, Scheduler, Sequence
+from kvports.formats.chat import chat_ids
+from kvports.formats.gguf.tokenizer import gguf_tokenizer
 from kvports.registry import PORTS
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, RowSampling, row_tokens
-from tests.helpers import (
-    TINY_FAMILIES,
-    assert_one_error_line,
-    assert_tokens_agree,
-    port_or_skip,
-    random_weights,
-    run_cli,
-)
+from tests.helpers.agreement import assert_tokens_agree
+from tests.helpers.commands import assert_one_error_line, run_batch, run_cli
+from tests.helpers.models import TINY_FAMILIES, random_weights
+from tests.helpers.ports import port_or_skip
 
 # GQA, learned positions: small enough for float64 in every test. Blocks of 4 tokens, so short
 # prompts span several blocks; one engine shape everywhere, so JAX compiles each program once.
@@ -478,6 +476,21 @@ def test_batch_cli_encodes_text_prompts_and_decodes_the_tokens(tmp_path, capsys,
     lines = {line["id"]: line for line in map(json.loads, out.splitlines()[:-1])}
     assert code == 0 and lines["text"]["tokens"] == lines["ids"]["tokens"]
     assert lines["text"]["text"] == " ".join(f"w{token}" for token in lines["text"]["tokens"])
+
+
+def test_a_messages_request_is_the_chat_generate_renders(capsys, chat_model, tmp_path):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    code, lines, err = run_batch(capsys, chat_model, tmp_path, [{"id": "chat", "messages": messages}])
+    assert code == 0, err
+    chat_file = tmp_path / "chat.json"
+    chat_file.write_text(json.dumps(messages))
+    argv = ["generate", "--framework", "numpy", "--mode", "cached", "--weights", chat_model, "--json"]
+    code, out, err = run_cli(capsys, *argv, "--chat-file", chat_file, "--new-tokens", "3")
+    assert code == 0, err
+    alone = json.loads(out)
+    prompt = chat_ids(chat_model, messages, gguf_tokenizer(chat_model))
+    assert lines[0]["prompt_tokens"] == len(prompt)
+    assert alone["tokens"][0] == prompt + lines[0]["tokens"]
 
 
 @pytest.mark.parametrize(

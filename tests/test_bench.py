@@ -1,5 +1,6 @@
-"""`kvports bench`: its JSON schema, CSV, plots, errors and the two kvports/baselines. Never timings:
-only that every time is a positive number and every size is the one the config implies."""
+"""`kvports bench`: its JSON schema, CSV, plots, errors and the two kvports/baselines, a disturbed
+bandwidth probe measured again, and the batching bench's machine figures and progress bar. Never
+timings: only that every time is a positive number and every size is the one the config implies."""
 
 from __future__ import annotations
 
@@ -20,16 +21,10 @@ from kvports.bench.runners import DEFAULT_MODES, RUNNERS
 from kvports.formats.weights import gpt2_init_weights, load_weights
 from kvports.shared.config import ModelConfig, kv_cache_bytes
 from kvports.validation import PRECISIONS, missing_precision
-from tests.helpers import (
-    GOLDEN,
-    SEED_PROMPT,
-    TINY_FAMILIES,
-    assert_one_error_line,
-    hide_port,
-    port_or_skip,
-    run_cli,
-    write_gguf,
-)
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.gguf_files import write_gguf
+from tests.helpers.models import GOLDEN, SEED_PROMPT, TINY_FAMILIES
+from tests.helpers.ports import hide_port, port_or_skip
 
 NEW_TOKENS = 4
 ROW_FIELDS = {
@@ -555,3 +550,81 @@ def test_each_formats_cache_bytes_and_roofline_are_at_its_own_dtype(capsys):
     assert bfloat16["roofline_ms"] / float32["roofline_ms"] == pytest.approx(
         step_bytes["bfloat16"] / step_bytes["float32"]
     )
+
+
+# ---------------------------------------------------------------- a disturbed bandwidth probe
+
+
+def bench_with_probes(capsys, monkeypatch, seconds: list[float], *extra: str) -> tuple[dict, list[int]]:
+    """`kvports bench` of NumPy with its bandwidth probe timed at `seconds`, one figure per probe."""
+    from kvports.registry import load_port
+
+    numpy_port = load_port("numpy")
+    calls: list[int] = []
+
+    def probe(rows, cols, repeats, device="cpu"):
+        calls.append(repeats)
+        return [seconds[len(calls) - 1]] * repeats
+
+    monkeypatch.setattr(numpy_port, "matvec_seconds", probe)
+    argv = ["bench", "--frameworks", "numpy", "--modes", "cached", "--new-tokens", "4", "--repeats", "1"]
+    code, out, err = run_cli(capsys, *argv, "--roofline", *extra)
+    assert code == 0, err
+    return (json.loads(out) if "--json" in extra else {"table": out}), calls
+
+
+def test_a_roofline_below_1_measures_the_bandwidth_again_and_keeps_the_better_probe(capsys, monkeypatch):
+    result, calls = bench_with_probes(capsys, monkeypatch, [1e3, 1e-6], "--json")  # first probe: 256 KB/s
+    assert len(calls) == 2 and result["machine"]["bandwidth_probes"] == 2
+    assert result["machine"]["matvec"]["seconds"]["numpy"] == [1e-6] * calls[1]
+    row = result["rows"][0]
+    assert row["roofline_ratio"] > 1 and not row["roofline_disturbed"]
+
+
+def test_a_roofline_still_below_1_is_flagged_in_the_table(capsys, monkeypatch):
+    result, calls = bench_with_probes(capsys, monkeypatch, [1e3, 1e3])
+    assert len(calls) == 2
+    table = " ".join(result["table"].split())
+    assert "x !" in table and "! roofline below 1: decode ran faster than the bandwidth probe allows" in table
+
+
+# ---------------------------------------------------------------- the batching bench
+
+
+def test_load_average_of_the_batching_bench_is_rounded(monkeypatch):
+    import os
+
+    from kvports.bench.throughput import machine
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.57373046875, 1.0, 1.0))
+    assert machine(None)["load_average"] == [None, 4.57]
+
+
+def test_the_batching_benchs_bar_counts_a_run_once_it_has_finished(capsys, monkeypatch):
+    from kvports.bench import throughput as batching
+    from kvports.formats.weights import DEFAULT_WEIGHTS
+
+    seen: list[tuple[str, int]] = []
+
+    class Bar:  # records what the bar shows as each run starts, and at the end
+        total = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def add_task(self, description, total):
+            self.total = total
+            return 0
+
+        def update(self, task, completed, description=""):
+            seen.append((description, completed))
+
+    monkeypatch.setattr(batching, "make_progress", lambda quiet: Bar())
+    argv = ["batch", "--bench", "--frameworks", "numpy", "--weights", DEFAULT_WEIGHTS, "--count", "1", "--json"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert [completed for _, completed in seen] == [0, 1, 2, 3, 4]  # two runs per workload, both workloads
+    assert seen[1][0] == "numpy mixed: sequential"  # the second half of the mixed workload has its own step

@@ -14,7 +14,7 @@ from kvports.checker.suite import FAMILY_CONFIGS, family_weights, random_tokens
 from kvports.registry import load_port
 from kvports.shared.errors import UserError
 from kvports.testing import check_implementation
-from tests.helpers import assert_one_error_line, run_cli
+from tests.helpers.commands import assert_one_error_line, run_cli
 
 FIXTURES = Path(__file__).parent / "check_fixtures"
 POST = FIXTURES / "post_model.py"  # torch

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers.commands import run_cli
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")

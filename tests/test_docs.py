@@ -1,4 +1,5 @@
-"""Documents that are generated from the code stay in sync with it, and the tools that generate them work."""
+"""Documents that are generated from the code stay in sync with it, the tools that generate them work,
+and the README tells a new user how to install right after the make commands."""
 
 from __future__ import annotations
 
@@ -117,3 +118,17 @@ def test_the_block_above_runs_as_python(tmp_path):
     document.write_text(example + "<!-- output of: python (the block above) -->\n```text\n42\n```\n")
     [pasted] = pasted_outputs.find(document)
     assert pasted_outputs.stale(pasted) is None
+
+
+def test_the_readme_says_how_to_install_right_after_the_make_commands():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block_end = readme.index("```\n", readme.index("make test   #")) + 4
+    install = readme.index("## Install")
+    assert readme[block_end:install].strip() == ""  # the next thing after the two make commands
+    section = readme[install : readme.index("\n## ", install + 1)]
+    for needed in ("pip install 'kvports[all]'", "--index-url https://download.pytorch.org/whl/cpu", "torch==2.13.0"):
+        assert needed in section
+    for extra in ("torch", "jax", "hf", "plot", "test"):
+        assert f"`{extra}`" in section

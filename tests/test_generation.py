@@ -6,15 +6,8 @@ import numpy as np
 import pytest
 
 from kvports.shared.errors import UserError
-from tests.helpers import (
-    GOLDEN,
-    SEED_PROMPT,
-    assert_logits_close,
-    assert_tokens_agree,
-    llama_like,
-    random_prompts,
-    random_weights,
-)
+from tests.helpers.agreement import assert_logits_close, assert_tokens_agree
+from tests.helpers.models import GOLDEN, SEED_PROMPT, llama_like, random_prompts, random_weights
 
 LOGIT_ATOL = {"float32": 1e-5, "float64": 1e-10}
 

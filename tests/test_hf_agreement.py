@@ -19,8 +19,8 @@ import torch
 from kvports.cli import main
 from kvports.formats.weights import load_weights
 from kvports.shared.generation import pad_prompts
-from tests.helpers import random_prompts
-from tests.hf_util import CASES, hf_generate, save_hf
+from tests.helpers.hf_reference import CASES, hf_generate, save_hf
+from tests.helpers.models import random_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvports.shared.config import ModelConfig, kv_cache_bytes
-from tests.helpers import llama_like, port_or_skip, random_weights
+from tests.helpers.models import llama_like, random_weights
+from tests.helpers.ports import port_or_skip
 
 # Same d_model, heads and layers: only the k/v heads and the window differ.
 BASE = llama_like(vocab_size=64, d_model=64, n_heads=8, n_layers=2, max_seq_len=256)

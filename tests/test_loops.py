@@ -15,7 +15,8 @@ from kvports.formats.weights import save_weights
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import NonFiniteLogits, UserError
 from kvports.shared.generation import GenerationConfig, pad_prompts, row_tokens
-from tests.helpers import assert_one_error_line, random_weights, run_cli
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.models import random_weights
 
 # Learned positions (an overflow can be placed at one), RMSNorm (no mean subtracted: a dimension
 # that is 0 in the residual stream is 0 after the norm), untied head: small enough for float64.

@@ -15,8 +15,10 @@ from kvports.bench.runners import PEERS_MISSING
 from kvports.formats.gguf.reader import open_reader
 from kvports.formats.gguf.writer import NOT_COPIED, cached_gguf, write_gguf
 from kvports.formats.weights import open_weights
-from tests.helpers import assert_same_tensors, assert_tokens_agree, port_or_skip, run_cli
-from tests.helpers import write_gguf as write_source_gguf
+from tests.helpers.agreement import assert_same_tensors, assert_tokens_agree
+from tests.helpers.commands import run_cli
+from tests.helpers.gguf_files import write_gguf as write_source_gguf
+from tests.helpers.ports import port_or_skip
 
 PEERS = [
     ("llama.cpp", None),

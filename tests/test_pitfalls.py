@@ -8,7 +8,8 @@ import importlib
 
 import numpy as np
 
-from tests.helpers import SEED_PROMPT, assert_logits_close, assert_tokens_agree
+from tests.helpers.agreement import assert_logits_close, assert_tokens_agree
+from tests.helpers.models import SEED_PROMPT
 
 NEW_TOKENS = 8
 

@@ -15,17 +15,11 @@ from kvports.formats.weights import GGUFWeights
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.quantization import float_tensors, q4_names
 from kvports.validation import PRECISIONS
-from tests.helpers import (
-    TINY_FAMILIES,
-    assert_logits_close,
-    assert_one_error_line,
-    assert_tokens_agree,
-    port_or_skip,
-    random_prompts,
-    random_weights,
-    run_cli,
-    write_gguf,
-)
+from tests.helpers.agreement import assert_logits_close, assert_tokens_agree
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.gguf_files import write_gguf
+from tests.helpers.models import TINY_FAMILIES, random_prompts, random_weights
+from tests.helpers.ports import port_or_skip
 
 NEW_TOKENS = 12
 GREEDY = GenerationConfig(NEW_TOKENS, 0.0, 0, 1.0, 0, ())

@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvports.shared.config import ModelConfig
-from tests.helpers import assert_logits_close, assert_tokens_agree, random_prompts, random_weights
+from tests.helpers.agreement import assert_logits_close, assert_tokens_agree
+from tests.helpers.models import random_prompts, random_weights
 
 
 @st.composite

@@ -23,7 +23,8 @@ from kvports import cli, registry
 from kvports.formats.weights import DEFAULT_WEIGHTS, gpt2_init_weights, save_weights
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import echo_path
-from tests.helpers import assert_one_error_line, port_or_skip, run_cli
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.ports import port_or_skip
 
 DRAFT_CONFIG = ModelConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=1, max_seq_len=128)
 API = "kvports.load"

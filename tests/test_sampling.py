@@ -11,7 +11,8 @@ import pytest
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, finish_reasons, pad_prompts, row_tokens, uniforms
-from tests.helpers import calling_internals, llama_like, random_weights
+from tests.helpers.models import llama_like, random_weights
+from tests.helpers.ports import calling_internals
 
 # Untied, learned positions, GQA: small enough for float64 runs in every test.
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64)

@@ -14,7 +14,8 @@ from kvports.formats.weights import GGUFWeights
 from kvports.hub import model_path
 from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig
-from tests.helpers import assert_tokens_agree, run_cli
+from tests.helpers.agreement import assert_tokens_agree
+from tests.helpers.commands import run_cli
 
 pytestmark = pytest.mark.slow
 

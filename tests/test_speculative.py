@@ -11,7 +11,8 @@ import pytest
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, pad_prompts
-from tests.helpers import LLAMA_PARTS, calling_internals, random_weights
+from tests.helpers.models import LLAMA_PARTS, random_weights
+from tests.helpers.ports import calling_internals
 
 BASE = ModelConfig(vocab_size=48, d_model=32, n_heads=4, n_layers=2, max_seq_len=96)
 ATTENTION = {

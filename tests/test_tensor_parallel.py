@@ -3,9 +3,11 @@ logits (float64: the same tokens, the logits to the last bits an all-reduce's or
 and every bad N is one `error:` line, the same for every port. (torch: test_tensor_parallel_torch.py.)
 
 JAX's simulated CPU devices exist only in a process that asked for them before JAX started, so
-the runs happen once, in a subprocess with 4 devices (`tests.helpers.tensor_parallel_subprocess`)."""
+the runs happen once, in a subprocess with 4 devices (`tests.helpers.parallel.tensor_parallel_subprocess`)."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -13,18 +15,11 @@ import pytest
 import kvports
 from kvports.shared.checks import API, COMMAND_LINE
 from kvports.validation import check_tensor_parallel
-from tests.helpers import (
-    COLLECTIVES,
-    TINY_FAMILIES,
-    TP_CASES,
-    assert_logits_close,
-    assert_one_error_line,
-    assert_tokens_agree,
-    llama_like,
-    port_or_skip,
-    run_cli,
-    tensor_parallel_subprocess,
-)
+from tests.helpers.agreement import assert_logits_close, assert_tokens_agree
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.models import GOLDEN, TINY_FAMILIES, llama_like
+from tests.helpers.parallel import COLLECTIVES, TP_CASES, tensor_parallel_subprocess
+from tests.helpers.ports import port_or_skip
 
 FLOAT64_LOGITS = 1e-12  # an all-reduce sums the partial products in another order than one product
 FLOAT32_LOGITS = 1e-5
@@ -172,3 +167,16 @@ def test_torch_batch_refuses_tensor_parallelism_in_one_line(capsys, no_port_may_
         *run_cli(capsys, "batch", "--framework", "torch", "--requests", requests, "--tensor-parallel", "2")
     )
     assert err == "error: --tensor-parallel 2 in batch runs on jax only: torch's ranks have no paged cache\n"
+
+
+@pytest.mark.parametrize("command", ["generate", "compare", "bench", "batch"])
+def test_every_run_command_takes_tensor_parallel_and_refuses_zero_in_one_line(capsys, no_port_may_load, command):
+    err = assert_one_error_line(*run_cli(capsys, command, "--tensor-parallel", "0"))
+    assert err == "error: --tensor-parallel 0 is below 1\n"
+
+
+def test_tensor_parallel_one_is_todays_generate(capsys):
+    argv = ["generate", "--framework", "numpy", "--mode", "cached", "--new-tokens", "8", "--json"]
+    code, out, _ = run_cli(capsys, *argv, "--tensor-parallel", "1")
+    output = json.loads(out)
+    assert (code, output["tensor_parallel"], output["tokens"][0][5:]) == (0, 1, GOLDEN[:8])

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from kvports.shared.generation import GenerationConfig, pad_prompts
-from tests.helpers import TINY_FAMILIES, llama_like, port_or_skip, random_weights, running
+from tests.helpers.commands import running
+from tests.helpers.models import TINY_FAMILIES, llama_like, random_weights
+from tests.helpers.ports import port_or_skip
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +145,7 @@ def test_ranks_end_when_their_parent_dies():
         import os, signal
         import numpy as np
         from kvports.torch_impl import port
-        from tests.helpers import llama_like, random_weights
+        from tests.helpers.models import llama_like, random_weights
         if __name__ == "__main__":
             config = llama_like(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=1, max_seq_len=16)
             model = port.load_model(config, random_weights(config), tensor_parallel=2)

@@ -9,7 +9,9 @@ import dataclasses
 import pytest
 
 from kvports.shared.config import ModelConfig
-from tests.helpers import assert_logits_close, assert_tokens_agree, port_or_skip, random_prompts, random_weights
+from tests.helpers.agreement import assert_logits_close, assert_tokens_agree
+from tests.helpers.models import random_prompts, random_weights
+from tests.helpers.ports import port_or_skip
 
 torch = pytest.importorskip("torch")
 onednn = pytest.importorskip("kvports.torch_impl.fast.onednn")

@@ -1,6 +1,6 @@
 """GGUF files as weights and text: tiny random Llamas written by the gguf library as llama.cpp
 writes them (q/k rows permuted, matrices quantized), read by every port and compared with
-transformers' own GGUF loader; and every malformed file refused in one line."""
+transformers' own GGUF loader. (Malformed files: tests/bad_input/test_gguf_files.py.)"""
 
 from __future__ import annotations
 
@@ -14,19 +14,10 @@ from kvports.formats.chat import gguf_chat_prompt
 from kvports.formats.gguf import reader as gguf_reader
 from kvports.formats.gguf.tokenizer import gguf_tokenizer
 from kvports.formats.weights import GGUFWeights, open_weights
-from kvports.registry import PORTS
 from kvports.shared.generation import GenerationConfig
-from tests.helpers import (
-    CHATML,
-    GGUF_SIZE,
-    assert_one_error_line,
-    assert_tokens_agree,
-    edit_gguf_tensor,
-    gguf_tokens,
-    hf_llama_tensors,
-    run_cli,
-    write_gguf,
-)
+from tests.helpers.agreement import assert_tokens_agree
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.gguf_files import CHATML, GGUF_SIZE, gguf_tokens, hf_llama_tensors, write_gguf
 
 QTYPES = ("F32", "F16", "Q8_0", "Q4_1")
 NEW_TOKENS = 8
@@ -57,7 +48,7 @@ class Reference:
             pytest.importorskip("accelerate")
             import torch
 
-            from tests.hf_util import hf_generate
+            from tests.helpers.hf_reference import hf_generate
 
             path = self.files[qtype]
             # dequantize=True: weights unpacked at load (else transformers multiplies packed blocks in float32).
@@ -195,50 +186,7 @@ def test_unfetched_model_name_says_how_to_fetch_it(capsys, tmp_path, monkeypatch
     assert "run kvports fetch smollm2" in err
 
 
-# --- malformed files: one `error:` line, exit 2, the same in every port ---------------------------
-
-
-def truncated(path):
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) - 100])
-
-
-def lying_offset(path):
-    edit_gguf_tensor(path, "blk.0.ffn_down.weight", 5, 10**12)
-
-
-def unknown_type(path):
-    edit_gguf_tensor(path, "blk.0.ffn_down.weight", 4, 99)
-
-
-def unsupported_type(path):
-    edit_gguf_tensor(path, "blk.0.ffn_down.weight", 4, 6)  # Q5_0, fewer bytes than the Q8_0 it replaces
-
-
-BAD = {
-    "truncated": (truncated, {}, "is truncated or lies"),
-    "lying tensor offset": (lying_offset, {}, "runs past its end"),
-    "unknown quant type": (unknown_type, {}, "unknown quantization type 99"),
-    "unsupported quant type": (unsupported_type, {}, "has type Q5_0; kvports reads"),
-    "not llama": (None, {"arch": "gpt2"}, "general.architecture='gpt2'"),
-    "tokenizer size": (None, {"metadata": {"llama.vocab_size": len(gguf_tokens()) + 1}}, "differs from the vocabulary"),
-    "rope scaling": (None, {"metadata": {"llama.rope.scaling.type": "yarn"}}, "plain RoPE only"),
-    "unknown llama key": (None, {"metadata": {"llama.expert_count": 8}}, "llama.expert_count=8"),
-}
-
-
-@pytest.mark.parametrize("case", BAD)
-def test_malformed_file_is_one_error_line_in_every_port(capsys, tmp_path, case):
-    edit, options, words = BAD[case]
-    path = write_gguf(tmp_path / "bad.gguf", "Q8_0", **options)
-    if edit is not None:
-        edit(path)
-    errors = set()
-    for framework in PORTS:
-        argv = ("generate", "--framework", framework, "--mode", "cached", "--weights", path, "--new-tokens", 2)
-        errors.add(assert_one_error_line(*run_cli(capsys, *argv)))
-    assert len(errors) == 1
-    assert words in errors.pop()
+# --- limits ------------------------------------------------------------------------------------
 
 
 def test_dequantizing_past_the_byte_limit_is_refused(capsys, files, monkeypatch, tmp_path):

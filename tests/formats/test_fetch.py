@@ -14,7 +14,7 @@ import pytest
 
 from kvports import hub as fetch
 from kvports.shared.errors import UserError
-from tests.helpers import assert_one_error_line, run_cli
+from tests.helpers.commands import assert_one_error_line, run_cli
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 40  # stands in for the model's file
 

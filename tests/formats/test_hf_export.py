@@ -12,8 +12,9 @@ import torch
 from kvports.cli import main
 from kvports.formats.hf import import_hf
 from kvports.formats.weights import DEFAULT_WEIGHTS
-from tests.helpers import GOLDEN, SEED_PROMPT, assert_same_tensors
-from tests.hf_util import CASES
+from tests.helpers.agreement import assert_same_tensors
+from tests.helpers.hf_reference import CASES
+from tests.helpers.models import GOLDEN, SEED_PROMPT
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 
 from kvports.registry import MODULES, PORTS
 from kvports.shared import contract
-from tests.helpers import SEED_PROMPT
+from tests.helpers.models import SEED_PROMPT
 
 BASELINES = ("seed_concat", "hf_transformers", "torch_compile", "llama_cpp", "ctranslate2")
 

@@ -14,7 +14,9 @@ from kvports import cli, registry
 from kvports.agreement import NEAR_TIE, comparable_steps, logit_difference, top2_margin
 from kvports.formats.weights import load_weights, save_weights
 from kvports.shared.generation import PAD, as_generation
-from tests.helpers import SEED_PROMPT, TINY_FAMILIES, port_or_skip, random_weights, run_cli
+from tests.helpers.commands import run_cli
+from tests.helpers.models import SEED_PROMPT, TINY_FAMILIES, random_weights
+from tests.helpers.ports import port_or_skip
 
 NEW_TOKENS = 12
 BUILT = TINY_FAMILIES["llama"]  # RoPE, RMSNorm, SwiGLU, GQA: the ports' least trivial path

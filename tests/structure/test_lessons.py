@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PORTS = ("torch_impl", "jax_impl", "numpy_impl")
 LESSONS = ("model.py", "sampling.py", "generate.py")
 MAX_LINES = {"model.py": 320, "sampling.py": 320, "generate.py": 320}

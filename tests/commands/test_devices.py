@@ -6,7 +6,7 @@ import pytest
 
 from kvports import registry
 from kvports.devices import device_problem
-from tests.helpers import assert_one_error_line, run_cli
+from tests.helpers.commands import assert_one_error_line, run_cli
 
 GPU_PORTS = [name for name in registry.PORTS if name not in registry.CPU_ONLY]
 COMMANDS = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PORTS = ("torch_impl", "jax_impl", "numpy_impl")
 FOLDERS = ("kvports", "shared", *PORTS)
 

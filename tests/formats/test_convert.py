@@ -19,18 +19,9 @@ from kvports import registry
 from kvports.formats.hf import import_hf
 from kvports.formats.weights import DEFAULT_WEIGHTS, gpt2_init_weights, load_weights, save_weights
 from kvports.shared.config import ModelConfig
-from tests.helpers import (
-    D,
-    F,
-    V,
-    assert_one_error_line,
-    assert_same_tensors,
-    llama_config,
-    llama_tensors,
-    mistral_config,
-    run_cli,
-    write_hf_dir,
-)
+from tests.helpers.agreement import assert_same_tensors
+from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.hf_files import D, F, V, llama_config, llama_tensors, mistral_config, write_hf_dir
 
 
 @pytest.fixture

@@ -1,0 +1,63 @@
+"""`--logprobs` (and the API's `logprobs=`): each step's log-probability of its token and its top
+alternatives, the log-softmax of that step's logits, ending at a row's stop, printed the same by
+every port. (Out of bounds: tests/bad_input/test_sizes.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.special import log_softmax
+
+from kvports import run
+from kvports.registry import PORTS
+from kvports.shared.generation import GenerationConfig
+from tests.helpers.commands import run_cli
+from tests.helpers.models import SEED
+from tests.helpers.ports import port_or_skip
+
+
+def test_logprobs_are_each_steps_log_softmax_of_the_logits(port, seed_weights):
+    config, tensors = seed_weights
+    loaded = run.load_model(port.NAME, config, tensors, "float32", "cpu")
+    inputs = run.RunInputs(port.NAME, "cached", GenerationConfig(6, stop_ids=()), logprobs=3)
+    prompts = run.check_inputs(inputs, config, [SEED, SEED[:3]])
+    result = run.generate(loaded, prompts, inputs, return_logits=True)
+    assert result.logits is not None and result.logprobs is not None
+    expected = log_softmax(result.logits.astype(np.float64), axis=-1)  # [B, N, V]
+    for row, (steps, generated) in enumerate(zip(result.logprobs, result.generated, strict=True)):
+        assert [step["token"] for step in steps] == generated
+        for index, step in enumerate(steps):
+            assert step["logprob"] == pytest.approx(expected[row, index, step["token"]], abs=1e-9)
+            top = np.argsort(-expected[row, index], kind="stable")[:3]
+            assert [alternative["token"] for alternative in step["top"]] == top.tolist()
+            assert [a["logprob"] for a in step["top"]] == pytest.approx(expected[row, index, top], abs=1e-9)
+
+
+def test_logprobs_end_at_a_rows_stop(seed_weights):
+    config, tensors = seed_weights
+    loaded = run.load_model("numpy", config, tensors, "float32", "cpu")
+    inputs = run.RunInputs("numpy", "cached", GenerationConfig(6, stop_ids=(221,)), logprobs=1)
+    result = run.generate(loaded, run.check_inputs(inputs, config, [SEED]), inputs)
+    assert [step["token"] for step in result.logprobs[0]] == [315, 391, 221]  # the stop token is the last
+
+
+def test_logprobs_printed_are_the_same_in_every_port(capsys):
+    printed = {}
+    for name in PORTS:
+        port_or_skip(name)
+        argv = ["generate", "--framework", name, "--mode", "naive", "--new-tokens", "5", "--logprobs", "4"]
+        code, out, err = run_cli(capsys, *argv)
+        assert code == 0, err
+        printed[name] = [line for line in out.splitlines() if line.lstrip().startswith("step")]
+    assert len(printed["torch"]) == 5
+    assert printed["torch"][0].split()[:4] == ["step", "0", "315", "-4.2828"]
+    assert all(lines == printed["torch"] for lines in printed.values())
+
+
+def test_the_api_returns_logprobs(port):
+    import kvports
+
+    result = kvports.load(port.NAME).generate(SEED, new_tokens=3, logprobs=2)
+    assert [step["token"] for step in result.logprobs[0]] == result.generated[0]
+    with pytest.raises(kvports.UserError, match=r"^logprobs=21 is above 20$"):
+        kvports.load(port.NAME).generate(SEED, new_tokens=3, logprobs=21)

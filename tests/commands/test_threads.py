@@ -1,0 +1,54 @@
+"""`--threads`: one thread count for every framework, reaching each framework's own pools, and
+shown in generate's JSON and compare's title. (A count out of range: tests/bad_input/test_sizes.py.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.commands import run_cli
+
+
+@pytest.fixture
+def no_threads_change(monkeypatch):
+    """An in-process command asked for --threads leaves the test process's threads as they were."""
+    from kvports import threads
+
+    monkeypatch.setattr(threads, "use_threads", lambda count: None)
+    for module in ("kvports.commands.generate_command", "kvports.commands.compare"):
+        monkeypatch.setattr(f"{module}.use_threads", lambda count: None)
+
+
+# What each framework reports as its thread count, after `kvports generate --threads 2` in the same process.
+REPORTED = {
+    "torch": "import torch; print(torch.get_num_threads(), torch.get_num_interop_threads())",
+    "numpy": "import threadpoolctl; print(*sorted({p['num_threads'] for p in threadpoolctl.threadpool_info()}))",
+    "jax": "import os; print(os.environ['NPROC'], os.environ['NPROC'])",  # read by XLA's CPU client as it starts
+}
+
+
+EXPECTED = {"torch": "2 2", "numpy": "2", "jax": "2 2"}
+
+
+def test_threads_reach_the_framework(port):
+    name = port.NAME
+    script = (
+        "from kvports.cli import main; "
+        f"assert main(['generate', '--framework', '{name}', '--mode', 'cached', '--new-tokens', '2', '--threads', '2'])"
+        f" == 0; {REPORTED[name]}"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == EXPECTED[name]
+
+
+def test_generate_json_and_compare_title_show_the_thread_count(capsys, no_threads_change):
+    code, out, err = run_cli(capsys, "generate", "--framework", "numpy", "--mode", "cached", "--threads", "1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["threads"] == 1
+    code, out, err = run_cli(capsys, "compare", "--frameworks", "numpy", "--repeats", "1", "--threads", "3")
+    assert code == 0, err
+    assert "3 threads;" in " ".join(out.split())
