@@ -35,7 +35,7 @@ _loaded: dict[str, Port] = {}
 
 
 def load_port(name: str) -> Port:
-    """The port's module, which tests/test_contract.py checks against `Port`."""
+    """The port's module, which tests/structure/test_contract.py checks against `Port`."""
     if name not in MODULES:
         raise PortUnavailable(name, f"known frameworks: {', '.join(PORTS)}")
     if name not in _loaded:

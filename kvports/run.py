@@ -5,7 +5,7 @@ result.
 
     inputs = RunInputs("numpy", "cached", GenerationConfig(8))
     config, tensors, prompts = read_model(                                # [B, P]: every check, once,
-        inputs.weights, inputs.dtype, lambda config: check_inputs(inputs, config, [[160, 248, 104]])
+        inputs.weights, inputs.dtype, lambda config: check_inputs(inputs, config, [[160, 248, 104]]).prompts
     )                                                                     # before a tensor is read
     loaded = load_model(inputs.framework, config, tensors, inputs.dtype, inputs.device)
     result = generate(loaded, prompts, inputs)                            # result.generated, .seconds, ...
@@ -273,18 +273,6 @@ def check_inputs(
     names: Names = COMMAND_LINE,
     modes: Sequence[str] | None = None,
     draft: ModelConfig | None = None,
-) -> np.ndarray:
-    """`checked_inputs`' prompts [B, P], for a run of the inputs' own framework."""
-    return checked_inputs(inputs, config, prompts, names, modes, draft).prompts
-
-
-def checked_inputs(
-    inputs: RunInputs,
-    config: ModelConfig,
-    prompts: Sequence[Sequence[object]],
-    names: Names = COMMAND_LINE,
-    modes: Sequence[str] | None = None,
-    draft: ModelConfig | None = None,
     frameworks: Sequence[str] | None = None,
 ) -> Checked:
     """Every check of one run's inputs against its model, in one place, once: the rules of what
@@ -349,9 +337,9 @@ def check_and_prepare(
     source = draft_file(inputs, names)
     if source is None or source in loaded.drafts:
         draft = None if source is None else loaded.drafts[source][0]
-        return check_inputs(inputs, loaded.config, prompts, names, draft=draft)
+        return check_inputs(inputs, loaded.config, prompts, names, draft=draft).prompts
     with open_weights(Path(source)) as file:
-        batch = check_inputs(inputs, loaded.config, prompts, names, draft=file.config)
+        batch = check_inputs(inputs, loaded.config, prompts, names, draft=file.config).prompts
         loaded.add_draft(source, file.config, file.read(inputs.dtype))
     return batch
 

@@ -7,7 +7,7 @@ these calls as NumPy: prompts `[B, P]` int64 in; tokens `[B, P + N]` int64 and s
 logits `[B, N, V]` out. Inputs are checked before they get here (`shared.checks`): a
 port never sees an out-of-range id, an empty prompt or a length past `max_seq_len`.
 
-tests/test_contract.py checks every importable port and baseline against these
+tests/structure/test_contract.py checks every importable port and baseline against these
 classes (names present, parameters named and ordered as here, the same defaults), and
 docs/PORTS.md's tables are rendered from them (`python tools/ports_doc.py`).
 """

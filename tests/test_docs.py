@@ -120,15 +120,18 @@ def test_the_block_above_runs_as_python(tmp_path):
     assert pasted_outputs.stale(pasted) is None
 
 
-def test_the_readme_says_how_to_install_right_after_the_make_commands():
-    from pathlib import Path
+def test_the_readme_opens_with_the_lesson_then_the_real_model_then_how_to_install():
+    sections = re.findall(r"^## (.+)$", README.read_text(), re.M)
+    lesson = ["Reading order", "Attention, three ways", "The cache, in one paragraph"]
+    assert sections[:3] == lesson  # the first thing after the two make commands
+    assert sections.index("A real model: SmolLM2-135M-Instruct from a GGUF file") < sections.index("Install")
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block_end = readme.index("```\n", readme.index("make test   #")) + 4
+
+def test_the_readme_says_how_to_install_from_the_clone_with_the_cpu_torch():
+    readme = README.read_text()
     install = readme.index("## Install")
-    assert readme[block_end:install].strip() == ""  # the next thing after the two make commands
     section = readme[install : readme.index("\n## ", install + 1)]
-    for needed in ("pip install 'kvports[all]'", "--index-url https://download.pytorch.org/whl/cpu", "torch==2.13.0"):
+    for needed in ("pip install -e '.[all]'", "--index-url https://download.pytorch.org/whl/cpu", "torch==2.13.0"):
         assert needed in section
     for extra in ("torch", "jax", "hf", "plot", "test"):
         assert f"`{extra}`" in section

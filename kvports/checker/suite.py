@@ -29,7 +29,7 @@ from kvports.shared.generation import GenerationConfig
 
 FAMILIES = ("seed", "gpt2", "llama", "mistral")
 SEED_PROMPT = np.array([[160, 248, 104, 209, 394]], dtype=np.int64)  # [1, 5]: the seed's demo prompt
-GOLDEN_TOKENS = 100  # the seed's README generates 100 tokens; tests/helpers.py GOLDEN holds them
+GOLDEN_TOKENS = 100  # the seed's README generates 100 tokens; tests/helpers/models.py GOLDEN holds them
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}  # |logit diff| float noise may reach (float32 ports sit near 1e-6)
 MATCH = 1e-3  # a broken variant whose logits are this close to the implementation's is its signature
 _LLAMA = dict(positions="rope", norm="rmsnorm", activation="swiglu", attn_bias=False, ffn_bias=False)

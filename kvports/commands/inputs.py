@@ -191,7 +191,7 @@ def read_checked(
         return (
             inputs,
             tokenizer,
-            run.checked_inputs(inputs, config, rows, modes=modes, draft=draft, frameworks=frameworks),
+            run.check_inputs(inputs, config, rows, modes=modes, draft=draft, frameworks=frameworks),
         )
 
     config, tensors, checked = run.read_model(args.weights, args.dtype, check, args.quant)

@@ -20,7 +20,7 @@ def test_logprobs_are_each_steps_log_softmax_of_the_logits(port, seed_weights):
     config, tensors = seed_weights
     loaded = run.load_model(port.NAME, config, tensors, "float32", "cpu")
     inputs = run.RunInputs(port.NAME, "cached", GenerationConfig(6, stop_ids=()), logprobs=3)
-    prompts = run.check_inputs(inputs, config, [SEED, SEED[:3]])
+    prompts = run.check_inputs(inputs, config, [SEED, SEED[:3]]).prompts
     result = run.generate(loaded, prompts, inputs, return_logits=True)
     assert result.logits is not None and result.logprobs is not None
     expected = log_softmax(result.logits.astype(np.float64), axis=-1)  # [B, N, V]
@@ -37,7 +37,7 @@ def test_logprobs_end_at_a_rows_stop(seed_weights):
     config, tensors = seed_weights
     loaded = run.load_model("numpy", config, tensors, "float32", "cpu")
     inputs = run.RunInputs("numpy", "cached", GenerationConfig(6, stop_ids=(221,)), logprobs=1)
-    result = run.generate(loaded, run.check_inputs(inputs, config, [SEED]), inputs)
+    result = run.generate(loaded, run.check_inputs(inputs, config, [SEED]).prompts, inputs)
     assert [step["token"] for step in result.logprobs[0]] == [315, 391, 221]  # the stop token is the last
 
 
