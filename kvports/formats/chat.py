@@ -96,22 +96,17 @@ def gguf_chat_prompt(path: os.PathLike, messages: list[dict[str, str]]) -> str:
 
 
 def gguf_template(path: os.PathLike) -> tuple[str, dict[str, str]]:
-    """A GGUF file's chat template and the bos_token / eos_token strings it may use."""
-    from kvports.formats.gguf.reader import Metadata, is_gguf, open_reader
+    """A GGUF file's chat template and the bos_token / eos_token strings it may use (through the
+    load cache: read from the file's metadata once)."""
+    from kvports.formats.gguf.cache import gguf_text
+    from kvports.formats.gguf.reader import is_gguf
 
     if not is_gguf(path):
         raise UserError("--chat renders a GGUF file's own chat template: give --model NAME or --weights FILE.gguf")
-    meta = Metadata(open_reader(Path(path)), str(path))
-    template = meta.get("tokenizer.chat_template")
-    if not isinstance(template, str):
+    text = gguf_text(path)
+    if text.template is None:
         raise UserError(f"GGUF file {echo_path(path)} has no chat template (metadata tokenizer.chat_template)")
-    tokens = meta.strings("tokenizer.ggml.tokens")
-    special = {}
-    for name in ("bos", "eos"):
-        index = meta.token_id(f"tokenizer.ggml.{name}_token_id")
-        if index is not None and index < len(tokens):
-            special[f"{name}_token"] = tokens[index]
-    return template, special
+    return text.template, text.special
 
 
 def chat_ids(path: os.PathLike, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:

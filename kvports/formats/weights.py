@@ -18,7 +18,7 @@ import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from kvports.shared.errors import UserError, echo, echo_path
 from kvports.shared.files import write_atomic
 from kvports.shared.quantization import q4_names
 from kvports.shared.shapes import iter_expected
+
+if TYPE_CHECKING:
+    from kvports.formats.gguf.cache import CachedGGUFWeights, Entry
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64", "F16": "float16", "BF16": "bfloat16"}
 DEFAULT_WEIGHTS = Path(__file__).parent.parent / "data" / "seed_model.safetensors"
@@ -227,23 +230,38 @@ class GGUFWeights(Closing):
     in), then checks and casts it as WeightsFile does. As there, a caller checks the bytes a run
     will allocate between the two."""
 
-    def __init__(self, path: os.PathLike):
+    def __init__(self, path: os.PathLike, entry: Entry | None = None):
         from kvports.formats.gguf.reader import GGUFFile
 
         self.source = str(path)
         self.file: GGUFFile = GGUFFile(path)
         self.config = self.file.config
         self.dtype = "float32"
+        self.entry = entry  # the load cache's entry, written once the tensors are read (formats.gguf.cache)
 
     def read(self, dtype: str | None = None, quant: str = "none") -> dict[str, np.ndarray]:
         """Every tensor, in state_dict order, finite, at `dtype` (None: float32); quant "q4": beside each
         matrix stored in Q4_0/Q4_1, its own 4-bit blocks (`shared.quantization.q4_names`)."""
-        tensors = read_checked(self.config, self.dtype if dtype is None else dtype, self.file.read, self.source)
+        from kvports.progress import load_progress
+
+        dtype = self.dtype if dtype is None else dtype
+        self.config.validate_at(dtype)
+        with load_progress(len(self.file.plan), "dequantizing") as advance:
+            tensors = read_checked(self.config, "float32", advance(self.file.read), self.source)
+        if self.entry is not None:
+            self.entry.save_tensors(self.config, tensors, self.has_q4())
+        tensors = {name: cast_checked(name, array, dtype, self.source) for name, array in tensors.items()}
         if quant == "q4":
-            for name in self.file.plan:
-                blocks = self.file.q4_blocks(name)
-                if blocks is not None:
-                    tensors.update(zip(q4_names(name), blocks, strict=True))
+            tensors.update(self.q4_tensors())
+        return tensors
+
+    def q4_tensors(self) -> dict[str, np.ndarray]:
+        """Each matrix stored in Q4_0/Q4_1 as its own 4-bit blocks, by `shared.quantization.q4_names`."""
+        tensors: dict[str, np.ndarray] = {}
+        for name in self.file.plan:
+            blocks = self.file.q4_blocks(name)
+            if blocks is not None:
+                tensors.update(zip(q4_names(name), blocks, strict=True))
         return tensors
 
     def has_q4(self) -> bool:
@@ -254,12 +272,14 @@ class GGUFWeights(Closing):
         self.file.close()
 
 
-def open_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> WeightsFile | GGUFWeights:
-    """Our safetensors weights file, or a GGUF file (by its magic) through the same interface."""
+def open_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> WeightsFile | GGUFWeights | CachedGGUFWeights:
+    """Our safetensors weights file, or a GGUF file (by its magic) through the same interface: mapped
+    from the load cache once its first load has kept what it derived (`formats.gguf.cache`)."""
+    from kvports.formats.gguf.cache import open_gguf
     from kvports.formats.gguf.reader import is_gguf
 
     refuse_hf_checkpoint(Path(path))
-    return GGUFWeights(path) if is_gguf(path) else WeightsFile(path)
+    return open_gguf(path) if is_gguf(path) else WeightsFile(path)
 
 
 def refuse_hf_checkpoint(path: Path) -> None:

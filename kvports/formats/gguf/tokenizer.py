@@ -1,16 +1,24 @@
 """The tokenizer a GGUF file describes in its metadata (`tokenizer.ggml.*`), built with the
 `tokenizers` library as transformers' GGUF loader builds it: byte-level BPE (`model` gpt2)
 from the file's tokens and merges, its control tokens special, its user-defined tokens
-added whole, the pre-tokenizer's split chosen by `tokenizer.ggml.pre`."""
+added whole, the pre-tokenizer's split chosen by `tokenizer.ggml.pre`. The token and merge
+lists are read whole from the reader's view of the file, not item by item; what is built is
+kept in the load cache (`formats.gguf.cache`), so a later load reads tokenizer.json instead."""
 
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
 
 from kvports.formats.gguf.reader import Metadata, is_gguf, open_reader
 from kvports.shared.errors import UserError, echo, echo_path
+
+if TYPE_CHECKING:
+    from kvports.formats.gguf.cache import Text
 
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
 # Pre-tokenizers whose split differs from GPT-2's byte-level regex (Llama 3's, as transformers
@@ -41,9 +49,9 @@ def tokenizer_from_metadata(meta: Metadata) -> Any:
         raise UserError(f"GGUF file {echo_path(meta.source)} has no tokenizer (no metadata tokenizer.ggml.model)")
     if kind != "gpt2":
         raise meta.refuse("tokenizer.ggml.model", kind, "kvports builds byte-level BPE tokenizers ('gpt2') only")
-    tokens = meta.strings("tokenizer.ggml.tokens")
-    merges = meta.strings("tokenizer.ggml.merges")
-    types = meta.get("tokenizer.ggml.token_type", [])
+    tokens = strings(meta, "tokenizer.ggml.tokens")
+    merges = strings(meta, "tokenizer.ggml.merges")
+    types = numbers(meta, "tokenizer.ggml.token_type")
     if not isinstance(types, list) or len(types) not in (0, len(tokens)):
         raise meta.refuse(
             "tokenizer.ggml.token_type", f"<{len(types)} items>", f"needs one type per token ({len(tokens)})"
@@ -107,11 +115,95 @@ def duplicate(tokens: list[str]) -> str | None:
     return None
 
 
+def array_bytes(meta: Metadata, key: str, item: int) -> tuple[bytes, int] | None:
+    """A metadata array's items as the bytes the file holds them in, one view of the mapped file
+    (the reader splits them into a NumPy view per item: reading those one by one took seconds),
+    and their count; None for a key the file lacks or an empty array, a refusal for one not an
+    array of `item`."""
+    from gguf import GGUFValueType
+
+    field = meta.reader.fields.get(key)
+    if field is None:
+        return None
+    if field.types[:1] != [GGUFValueType.ARRAY] or not field.data:
+        return None if field.types[:1] == [GGUFValueType.ARRAY] else refuse_type(meta, key, field, item)
+    if field.types[1:] != [item]:
+        refuse_type(meta, key, field, item)
+    # field.data indexes each item's part; a string's length is the part before it
+    first = field.parts[field.data[0] - (item == GGUFValueType.STRING)]
+    last = field.parts[field.data[-1]]
+    data = meta.reader.data  # [bytes]: the mapped file
+    start = first.ctypes.data - data.ctypes.data
+    end = last.ctypes.data + last.nbytes - data.ctypes.data
+    return data[start:end].tobytes(), len(field.data)
+
+
+def refuse_type(meta: Metadata, key: str, field: Any, item: Any) -> NoReturn:
+    raise meta.refuse(key, f"<{' of '.join(kind.name for kind in field.types)}>", f"must be a list of {item.name.lower()}s")
+
+
+def strings(meta: Metadata, key: str) -> list[str]:
+    """A metadata array of strings ([]: the file lacks it), each its 8-byte length then its UTF-8 bytes."""
+    from gguf import GGUFValueType
+
+    found = array_bytes(meta, key, GGUFValueType.STRING)
+    if found is None:
+        return []
+    blob, count = found
+    items, offset, length = [], 0, struct.Struct("<Q")
+    try:
+        for _ in range(count):
+            (size,) = length.unpack_from(blob, offset)
+            items.append(blob[offset + 8 : offset + 8 + size].decode("utf-8"))
+            offset += 8 + size
+    except UnicodeDecodeError:
+        raise meta.refuse(key, f"<item {len(items)}>", "is not UTF-8") from None
+    return items
+
+
+def numbers(meta: Metadata, key: str) -> list[int]:
+    """A metadata array of 32-bit integers, as GGUF stores token types ([]: the file lacks it)."""
+    from gguf import GGUFValueType
+
+    field = meta.reader.fields.get(key)
+    kind = field.types[-1] if field is not None and field.types else GGUFValueType.INT32
+    if kind not in (GGUFValueType.INT32, GGUFValueType.UINT32):
+        raise meta.refuse(key, f"<{kind.name}>", "must be an array of 32-bit integers")
+    found = array_bytes(meta, key, kind)
+    if found is None:
+        return []
+    return np.frombuffer(found[0], dtype="<i4" if kind == GGUFValueType.INT32 else "<u4").tolist()
+
+
+def read_text(path: Path) -> Text:
+    """What a GGUF file's metadata says of its text: its tokenizer (as tokenizer.json), chat
+    template and bos_token / eos_token strings. The load cache keeps it (`cache.gguf_text`)."""
+    from kvports.formats.gguf.cache import Text
+
+    meta = Metadata(open_reader(path), str(path))
+    tokenizer = tokenizer_from_metadata(meta).to_str() if "tokenizer.ggml.model" in meta else None
+    template = meta.get("tokenizer.chat_template")
+    tokens = strings(meta, "tokenizer.ggml.tokens")
+    special = {}
+    for name in ("bos", "eos"):
+        index = meta.token_id(f"tokenizer.ggml.{name}_token_id")
+        if index is not None and index < len(tokens):
+            special[f"{name}_token"] = tokens[index]
+    return Text(tokenizer, template if isinstance(template, str) else None, special)
+
+
 def has_tokenizer(path: os.PathLike) -> bool:
     """A GGUF file with a tokenizer in its metadata: its text is decoded without --tokenizer."""
-    return is_gguf(path) and "tokenizer.ggml.model" in open_reader(Path(path)).fields
+    from kvports.formats.gguf.cache import gguf_text
+
+    return is_gguf(path) and gguf_text(path).tokenizer is not None
 
 
 def gguf_tokenizer(path: os.PathLike) -> Any:
     """The tokenizer stored in a GGUF file's metadata (a `tokenizers.Tokenizer`)."""
-    return tokenizer_from_metadata(Metadata(open_reader(Path(path)), str(path)))
+    from kvports.formats.gguf.cache import gguf_text
+
+    text = gguf_text(path)
+    if text.tokenizer is None:  # the build's own message names the missing key
+        return tokenizer_from_metadata(Metadata(open_reader(Path(path)), str(path)))
+    return text.load_tokenizer()

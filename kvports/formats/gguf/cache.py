@@ -1,0 +1,323 @@
+"""What the first load of a GGUF file derives, kept for the loads after it: the tokenizer (as
+tokenizer.json), the chat template, the config and the dequantized float32 tensors (safetensors,
+memory-mapped on later loads), under $KVPORTS_HOME/derived/<the file's SHA-256>-<kvports' version>/.
+
+Parsing the file's metadata (tens of thousands of strings) and dequantizing every tensor takes
+seconds each time; mapping the entry takes a fraction of one. The file's SHA-256 is computed once
+per version of the file (its path, size, mtime and inode; a digest record keyed by them, with its
+own checksum). Every entry is written atomically and checked on use: the text by its SHA-256, the
+tensors by the safetensors library's header checks, their names and shapes against the config, and
+a checksum of each tensor's bytes as it is read. An entry that fails any check is removed and built
+again from the GGUF file, never trusted and never a traceback. KVPORTS_LOAD_CACHE=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import shutil
+import struct
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvports.formats.weights import Closing, cast_checked, check_entries, check_finite
+from kvports.shared.config import ModelConfig
+from kvports.shared.errors import UserError
+from kvports.shared.files import temp_beside, write_atomic
+from kvports.shared.shapes import iter_expected
+from kvports.version import __version__
+
+if TYPE_CHECKING:
+    from kvports.formats.weights import GGUFWeights
+
+SWITCH = "KVPORTS_LOAD_CACHE"  # "0": every load parses and dequantizes the GGUF file again
+FOLDER = "derived"
+TENSORS, TEXT = "tensors.safetensors", "text.json"
+MAX_TEXT = 64 << 20  # bytes of a text entry (a tokenizer.json of 260,000 tokens is ~20 MB)
+MAX_HEADER = 100 << 20  # the safetensors format's own bound
+
+
+class Corrupt(Exception):
+    """A cache entry failed a check: it is removed and built again."""
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH, "1") not in ("0", "false", "no", "off")
+
+
+def cache_root() -> Path:
+    from kvports.hub import home
+
+    return home() / FOLDER
+
+
+def digest_record(path: Path, status: os.stat_result) -> Path:
+    stamp = f"{path.resolve()}\0{status.st_size}\0{status.st_mtime_ns}\0{status.st_ino}"
+    return cache_root() / "digests" / (hashlib.sha256(stamp.encode()).hexdigest()[:32] + ".json")
+
+
+def sealed(fields: Mapping[str, Any]) -> str:
+    """The SHA-256 of a record's fields, in one spelling: a record carries it to prove itself whole."""
+    return hashlib.sha256(json.dumps(dict(fields), sort_keys=True).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """The file's SHA-256, hashed once per version of the file (path, size, mtime, inode) and
+    recorded; a record that does not match its stamp or its own checksum is hashed again."""
+    from kvports.hub import sha256_of
+
+    status = os.stat(path)
+    record = digest_record(path, status)
+    stamp = {
+        "path": str(path.resolve()),
+        "size": status.st_size,
+        "mtime_ns": status.st_mtime_ns,
+        "inode": status.st_ino,
+    }
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        if record.stat().st_size < 4096:
+            saved = json.loads(record.read_text())
+            fields = {key: saved[key] for key in (*stamp, "sha256")}
+            if saved["seal"] == sealed(fields) and all(saved[key] == value for key, value in stamp.items()):
+                return str(saved["sha256"])
+    digest = sha256_of(path)
+    fields = {**stamp, "sha256": digest}
+    with contextlib.suppress(OSError, UserError):  # a home that cannot be written: hashed again next time
+        record.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(record, json.dumps({**fields, "seal": sealed(fields)}).encode())
+    return digest
+
+
+@dataclass(frozen=True)
+class Text:
+    """The text side of a GGUF file: its tokenizer as tokenizer.json (None: the file has none), its
+    chat template (None: none) and the bos_token / eos_token strings a template may use."""
+
+    tokenizer: str | None
+    template: str | None
+    special: dict[str, str]
+
+    def load_tokenizer(self) -> Any:
+        from tokenizers import Tokenizer
+
+        assert self.tokenizer is not None
+        return Tokenizer.from_str(self.tokenizer)
+
+
+class Entry:
+    """One GGUF file's folder in the cache (None from `entry_for` when the cache is off or the
+    file cannot be hashed)."""
+
+    def __init__(self, source: Path, digest: str):
+        self.source, self.digest = source, digest
+        self.folder = cache_root() / f"{digest}-{__version__}"
+
+    def discard(self, what: str, why: str) -> None:
+        """A corrupt entry: said once on stderr, removed, then built again by the caller."""
+        print(f"warning: the load cache's {what} for {self.source.name} failed a check ({why}); rebuilding it",
+              file=sys.stderr)
+        with contextlib.suppress(OSError):
+            (self.folder / what).unlink()
+
+    def save(self, name: str, payload: bytes) -> None:
+        with contextlib.suppress(OSError, UserError):  # a home that cannot be written: nothing kept
+            self.folder.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.folder / name, payload)
+
+    def text(self) -> Text | None:
+        """The kept text, checked by its seal; None when absent or failing the check (removed)."""
+        path = self.folder / TEXT
+        try:
+            if not path.is_file():
+                return None
+            if path.stat().st_size > MAX_TEXT:
+                raise Corrupt(f"above {MAX_TEXT} bytes")
+            saved = json.loads(path.read_bytes())
+            fields = {key: saved[key] for key in ("source_sha256", "version", "tokenizer", "template", "special")}
+            if saved.get("seal") != sealed(fields):
+                raise Corrupt("its checksum does not match")
+            if fields["source_sha256"] != self.digest or fields["version"] != __version__:
+                raise Corrupt("made from another file or version")
+            return Text(fields["tokenizer"], fields["template"], dict(fields["special"]))
+        except (Corrupt, OSError, ValueError, KeyError, TypeError) as exc:
+            self.discard(TEXT, str(exc) or type(exc).__name__)
+            return None
+
+    def save_text(self, text: Text) -> None:
+        fields = {
+            "source_sha256": self.digest,
+            "version": __version__,
+            "tokenizer": text.tokenizer,
+            "template": text.template,
+            "special": text.special,
+        }
+        self.save(TEXT, json.dumps({**fields, "seal": sealed(fields)}).encode())
+
+    def tensors(self) -> CachedTensors | None:
+        """The kept tensors, their header checked; None when absent or failing a check (removed)."""
+        path = self.folder / TENSORS
+        if not path.is_file():
+            return None
+        try:
+            return CachedTensors(path, self)
+        except (Corrupt, OSError, ValueError, KeyError, TypeError, UserError) as exc:
+            self.discard(TENSORS, str(exc) or type(exc).__name__)
+            return None
+
+    def save_tensors(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], has_q4: bool) -> None:
+        """The float32 tensors, each with the checksum `checksum` gives, in one safetensors file."""
+        from safetensors.numpy import save_file
+
+        ours = {name: np.ascontiguousarray(tensors[name], dtype=np.float32) for name, _ in iter_expected(config)}
+        metadata = {
+            "config": config.to_json(),
+            "source_sha256": self.digest,
+            "version": __version__,
+            "has_q4": "1" if has_q4 else "0",
+            "checksums": json.dumps({name: checksum(array) for name, array in ours.items()}),
+        }
+        with contextlib.suppress(OSError, UserError):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with temp_beside(self.folder / TENSORS) as tmp:
+                save_file(ours, tmp, metadata=metadata)
+
+
+def checksum(array: np.ndarray) -> str:
+    """A float32 tensor's bytes summed as 32-bit words (mod 2**64), and their count: any single
+    changed word changes it, and it costs one pass over memory, as the finiteness check does."""
+    words = np.ascontiguousarray(array).reshape(-1).view(np.uint32)  # [n]
+    return f"{int(words.sum(dtype=np.uint64))}:{words.size}"
+
+
+class CachedTensors(Closing):
+    """The kept safetensors file, mapped: the library checks its header (offsets in order, in bounds,
+    covering the data), then each tensor is a read-only view of the mapped file, its checksum
+    checked when read."""
+
+    def __init__(self, path: Path, entry: Entry):
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="numpy") as handle:  # the library's checks of the header
+                metadata = handle.metadata() or {}
+        except SafetensorError as exc:
+            raise Corrupt(str(exc)) from None
+        if metadata.get("source_sha256") != entry.digest or metadata.get("version") != __version__:
+            raise Corrupt("made from another file or version")
+        self.config = ModelConfig.from_json(metadata["config"])
+        self.has_q4 = metadata.get("has_q4") == "1"
+        self.checksums: dict[str, str] = json.loads(metadata["checksums"])
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > MAX_HEADER:
+                raise Corrupt("header too large")
+            header = json.loads(handle.read(length))
+        header.pop("__metadata__", None)
+        entries = {name: (value["dtype"], tuple(value["shape"])) for name, value in header.items()}
+        if check_entries(entries, self.config, str(path)) != "float32" or set(self.checksums) != set(entries):
+            raise Corrupt("its tensors are not the config's float32 tensors")
+        self.mapped = np.memmap(path, dtype=np.uint8, mode="r")  # [bytes]
+        self.base, self.header = 8 + length, header
+
+    def read(self, name: str) -> np.ndarray:
+        start, end = self.header[name]["data_offsets"]
+        array = self.mapped[self.base + start : self.base + end].view(np.float32).reshape(self.header[name]["shape"])
+        if checksum(array) != self.checksums[name]:
+            raise Corrupt(f"tensor {name}'s checksum does not match")
+        return np.asarray(array)  # a read-only view of the mapped file
+
+    def close(self) -> None:
+        self.mapped = None  # type: ignore[assignment]  # the map closes with its last view
+
+
+def entry_for(path: os.PathLike) -> Entry | None:
+    """The file's entry in the cache (maybe empty yet), or None when the cache is off."""
+    if not enabled():
+        return None
+    try:
+        return Entry(Path(path), file_sha256(Path(path)))
+    except OSError:
+        return None
+
+
+def clear() -> None:
+    """Every entry removed (`kvports fetch --clear-cache` style housekeeping; tests)."""
+    shutil.rmtree(cache_root(), ignore_errors=True)
+
+
+class CachedGGUFWeights(Closing):
+    """A GGUF file served from its cache entry, through the interface of `weights.GGUFWeights`:
+    `config`, `read(dtype, quant)` (a tensor whose checksum fails: the whole entry is dropped and
+    the file read again), `has_q4()`."""
+
+    def __init__(self, path: os.PathLike, entry: Entry, cached: CachedTensors):
+        self.source, self.entry, self.cached = str(path), entry, cached
+        self.config, self.dtype = cached.config, "float32"
+
+    def read(self, dtype: str | None = None, quant: str = "none") -> dict[str, np.ndarray]:
+        from kvports.formats.weights import GGUFWeights
+
+        dtype = self.dtype if dtype is None else dtype
+        self.config.validate_at(dtype)
+        try:
+            tensors = {}
+            for name, _ in iter_expected(self.config):
+                array = self.cached.read(name)  # [out, in] or [D]: a view of the mapped entry
+                check_finite(name, array, self.source)
+                tensors[name] = cast_checked(name, array, dtype, self.source)
+        except Corrupt as exc:
+            self.entry.discard(TENSORS, str(exc))
+            with GGUFWeights(self.source) as file:
+                return file.read(dtype, quant)
+        if quant == "q4":  # the file's own 4-bit blocks: from the GGUF file, which only they need
+            with GGUFWeights(self.source) as file:
+                tensors.update(file.q4_tensors())
+        return tensors
+
+    def has_q4(self) -> bool:
+        return self.cached.has_q4
+
+    def close(self) -> None:
+        self.cached.close()
+
+
+def open_gguf(path: os.PathLike) -> CachedGGUFWeights | GGUFWeights:
+    """A GGUF file as a weights file: from its cache entry when there is a sound one, else read
+    (and its entry written when its tensors are)."""
+    from kvports.formats.weights import GGUFWeights
+
+    entry = entry_for(path)
+    cached = None if entry is None else entry.tensors()
+    if entry is not None and cached is not None:
+        return CachedGGUFWeights(path, entry, cached)
+    return GGUFWeights(path, entry)
+
+
+
+def gguf_text(path: os.PathLike) -> Text:
+    """The file's tokenizer, chat template and special strings: from its cache entry, else read from
+    its metadata (one `error:` line for a tokenizer that cannot be built; nothing kept then). Once per
+    version of the file in a process: a run asks for the tokenizer and the template apart."""
+    status = os.stat(path)
+    return text_of(str(Path(path).resolve()), status.st_size, status.st_mtime_ns, status.st_ino, enabled())
+
+
+@functools.lru_cache(maxsize=2)
+def text_of(path: str, size: int, mtime_ns: int, inode: int, cache: bool) -> Text:
+    from kvports.formats.gguf.tokenizer import read_text
+
+    entry = entry_for(path)
+    text = None if entry is None else entry.text()
+    if text is None:
+        text = read_text(Path(path))
+        if entry is not None:
+            entry.save_text(text)
+    return text
