@@ -1,10 +1,14 @@
-"""The Python API: `kvports.load(framework, weights)` and the model's `generate(...)`.
+"""The Python API: `kvports.load(framework, weights)` and the model's `generate(...)`, `chat(...)`
+and `stream(...)`.
 
     import kvports
     model = kvports.load("numpy")                  # the seed's model; or load("torch", "model.safetensors")
     out = model.generate([160, 248, 104, 209, 394], new_tokens=8)
     out.generated                                  # [[315, 391, 221, 120, 342, 371, 223, 418]]
     model.generate(prompts, kvports.GenerationConfig(8, temperature=0.8))  # nano-vllm's shape
+    smol = kvports.load("numpy", model="smollm2")  # a model with a tokenizer: words in, words out
+    smol.chat([{"role": "user", "content": "What is the capital of France?"}]).answer[0]
+    for piece in smol.stream("Once upon a time"): print(piece, end="")
 
 Both go straight to the run layer (`kvports.run`) that the command line parses its flags into:
 the same checks, run once, and the same messages, except that a message names this API's
@@ -14,8 +18,11 @@ argument (`new_tokens=0`) where the command line names its flag (`--new-tokens`)
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,10 +30,12 @@ from kvports import run
 from kvports.run import Generation
 from kvports.shared.checks import API
 from kvports.shared.contract import OnToken
-from kvports.shared.errors import NonFiniteLogits, UserError, echo
+from kvports.shared.errors import NonFiniteLogits, UserError, echo, echo_path
 from kvports.shared.generation import GenerationConfig
 from kvports.threads import check_threads, use_threads
 from kvports.validation import SEED_PROMPT, Setup, parse_prompt
+
+Messages = Sequence[dict[str, str]]
 
 __all__ = ["Generation", "GenerationConfig", "Model", "UserError", "load"]
 
@@ -37,17 +46,25 @@ class Model:
     """One framework's model on one device, loaded and checked by `kvports.load`; the draft models
     of speculative calls are read and loaded once, then kept here."""
 
-    def __init__(self, loaded: run.LoadedModel):
-        self.loaded = loaded
+    def __init__(self, loaded: run.LoadedModel, weights: Path | None = None):
+        self.loaded, self.weights = loaded, weights
         self.framework, self.dtype, self.device = loaded.framework, loaded.dtype, loaded.device
         self.config = loaded.config
+        self._tokenizer: list[Any] = []  # [the tokenizer or None], read on first use
+
+    @property
+    def tokenizer(self) -> Any:
+        """The weights' own tokenizer (a GGUF file's, or tokenizer.json beside a converted file), or None."""
+        if not self._tokenizer:
+            self._tokenizer.append(run.model_tokenizer(self.weights, self.config))
+        return self._tokenizer[0]
 
     def __repr__(self) -> str:
         return f"<kvports.Model {self.framework} {self.config.family} {self.dtype} on the {self.device}>"
 
     def generate(
         self,
-        prompts: Prompts = None,
+        prompts: Prompts | ChatPrompt = None,
         generation: GenerationConfig | int | None = None,
         mode: str = "cached",
         *,
@@ -94,12 +111,101 @@ class Model:
             tensor_parallel=self.loaded.tensor_parallel,
             logprobs=logprobs,
         )
-        inputs, rows = run.with_samples(inputs, prompt_rows(prompts), num_samples, API)
+        rows = prompt_rows(prompts, self.tokenizer) if not isinstance(prompts, ChatPrompt) else [prompts.ids]
+        inputs, rows = run.with_samples(inputs, rows, num_samples, API)
         batch = run.check_and_prepare(self.loaded, inputs, rows, API)
         try:
-            return run.generate(self.loaded, batch, inputs, return_logits, on_token)
+            return run.generate(self.loaded, batch, inputs, return_logits, on_token, self.tokenizer)
         except NonFiniteLogits as exc:  # the command line's message names its flag; this API names its argument
             raise NonFiniteLogits(exc.step, exc.where, exc.dtype, "dtype='float64'") from None
+
+    def chat(self, messages: Messages, generation: GenerationConfig | int | None = None, **options: Any) -> Generation:
+        """One conversation ([{"role", "content"}, ...]) rendered by the model's own chat template, with
+        the prompt that opens the assistant's turn, then `generate`'s with its options; the reply is
+        `.answer[0]` (special tokens left out)."""
+        return self.generate(self.chat_prompt(messages), generation, **options)
+
+    def chat_prompt(self, messages: Messages) -> ChatPrompt:
+        from kvports.formats.chat import check_messages
+
+        if self.tokenizer is None:
+            raise UserError(f"messages need a model with a tokenizer and a chat template; {self.describe()} has none")
+        checked = check_messages(list(messages) if isinstance(messages, (list, tuple)) else messages, "messages")
+        return ChatPrompt(run.chat_ids(self.weights, checked, self.tokenizer))
+
+    def stream(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        generation: GenerationConfig | int | None = None,
+        *,
+        messages: Messages | None = None,
+        **options: Any,
+    ) -> Iterator[str]:
+        """The answer's text in pieces, as its tokens arrive: `prompt` (text or ids, one row) or
+        `messages` (a chat), and `generate`'s options. Decoded incrementally (the tokenizers library's
+        DecodeStream), so a character of several bytes is never split across pieces; special tokens
+        are left out. Stopping the iteration early stops the generation."""
+        from tokenizers.decoders import DecodeStream
+
+        if self.tokenizer is None:
+            raise UserError(f"stream() yields text: it needs a model with a tokenizer; {self.describe()} has none")
+        if messages is not None and prompt is not None:
+            raise UserError("give stream() a prompt or messages=, not both")
+        given = self.chat_prompt(messages) if messages is not None else prompt
+        if given is not None and not isinstance(given, (str, ChatPrompt)) and len(prompt_rows(given)) != 1:
+            raise UserError("stream() takes one prompt: ids, text or messages=, not a batch")
+        check_arguments(on_token=options.get("on_token"))
+        tokens: queue.Queue[Any] = queue.Queue()
+        stopped = threading.Event()
+
+        def heard(token: np.ndarray) -> None:  # token [1]
+            if stopped.is_set():
+                raise StreamClosed
+            tokens.put(int(token[0]))
+
+        def work() -> None:
+            try:
+                tokens.put(Done(self.generate(given, generation, on_token=heard, **options)))
+            except BaseException as exc:  # handed to the reading thread, raised there
+                tokens.put(exc)
+
+        worker = threading.Thread(target=work, name="kvports-stream", daemon=True)
+        worker.start()
+        decoder = DecodeStream(skip_special_tokens=True)
+        try:
+            while True:
+                item = tokens.get()
+                if isinstance(item, Done):
+                    return
+                if isinstance(item, BaseException):
+                    if isinstance(item, StreamClosed):
+                        return
+                    raise item
+                piece = decoder.step(self.tokenizer, item)
+                if piece:
+                    yield piece
+        finally:
+            stopped.set()
+            worker.join()
+
+    def describe(self) -> str:
+        return "the seed's model" if self.weights is None else echo_path(self.weights)
+
+
+class ChatPrompt:
+    """A chat's prompt, rendered and tokenized: the ids `generate` runs."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+
+
+class StreamClosed(Exception):
+    """Raised in the generation's thread once the reader of a stream has stopped reading."""
+
+
+class Done:
+    def __init__(self, result: Generation):
+        self.result = result
 
 
 def check_arguments(**given: object) -> None:
@@ -125,22 +231,35 @@ def check_arguments(**given: object) -> None:
             raise UserError(f"prompts={echo(value)} is not a prompt: ids, a batch of them, or '1,2,3'")
 
 
-def prompt_rows(prompts: Prompts) -> list[list[object]]:
+def prompt_rows(prompts: Prompts, tokenizer: Any = None) -> list[list[object]]:
     """Prompts as rows of ids: one row, a batch, "1,2,3" texts (read as the command line reads
-    --prompt), an array, or None for the seed's prompt."""
+    --prompt), an array, or None for the seed's prompt. With a tokenizer, a string that is not
+    "1,2,3" ids is text, encoded as the command line's --text."""
     if prompts is None:
         return [list(SEED_PROMPT)]
     check_arguments(prompts=prompts)
     if isinstance(prompts, str):
-        return [list(parse_prompt(prompts))]
+        return [row_of(prompts, tokenizer)]
     if isinstance(prompts, np.ndarray):
         prompts = prompts.tolist()
     items = list(prompts)
     if not items:
         raise UserError("empty prompt: give at least one token id")
     if all(isinstance(item, (str, list, tuple, np.ndarray)) for item in items):
-        return [list(parse_prompt(item)) if isinstance(item, str) else list(item) for item in items]
+        return [row_of(item, tokenizer) if isinstance(item, str) else list(item) for item in items]
     return [items]
+
+
+def row_of(text: str, tokenizer: Any) -> list[object]:
+    """A string prompt: "1,2,3" ids, else (with a tokenizer) text encoded as --text is."""
+    if tokenizer is not None:
+        try:
+            return list(parse_prompt(text))
+        except UserError:
+            from kvports.formats.hf.text import encode
+
+            return list(encode(tokenizer, [text], "prompts")[0])
+    return list(parse_prompt(text))
 
 
 def load(
@@ -173,5 +292,6 @@ def load(
     config, tensors, _ = run.read_model(path, dtype, lambda config: run.check_load(setup, config, API), quant, API)
     use_threads(threads)
     return Model(
-        run.load_model(framework, config, tensors, dtype, device, API, quant=quant, tensor_parallel=tensor_parallel)
+        run.load_model(framework, config, tensors, dtype, device, API, quant=quant, tensor_parallel=tensor_parallel),
+        path,
     )

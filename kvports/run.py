@@ -142,6 +142,7 @@ class Generation:
     text: list[str] | None = None  # each row decoded, prompt and generated, when a tokenizer is given
     padded: np.ndarray | None = None  # [B, P + N] as the port returned it, PAD where a row is short or stopped
     logprobs: list[list[dict[str, Any]]] | None = None  # per row, per generated token: see `step_logprobs`
+    answer: list[str] | None = None  # what each row generated, decoded without special tokens (with a tokenizer)
 
 
 def check_names(framework: object, dtype: object, device: object, names: Names) -> None:
@@ -171,6 +172,38 @@ def read_model(
             check_weights(config, dtype)
         check_q4_file(quant, file.has_q4(), file.source, names)
         return config, file.read(dtype, quant), checked
+
+
+def model_tokenizer(weights: Path | None, config: ModelConfig) -> Any:
+    """A weights file's own tokenizer, checked against the model's vocabulary: a GGUF file's (its
+    metadata), or the tokenizer.json `kvports convert` wrote beside a safetensors file; else None."""
+    from kvports.formats.hf.text import check_vocabulary, load_tokenizer
+
+    if weights is None:
+        return None
+    from kvports.formats.gguf.tokenizer import gguf_tokenizer, has_tokenizer
+
+    if has_tokenizer(weights):
+        return check_vocabulary(gguf_tokenizer(weights), config.vocab_size)
+    beside = tokenizer_beside(weights)
+    return None if beside is None else check_vocabulary(load_tokenizer(beside), config.vocab_size)
+
+
+def tokenizer_beside(weights: Path) -> Path | None:
+    """The tokenizer.json `kvports convert` keeps beside the weights it writes (a folder's, with --to-hf)."""
+    folder = weights if weights.is_dir() else weights.parent
+    found = folder / "tokenizer.json"
+    return found if found.is_file() and not weights.suffix == ".gguf" else None
+
+
+def chat_ids(weights: Path | None, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
+    """A chat's prompt ids in the weights' own template (a GGUF file's, or the chat template
+    `kvports convert` kept beside the weights)."""
+    from kvports.formats import chat
+
+    if weights is None:
+        raise UserError("a chat needs a model with a chat template: give --model NAME or --weights FILE.gguf")
+    return chat.chat_ids(weights, messages, tokenizer)
 
 
 def check_weights(config: ModelConfig, dtype: str) -> None:
@@ -455,14 +488,16 @@ def result_of(
 ) -> Generation:
     P = prompts.shape[1]
     rows, prompt_rows = row_tokens(tokens), row_tokens(prompts)
-    text = None
+    text = answer = None
+    generated = [row[len(prompt) :] for row, prompt in zip(rows, prompt_rows, strict=True)]
     if tokenizer is not None:
-        from kvports.formats.hf.text import decode
+        from kvports.formats.hf.text import decode, decode_answer
 
         text = [decode(tokenizer, row) for row in rows]  # prompt and generated, as `tokens` holds them
+        answer = [decode_answer(tokenizer, row) for row in generated]
     return Generation(
         tokens=rows,
-        generated=[row[len(prompt) :] for row, prompt in zip(rows, prompt_rows, strict=True)],
+        generated=generated,
         finish_reason=finish_reasons(tokens, P, inputs.generation.stop_ids),
         logits=logits,
         speculative=None if counts is None else speculative_summary(counts, inputs, tokens, P),
@@ -470,6 +505,7 @@ def result_of(
         first_token_seconds=first_token_seconds,
         text=text,
         padded=tokens,
+        answer=answer,
     )
 
 

@@ -3,6 +3,7 @@ settings. Helpers and constants live in tests/helpers/ (a module per role); noth
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -50,6 +51,26 @@ def _flags_jaxlib_knows(flags: dict[str, str]) -> str:
 
 if "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = _flags_jaxlib_knows(FAST_COMPILE)
+
+
+
+def _test_home() -> Path:
+    """$KVPORTS_HOME for the session: a folder of the checkout's, so no test writes the load cache or
+    JAX's into the user's; the fetched real model (if any) is linked into it, so the tests that need it find it."""
+    from kvports.hub import MODELS, home
+
+    user, tests = home(), Path(__file__).resolve().parent.parent / ".pytest_cache" / "kvports-home"
+    tests.mkdir(parents=True, exist_ok=True)
+    for model in MODELS.values():
+        link = tests / model.filename
+        if (user / model.filename).is_file() and not link.exists() and user != tests:
+            link.unlink(missing_ok=True)  # a link left dangling
+            with contextlib.suppress(FileExistsError):  # another worker linked it first
+                link.symlink_to(user / model.filename)
+    return tests
+
+
+os.environ["KVPORTS_HOME"] = str(_test_home())
 
 import pytest  # noqa: E402
 

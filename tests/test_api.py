@@ -269,3 +269,88 @@ def test_one_generate_call_checks_its_inputs_once(monkeypatch):
 def test_time_to_first_token_is_measured_when_tokens_stream(model):
     assert model.generate(SEED, 3).first_token_seconds is None
     assert model.generate(SEED, 3, on_token=lambda token: None).first_token_seconds is not None
+
+
+# ---------------------------------------------------------------- words in, words out
+
+QUESTION = [{"role": "user", "content": "hi there"}]
+
+
+@pytest.fixture(scope="module", params=registry.PORTS)
+def text_model(request, chat_model):
+    """Each framework's model of a tiny GGUF file with a byte-level tokenizer and a ChatML template."""
+    port_or_skip(request.param)
+    return kvports.load(request.param, chat_model)
+
+
+def cli_json(capsys, model, *flags: str) -> dict:
+    code, out, err = run_cli(
+        capsys, "generate", "--framework", model.framework, "--mode", "cached", "--weights", model.weights, "--json",
+        *flags,
+    )
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_a_text_prompt_is_encoded_as_the_command_lines_text(text_model, capsys):
+    out = text_model.generate("hello world", new_tokens=4)
+    given = cli_json(capsys, text_model, "--text", "hello world", "--new-tokens", "4")
+    assert (out.tokens, out.text, out.answer) == (given["tokens"], given["text"], given["answer"])
+
+
+def test_chat_renders_the_files_template_as_the_command_lines_chat(text_model, capsys):
+    out = text_model.chat(QUESTION, new_tokens=4)
+    given = cli_json(capsys, text_model, "--chat", "hi there", "--new-tokens", "4")
+    assert (out.tokens, out.answer) == (given["tokens"], given["answer"])
+
+
+def test_stream_yields_the_chats_answer_in_pieces(text_model):
+    pieces = list(text_model.stream(messages=QUESTION, new_tokens=6, stop_ids=[]))
+    answer = text_model.chat(QUESTION, new_tokens=6, stop_ids=[]).answer[0]
+    assert "".join(pieces) == answer.rstrip("\ufffd")  # a character cut off by new_tokens is never yielded
+
+
+def test_stream_never_splits_a_character_of_several_bytes(monkeypatch, chat_model):
+    """Each UTF-8 byte of "é東" as its own token: the pieces are whole characters, never half of one."""
+    from kvports import run
+    from kvports.formats.gguf.tokenizer import byte_alphabet
+
+    model = kvports.load("numpy", chat_model)
+    spelling = byte_alphabet()
+    ids = [model.tokenizer.token_to_id(spelling[byte]) for byte in "é東".encode()]
+
+    def bytewise(loaded, prompts, inputs, return_logits=False, on_token=None, tokenizer=None):
+        for token in ids:
+            on_token(np.array([token]))
+
+    monkeypatch.setattr(run, "generate", bytewise)
+    assert list(model.stream("hi", new_tokens=len(ids))) == ["é", "東"]
+
+
+def test_leaving_a_stream_early_stops_its_generation(chat_model):
+    import threading
+
+    model = kvports.load("numpy", chat_model)
+    stream = model.stream(messages=QUESTION, new_tokens=30, stop_ids=[])
+    next(piece for piece in stream if piece)
+    stream.close()
+    assert not any(thread.name == "kvports-stream" for thread in threading.enumerate())
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda model: model.chat(QUESTION),
+        lambda model: next(model.stream("hello")),
+        lambda model: model.generate("hello"),
+    ],
+    ids=["chat", "stream", "text"],
+)
+def test_words_need_a_model_with_a_tokenizer(call):
+    message = api_message(lambda: call(kvports.load("numpy")))
+    assert "tokenizer" in message or "prompt token 'hello' is not an integer" in message
+
+
+def test_bad_messages_are_refused_naming_the_argument(chat_model):
+    model = kvports.load("numpy", chat_model)
+    assert "messages: message 0" in api_message(lambda: model.chat([{"role": "robot", "content": "x"}]))

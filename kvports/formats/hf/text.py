@@ -43,12 +43,12 @@ def check_vocabulary(tokenizer: Any, vocab_size: int) -> Any:
     return tokenizer
 
 
-def encode(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+def encode(tokenizer: Any, texts: Sequence[str], what: str = "--text") -> list[list[int]]:
     for text in texts:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (surrogate-escaped by Python)
-            raise UserError(f"--text {echo(text)} is not valid UTF-8") from None
+            raise UserError(f"{what} {echo(text)} is not valid UTF-8") from None
     # Special tokens (a BOS, say) are added as transformers' tokenizer would by default.
     return [tokenizer.encode(text).ids for text in texts]
 
