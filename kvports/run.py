@@ -225,7 +225,31 @@ def load_port(framework: str) -> Port:
     except registry.PortUnavailable as exc:
         raise UserError(str(exc)) from None
     settle_threads()  # torch's thread pools exist only once it is imported
+    if framework == "jax":
+        use_jax_cache()
     return port
+
+
+JAX_CACHE_VARIABLE = "KVPORTS_JAX_CACHE"  # "0": JAX compiles every run again
+
+
+def use_jax_cache() -> None:
+    """JAX's persistent compilation cache under $KVPORTS_HOME/jax, on unless KVPORTS_JAX_CACHE=0 (or
+    --no-jax-cache) or JAX_COMPILATION_CACHE_DIR already names one: a second run of the same shapes
+    loads what the first compiled instead of compiling the layer loop again."""
+    import os
+
+    if os.environ.get(JAX_CACHE_VARIABLE, "1") in ("0", "false", "no", "off") or os.environ.get(
+        "JAX_COMPILATION_CACHE_DIR"
+    ):
+        return
+    import jax
+
+    from kvports.hub import home
+
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(home() / "jax"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the small helpers too: they add up
 
 
 def port_for(
@@ -264,6 +288,8 @@ def usable_ports(
         else:
             reasons[name] = str(problems[name])
     settle_threads()  # torch's thread pools exist only once it is imported
+    if "jax" in ports:
+        use_jax_cache()
     check_gpu_reachable(device, problems, shown(names, "device", device))
     for name in ports:
         check_parallel_devices(

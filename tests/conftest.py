@@ -53,7 +53,6 @@ if "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = _flags_jaxlib_knows(FAST_COMPILE)
 
 
-
 def _test_home() -> Path:
     """$KVPORTS_HOME for the session: a folder of the checkout's, so no test writes the load cache or
     JAX's into the user's; the fetched real model (if any) is linked into it, so the tests that need it find it."""

@@ -285,7 +285,15 @@ def text_model(request, chat_model):
 
 def cli_json(capsys, model, *flags: str) -> dict:
     code, out, err = run_cli(
-        capsys, "generate", "--framework", model.framework, "--mode", "cached", "--weights", model.weights, "--json",
+        capsys,
+        "generate",
+        "--framework",
+        model.framework,
+        "--mode",
+        "cached",
+        "--weights",
+        model.weights,
+        "--json",
         *flags,
     )
     assert code == 0, err

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -63,6 +63,10 @@ COMMANDS = {
         ("batch", "--bench", "--preset", "seed", "--count", "2"), {"framework": "--frameworks", **COMMON}
     ),
     "check": Command(("check", "{implementation}"), {}),
+    "chat": Command(
+        ("chat", "--new-tokens", "2"),
+        {"framework": "--framework", **{key: flag for key, flag in COMMON.items() if key != "tensor_parallel"}},
+    ),
 }
 EVERY_COMMAND = (*COMMANDS, API)
 
@@ -249,6 +253,12 @@ RULES = {
         },
     ),
 }
+# chat answers in its one cached loop on one device: a rule about the flags it lacks skips it
+CHAT_LACKS = {"mode": "--mode", "draft": "--draft", "tensor_parallel": "--tensor-parallel", "logprobs": "--logprobs"}
+for _name, _rule in RULES.items():
+    _lacking = [flag for key, flag in CHAT_LACKS.items() if key in _rule.given]
+    if _lacking:
+        RULES[_name] = replace(_rule, skip={**_rule.skip, "chat": takes_no(*_lacking)})
 PAIRS = [(rule, command) for rule in RULES for command in EVERY_COMMAND]
 
 

@@ -122,8 +122,10 @@ class Entry:
 
     def discard(self, what: str, why: str) -> None:
         """A corrupt entry: said once on stderr, removed, then built again by the caller."""
-        print(f"warning: the load cache's {what} for {self.source.name} failed a check ({why}); rebuilding it",
-              file=sys.stderr)
+        print(
+            f"warning: the load cache's {what} for {self.source.name} failed a check ({why}); rebuilding it",
+            file=sys.stderr,
+        )
         with contextlib.suppress(OSError):
             (self.folder / what).unlink()
 
@@ -299,7 +301,6 @@ def open_gguf(path: os.PathLike) -> CachedGGUFWeights | GGUFWeights:
     if entry is not None and cached is not None:
         return CachedGGUFWeights(path, entry, cached)
     return GGUFWeights(path, entry)
-
 
 
 def gguf_text(path: os.PathLike) -> Text:

@@ -139,7 +139,8 @@ def array_bytes(meta: Metadata, key: str, item: int) -> tuple[bytes, int] | None
 
 
 def refuse_type(meta: Metadata, key: str, field: Any, item: Any) -> NoReturn:
-    raise meta.refuse(key, f"<{' of '.join(kind.name for kind in field.types)}>", f"must be a list of {item.name.lower()}s")
+    kinds = " of ".join(kind.name for kind in field.types)
+    raise meta.refuse(key, f"<{kinds}>", f"must be a list of {item.name.lower()}s")
 
 
 def strings(meta: Metadata, key: str) -> list[str]:

@@ -1,0 +1,203 @@
+"""`kvports chat`: a conversation with one loaded model, turn after turn, in its own chat template.
+
+Each answer is streamed as it is made (decoded incrementally, never half a character), then its
+tokens/s. The conversation is kept across turns; when it no longer fits the model's context with
+the new tokens an answer may take, its oldest turns are dropped, with a notice. `/reset` starts
+again, `/exit` or Ctrl-D leaves, Ctrl-C stops the answer being written and the chat goes on. From a
+pipe, each line is a user turn. The model is read, checked and loaded once, through the run layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+import numpy as np
+
+from kvports import registry
+from kvports import run as layer
+from kvports.commands.inputs import add_generation_arguments, generation_of
+from kvports.devices import add_device_argument
+from kvports.families import describe
+from kvports.flags import add_quant_argument, add_threads_argument, add_weights_arguments, positive_int
+from kvports.shared.config import DTYPES
+from kvports.shared.errors import UserError
+from kvports.threads import use_threads
+
+HELP = "chat with one model, turn after turn: streamed answers, /reset, /exit, Ctrl-C stops an answer"
+COMMANDS = "/reset starts again, /exit or Ctrl-D leaves, Ctrl-C stops an answer"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--framework", choices=registry.PORTS, default="numpy", help="default numpy")
+    add_weights_arguments(parser)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
+    add_quant_argument(parser)
+    add_device_argument(parser)
+    add_threads_argument(parser)
+    parser.add_argument(
+        "--new-tokens", type=positive_int, default=256, metavar="N", help="tokens an answer may take (default 256)"
+    )
+    parser.add_argument("--system", default=None, metavar="TEXT", help="a system message opening the conversation")
+    parser.add_argument(
+        "--no-jax-cache", action="store_true", help="compile again rather than use JAX's cache in $KVPORTS_HOME"
+    )
+    add_generation_arguments(parser)
+
+
+@dataclasses.dataclass
+class Conversation:
+    """The messages so far, the system message (kept when older turns are dropped) first."""
+
+    system: str | None
+    messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
+
+    def reset(self) -> None:
+        self.messages = []
+
+    def all(self) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return head + self.messages
+
+
+class Chat:
+    """One loaded model and its run's inputs, answering a conversation turn by turn."""
+
+    def __init__(self, args: argparse.Namespace, out: TextIO | None = None):
+        if args.no_jax_cache:
+            os.environ[layer.JAX_CACHE_VARIABLE] = "0"
+        self.out = sys.stdout if out is None else out
+
+        def check(config: Any) -> tuple[layer.RunInputs, Any]:
+            inputs = layer.RunInputs(
+                args.framework,
+                "cached",
+                generation_of(args, config),
+                args.weights,
+                args.dtype,
+                args.device,
+                quant=args.quant,
+                threads=args.threads,
+            )
+            layer.check_inputs(inputs, config, [[0]])  # the flags, once, before anything loads
+            return inputs, layer.model_tokenizer(args.weights, config)
+
+        config, tensors, checked = layer.read_model(args.weights, args.dtype, check, args.quant)
+        assert checked is not None
+        self.inputs, self.tokenizer = checked
+        port = layer.port_for(args.framework, args.device)  # what only the imported port can tell, as generate
+        if self.tokenizer is None:  # said after the rules of the run, which come first in every command
+            raise UserError(
+                "kvports chat needs a model with a tokenizer and a chat template: --model NAME or "
+                "--weights FILE.gguf (or a file kvports convert wrote, with tokenizer.json beside it)"
+            )
+        use_threads(args.threads)
+        self.loaded = layer.load_model(
+            args.framework, config, tensors, args.dtype, args.device, quant=args.quant, port=port
+        )
+        self.config = config
+        self.conversation = Conversation(args.system)
+        self.prompt_ids(self.conversation.all() + [{"role": "user", "content": "hi"}])  # the template renders
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return layer.chat_ids(self.inputs.weights, messages, self.tokenizer)
+
+    def fitted(self, user: str) -> list[int] | None:
+        """The conversation with the user's new turn, as prompt ids that leave room for an answer's
+        new tokens: the oldest turns dropped (with a notice) until it fits; None when even the new
+        turn alone does not."""
+        self.conversation.messages.append({"role": "user", "content": user})
+        room = self.config.max_seq_len - self.inputs.generation.max_new_tokens
+        dropped = 0
+        while True:
+            ids = self.prompt_ids(self.conversation.all())
+            if len(ids) <= room:
+                break
+            if len(self.conversation.messages) <= 1:
+                self.conversation.messages.pop()
+                self.notice(
+                    f"this message is {len(ids)} tokens with the template: with --new-tokens "
+                    f"{self.inputs.generation.max_new_tokens} the context holds {room}; say less, or lower --new-tokens"
+                )
+                return None
+            self.conversation.messages.pop(0)
+            dropped += 1
+        if dropped:
+            self.notice(
+                f"the context is full ({self.config.max_seq_len} tokens): the oldest {dropped} "
+                f"message{'s' if dropped > 1 else ''} dropped"
+            )
+        return ids
+
+    def notice(self, text: str) -> None:
+        print(f"[{text}]", file=sys.stderr, flush=True)
+
+    def answer(self, user: str) -> None:
+        """One turn: the answer streamed to `out` and kept in the conversation (as far as it got, when
+        Ctrl-C stopped it)."""
+        from tokenizers.decoders import DecodeStream
+
+        ids = self.fitted(user)
+        if ids is None:
+            return
+        batch = layer.check_and_prepare(self.loaded, self.inputs, [ids])  # [1, P]
+        decoder = DecodeStream(skip_special_tokens=True)
+        made: list[int] = []
+        text: list[str] = []
+
+        def heard(token: np.ndarray) -> None:  # token [1]
+            made.append(int(token[0]))
+            piece = decoder.step(self.tokenizer, made[-1])
+            if piece:
+                text.append(piece)
+                self.out.write(piece)
+                self.out.flush()
+
+        start = time.perf_counter()
+        stopped = False
+        try:
+            layer.generate(self.loaded, batch, self.inputs, on_token=heard)
+        except KeyboardInterrupt:
+            stopped = True
+        seconds = time.perf_counter() - start
+        self.out.write("\n")
+        self.out.flush()
+        self.conversation.messages.append({"role": "assistant", "content": "".join(text)})
+        rate = len(made) / seconds if seconds > 0 else 0.0
+        self.notice(f"{'stopped: ' if stopped else ''}{len(made)} tokens, {rate:.1f} tokens/s")
+
+
+def read_turn(interactive: bool) -> str | None:
+    """The user's next line; None at the end of input (Ctrl-D)."""
+    try:
+        return input("> ") if interactive else sys.stdin.readline().removesuffix("\n") or None
+    except EOFError:
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    chat = Chat(args)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"kvports chat: {args.framework}, {describe(chat.config)}; {COMMANDS}", file=sys.stderr, flush=True)
+    while True:
+        try:
+            line = read_turn(interactive)
+        except KeyboardInterrupt:  # at the prompt: a fresh line, the chat goes on
+            print(f"\n[{COMMANDS}]", file=sys.stderr, flush=True)
+            continue
+        if line is None or line.strip() == "/exit":
+            if interactive and line is None:
+                print(file=sys.stderr)
+            return 0
+        if line.strip() == "/reset":
+            chat.conversation.reset()
+            chat.notice("the conversation starts again")
+            continue
+        if not line.strip():
+            continue
+        chat.answer(line)
