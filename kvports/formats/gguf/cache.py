@@ -277,7 +277,7 @@ class CachedGGUFWeights(Closing):
                 tensors[name] = cast_checked(name, array, dtype, self.source)
         except Corrupt as exc:
             self.entry.discard(TENSORS, str(exc))
-            with GGUFWeights(self.source) as file:
+            with GGUFWeights(self.source, self.entry) as file:  # read again, and kept again
                 return file.read(dtype, quant)
         if quant == "q4":  # the file's own 4-bit blocks: from the GGUF file, which only they need
             with GGUFWeights(self.source) as file:
@@ -308,11 +308,12 @@ def gguf_text(path: os.PathLike) -> Text:
     its metadata (one `error:` line for a tokenizer that cannot be built; nothing kept then). Once per
     version of the file in a process: a run asks for the tokenizer and the template apart."""
     status = os.stat(path)
-    return text_of(str(Path(path).resolve()), status.st_size, status.st_mtime_ns, status.st_ino, enabled())
+    where = str(cache_root()) if enabled() else None
+    return text_of(str(Path(path).resolve()), status.st_size, status.st_mtime_ns, status.st_ino, where)
 
 
 @functools.lru_cache(maxsize=2)
-def text_of(path: str, size: int, mtime_ns: int, inode: int, cache: bool) -> Text:
+def text_of(path: str, size: int, mtime_ns: int, inode: int, cache: str | None) -> Text:
     from kvports.formats.gguf.tokenizer import read_text
 
     entry = entry_for(path)
