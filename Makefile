@@ -1,6 +1,10 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create the
 # virtualenv first. torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
 PYTHON ?= python3
+# Where torch comes from. Empty: pip's own configuration (on the machine this was built on, a local
+# CPU wheel). Elsewhere, PyPI's default torch for Linux x86-64 is a CUDA build of several GB: take
+# PyTorch's CPU build with `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
+TORCH_INDEX ?=
 VENV ?= .venv
 BIN := $(VENV)/bin
 # A second virtualenv holding kvports alone (no torch, no JAX): the NumPy-only install.
@@ -12,7 +16,7 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install --quiet -e '.[all]'
 	touch $@
 

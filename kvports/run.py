@@ -498,8 +498,22 @@ def generate(
         tokenizer,
     )
     if inputs.logprobs and logits is not None:
-        result = replace(result, logprobs=step_logprobs(logits, tokens, prompts.shape[1], inputs.logprobs))
+        steps = step_logprobs(logits, tokens, prompts.shape[1], inputs.logprobs)
+        result = replace(result, logprobs=steps if tokenizer is None else with_token_text(steps, tokenizer))
     return result
+
+
+def with_token_text(rows: list[list[dict[str, Any]]], tokenizer: Any) -> list[list[dict[str, Any]]]:
+    """Each logprobs entry and its alternatives with the token's own text ("text") beside its id."""
+    from kvports.formats.hf.text import decode
+
+    def spelled(entry: dict[str, Any]) -> dict[str, Any]:
+        return {"token": entry["token"], "text": decode(tokenizer, [entry["token"]]), "logprob": entry["logprob"]}
+
+    return [
+        [{**spelled(step), "top": [spelled(alternative) for alternative in step["top"]]} for step in steps]
+        for steps in rows
+    ]
 
 
 def result_of(

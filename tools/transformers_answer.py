@@ -3,7 +3,7 @@ ports' in the README. transformers dequantizes the file (GgufConfig(dequantize=T
 it multiplies the packed blocks in float32 whatever dtype is asked) and renders the file's chat
 template itself.
 
-    python tools/transformers_answer.py ~/.cache/kvports/SmolLM2-135M-Instruct.Q4_1.gguf \
+    python tools/transformers_answer.py "${KVPORTS_HOME:-$HOME/.cache/kvports}/SmolLM2-135M-Instruct.Q4_1.gguf" \
         "What is the capital of France?"
 """
 

@@ -60,32 +60,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 class Stream:
     """on_token for --stream: each step's tokens as they reach the host. One row with a
-    tokenizer prints its text as it grows; otherwise one line per step (`-` for a row that
-    has stopped), or with --json one JSON object per line."""
+    tokenizer prints its answer as it grows, each piece once (tokenizers' DecodeStream: never
+    half a character); otherwise one line per step (`-` for a row that has stopped), or with
+    --json one JSON object per line."""
 
     def __init__(self, batch: int, tokenizer: Any, as_json: bool):
         self.batch, self.tokenizer, self.as_json = batch, tokenizer, as_json
-        self.step, self.shown = 0, ""
-        self.generated: list[int] = []
+        self.step = 0
+        self.decoder: Any = None
+        if not as_json and batch == 1 and tokenizer is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self.decoder = DecodeStream(skip_special_tokens=True)
+
+    @property
+    def shows_text(self) -> bool:
+        return self.decoder is not None
 
     def __call__(self, token: np.ndarray) -> None:
         ids = [int(t) for t in token]
         if self.as_json:
             print(json.dumps({"step": self.step, "tokens": ids}), flush=True)
-        elif self.batch == 1 and self.tokenizer is not None:
-            from kvports.formats.hf.text import decode
-
-            if ids[0] != PAD:
-                self.generated.append(ids[0])
-                text = decode(self.tokenizer, self.generated)  # the whole text again: pieces may merge
-                print(text[len(self.shown) :], end="", flush=True)
-                self.shown = text
+        elif self.decoder is not None:
+            piece = self.decoder.step(self.tokenizer, ids[0]) if ids[0] != PAD else None
+            if piece:
+                print(piece, end="", flush=True)
         else:
             print(f"  step {self.step:>4}  " + " ".join("-" if t == PAD else str(t) for t in ids), flush=True)
         self.step += 1
 
     def close(self) -> None:
-        if not self.as_json and self.batch == 1 and self.tokenizer is not None:
+        if self.decoder is not None:
             print(flush=True)
 
 
@@ -151,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     for index, (row, generated) in enumerate(zip(result.tokens, result.generated, strict=True)):
         print(f"  prompt    {' '.join(map(str, row[: len(row) - len(generated)]))}")
         print(f"  generated {' '.join(map(str, generated))}  ({result.finish_reason[index]})")
-        if result.text is not None:
+        if result.text is not None and not (stream is not None and stream.shows_text):  # streamed: shown once
             print(f"  text      {result.text[index]}")
             print(f"  answer    {answers(given.tokenizer, [generated])[0]}")
         if result.logprobs is not None:
@@ -207,10 +212,18 @@ def describe_generation(generation: GenerationConfig) -> str:
 
 
 def logprob_lines(steps: list[dict[str, Any]]) -> list[str]:
-    """One row's --logprobs, a line per step: the token and its log-probability, then the
-    likeliest tokens of that step, rounded to 4 decimals (the ports differ in float rounding only)."""
+    """One row's --logprobs, a line per step: the token (and its text, with a tokenizer) and its
+    log-probability, then the likeliest tokens of that step, rounded to 4 decimals (the ports
+    differ in float rounding only)."""
     return [
-        f"    step {step:>4}  {entry['token']:>6} {entry['logprob']:9.4f}   top: "
-        + ", ".join(f"{alternative['token']} {alternative['logprob']:.4f}" for alternative in entry["top"])
+        f"    step {step:>4}  {entry['token']:>6}{spelled(entry)} {entry['logprob']:9.4f}   top: "
+        + ", ".join(
+            f"{alternative['token']}{spelled(alternative)} {alternative['logprob']:.4f}" for alternative in entry["top"]
+        )
         for step, entry in enumerate(steps)
     ]
+
+
+def spelled(entry: dict[str, Any]) -> str:
+    """A token's text beside its id, quoted as JSON quotes it (a space or a newline shows): ' "Hello"'."""
+    return f" {json.dumps(entry['text'], ensure_ascii=False)}" if "text" in entry else ""

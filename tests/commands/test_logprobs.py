@@ -4,6 +4,9 @@ every port. (Out of bounds: tests/bad_input/test_sizes.py.)"""
 
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
 from scipy.special import log_softmax
@@ -61,3 +64,27 @@ def test_the_api_returns_logprobs(port):
     assert [step["token"] for step in result.logprobs[0]] == result.generated[0]
     with pytest.raises(kvports.UserError, match=r"^logprobs=21 is above 20$"):
         kvports.load(port.NAME).generate(SEED, new_tokens=3, logprobs=21)
+
+
+def test_with_a_tokenizer_each_token_shows_its_text_beside_its_id(capsys, chat_model):
+    from kvports.formats.gguf.tokenizer import gguf_tokenizer
+
+    argv = ["generate", "--framework", "numpy", "--mode", "cached", "--weights", chat_model, "--text", "hi"]
+    code, out, err = run_cli(capsys, *argv, "--new-tokens", "3", "--logprobs", "2", "--no-stop")
+    assert code == 0, err
+    tokenizer = gguf_tokenizer(chat_model)
+    steps = [re.match(r'\s*step\s+\d+\s+(\d+) ("(?:[^"\\]|\\.)*") ', line) for line in out.splitlines()]
+    steps = [step for step in steps if step is not None]  # step N ID "TEXT" LOGPROB top: ...
+    assert len(steps) == 3
+    for step in steps:
+        assert json.loads(step[2]) == tokenizer.decode([int(step[1])], skip_special_tokens=False)
+
+
+def test_a_streamed_answer_is_printed_once(capsys, chat_model):
+    argv = ["generate", "--framework", "numpy", "--mode", "cached", "--weights", chat_model, "--chat", "hi"]
+    code, out, err = run_cli(capsys, *argv, "--new-tokens", "6", "--no-stop", "--stream")
+    assert code == 0, err
+    streamed = out.splitlines()[0]
+    code, given, _ = run_cli(capsys, *argv[:-2], "--chat", "hi", "--new-tokens", "6", "--no-stop", "--json")
+    assert streamed == json.loads(given)["answer"][0].rstrip("\ufffd")
+    assert "  answer" not in out and "  text" not in out

@@ -277,10 +277,10 @@ class CachedGGUFWeights(Closing):
                 tensors[name] = cast_checked(name, array, dtype, self.source)
         except Corrupt as exc:
             self.entry.discard(TENSORS, str(exc))
-            with GGUFWeights(self.source, self.entry) as file:  # read again, and kept again
+            with GGUFWeights(Path(self.source), self.entry) as file:  # read again, and kept again
                 return file.read(dtype, quant)
         if quant == "q4":  # the file's own 4-bit blocks: from the GGUF file, which only they need
-            with GGUFWeights(self.source) as file:
+            with GGUFWeights(Path(self.source)) as file:
                 tensors.update(file.q4_tensors())
         return tensors
 
@@ -316,7 +316,7 @@ def gguf_text(path: os.PathLike) -> Text:
 def text_of(path: str, size: int, mtime_ns: int, inode: int, cache: str | None) -> Text:
     from kvports.formats.gguf.tokenizer import read_text
 
-    entry = entry_for(path)
+    entry = entry_for(Path(path))
     text = None if entry is None else entry.text()
     if text is None:
         text = read_text(Path(path))
