@@ -148,7 +148,7 @@ def check_output_file(path: Path, force: bool, inputs: Sequence[Path] = ()) -> N
         check_writable_folder(path.parent, path.name)
 
 
-OURS = ("config.json", "model.safetensors")  # what `convert --to-hf` writes
+OURS = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")  # what `convert --to-hf` writes
 
 
 def check_output_folder(path: Path, force: bool, inputs: Sequence[Path] = ()) -> None:

@@ -7,6 +7,7 @@ NumPy only: neither transformers nor torch is needed to convert, and nothing is 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +73,7 @@ def from_hf(args: argparse.Namespace) -> int:
     n_params = sum(array.size for array in tensors.values())
     dtype = next(iter(tensors.values())).dtype
     print(f"wrote {out}: {describe(config)}, {n_params:,} parameters, {dtype}, from {args.from_hf}")
+    write_text_files(args.from_hf, out.parent, args.force)
     return 0
 
 
@@ -91,7 +93,42 @@ def from_gguf(args: argparse.Namespace) -> int:
         tensors = weights.read(dtype)
     save_weights(out, tensors, config)
     print(f"wrote {out}: {describe(config)}, {count:,} parameters, {dtype}, dequantized from {args.from_gguf}")
+    write_text_files(args.from_gguf, out.parent, args.force)
     return 0
+
+
+def text_files(source: Path) -> dict[str, bytes]:
+    """The weights' tokenizer (tokenizer.json) and chat template (tokenizer_config.json, as Hugging
+    Face keeps it) to write beside a conversion: a GGUF file's own, or those beside the source."""
+    from kvports.formats.chat import TOKENIZER_CONFIG
+    from kvports.formats.gguf.cache import gguf_text
+    from kvports.formats.gguf.reader import is_gguf
+    from kvports.run import tokenizer_beside
+
+    if not is_gguf(source):
+        folder = source if source.is_dir() else source.parent
+        beside = [name for name in ("tokenizer.json", TOKENIZER_CONFIG) if (folder / name).is_file()]
+        return {} if tokenizer_beside(source) is None else {name: (folder / name).read_bytes() for name in beside}
+    text = gguf_text(source)
+    if text.tokenizer is None:
+        return {}
+    files = {"tokenizer.json": text.tokenizer.encode()}
+    if text.template is not None:
+        files[TOKENIZER_CONFIG] = json.dumps({"chat_template": text.template, **text.special}, indent=2).encode()
+    return files
+
+
+def write_text_files(source: Path, folder: Path, force: bool) -> None:
+    """The tokenizer and chat template beside the converted weights, so --text and --chat work on them."""
+    from kvports.shared.files import write_atomic
+
+    files = text_files(source)
+    for name in files:
+        check_output_file(folder / name, force, inputs=[source])
+    for name, payload in files.items():
+        write_atomic(folder / name, payload)
+    if files:
+        print(f"wrote {', '.join(files)} beside it: the tokenizer and chat template, for --text and --chat")
 
 
 def to_hf(args: argparse.Namespace) -> int:
@@ -113,4 +150,5 @@ def to_hf(args: argparse.Namespace) -> int:
         tensors = weights.read(dtype)  # finite at the dtype written, or refused
     model_type = export_hf(config, tensors, out)
     print(f"wrote {out}: {model_type}-type directory (config.json, model.safetensors) of a {describe(config)}, {dtype}")
+    write_text_files(args.to_hf, out, force=True)  # inside the folder just written
     return 0

@@ -237,19 +237,21 @@ def generation_of(args: argparse.Namespace, config: ModelConfig) -> GenerationCo
 def text_tokenizer(args: argparse.Namespace, config: ModelConfig) -> Any:
     """The tokenizer --text, --chat and decoded output need, checked against the model's
     vocabulary: --tokenizer DIR's, else a GGUF weights file's own; None when there is neither."""
-    from kvports.formats.gguf.tokenizer import gguf_tokenizer, has_tokenizer
+    from kvports.formats.gguf.tokenizer import has_tokenizer
 
     tokenizer_dir: Path | None = getattr(args, "tokenizer", None)
     weights: Path | None = args.weights
-    in_file = tokenizer_dir is None and weights is not None and has_tokenizer(weights)
+    in_file = (
+        tokenizer_dir is None
+        and weights is not None
+        and (has_tokenizer(weights) or run.tokenizer_beside(weights) is not None)  # a GGUF file's, or convert's
+    )
     check_text_flags(getattr(args, "text", None), tokenizer_dir or in_file, args.prompt, chat_given(args))
     from kvports.formats.hf.text import check_vocabulary, load_tokenizer
 
     if tokenizer_dir is not None:
         return check_vocabulary(load_tokenizer(tokenizer_dir), config.vocab_size)
-    if weights is not None and in_file:
-        return check_vocabulary(gguf_tokenizer(weights), config.vocab_size)
-    return None
+    return run.model_tokenizer(weights, config) if in_file else None
 
 
 def chat_given(args: argparse.Namespace) -> bool:

@@ -95,14 +95,40 @@ def gguf_chat_prompt(path: os.PathLike, messages: list[dict[str, str]]) -> str:
     return render_chat(template, messages, special)
 
 
+TOKENIZER_CONFIG = "tokenizer_config.json"  # beside converted weights: the template, as Hugging Face keeps it
+
+
+def template_beside(path: os.PathLike) -> tuple[str, dict[str, str]] | None:
+    """The chat template `kvports convert` keeps beside the weights it writes (in the Hugging Face
+    directory with --to-hf), as tokenizer_config.json's chat_template, bos_token and eos_token."""
+    from kvports.formats.hf.checkpoint import read_json
+
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    if not (folder / TOKENIZER_CONFIG).is_file():
+        return None
+    saved = read_json(folder / TOKENIZER_CONFIG, TOKENIZER_CONFIG)
+    template = saved.get("chat_template") if isinstance(saved, dict) else None
+    if not isinstance(template, str):
+        return None
+    special = {name: saved[name] for name in ("bos_token", "eos_token") if isinstance(saved.get(name), str)}
+    return template, special
+
+
 def gguf_template(path: os.PathLike) -> tuple[str, dict[str, str]]:
     """A GGUF file's chat template and the bos_token / eos_token strings it may use (through the
-    load cache: read from the file's metadata once)."""
+    load cache: read from the file's metadata once), or the one `kvports convert` kept beside
+    converted weights."""
     from kvports.formats.gguf.cache import gguf_text
     from kvports.formats.gguf.reader import is_gguf
 
     if not is_gguf(path):
-        raise UserError("--chat renders a GGUF file's own chat template: give --model NAME or --weights FILE.gguf")
+        beside = template_beside(path)
+        if beside is not None:
+            return beside
+        raise UserError(
+            "--chat renders the model's own chat template: give --model NAME, --weights FILE.gguf, or weights "
+            "kvports convert wrote from one (tokenizer_config.json beside them)"
+        )
     text = gguf_text(path)
     if text.template is None:
         raise UserError(f"GGUF file {echo_path(path)} has no chat template (metadata tokenizer.chat_template)")
