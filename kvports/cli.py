@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from kvports import bench
-from kvports.commands import batch, chat, check, compare, convert, fetch, generate_command, init_weights
+from kvports.commands import batch, chat_command, check, compare, convert, fetch, generate_command, init_weights
 from kvports.flags import OutOfRange, resolve_model
 from kvports.shared.errors import UserError
 from kvports.version import __version__
@@ -29,7 +29,7 @@ EXIT_BROKEN_PIPE = 141  # what a shell reports for a process that SIGPIPE ended:
 # Each module has HELP, add_arguments(parser) and run(args) -> exit status.
 COMMANDS: dict[str, ModuleType] = {
     "generate": generate_command,
-    "chat": chat,
+    "chat": chat_command,
     "compare": compare,
     "init-weights": init_weights,
     "convert": convert,

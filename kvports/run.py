@@ -163,7 +163,7 @@ def read_model(
     (a run's inputs against the model; without one, the weights' own bytes against the limit),
     all before any tensor is read. The third item is what `check` returned. quant "q4": the
     file's 4-bit blocks too, beside the dequantized weights (a file without any is refused)."""
-    with open_weights(weights if weights is not None else DEFAULT_WEIGHTS) as file:
+    with open_model(weights if weights is not None else DEFAULT_WEIGHTS) as file:
         config = file.config.validate_at(dtype)
         checked = None
         if check is not None:
@@ -204,6 +204,15 @@ def chat_ids(weights: Path | None, messages: list[dict[str, str]], tokenizer: An
     if weights is None:
         raise UserError("a chat needs a model with a chat template: give --model NAME or --weights FILE.gguf")
     return chat.chat_ids(weights, messages, tokenizer)
+
+
+def open_model(path: Path) -> Any:
+    """A model's weights file, open: a GGUF file through the load cache (mapped from what its first
+    load kept, `formats.gguf.cache`), any other as `open_weights` opens it."""
+    from kvports.formats.gguf.cache import open_gguf
+    from kvports.formats.gguf.reader import is_gguf
+
+    return open_gguf(path) if is_gguf(path) else open_weights(path)
 
 
 def check_weights(config: ModelConfig, dtype: str) -> None:

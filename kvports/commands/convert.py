@@ -101,8 +101,8 @@ def text_files(source: Path) -> dict[str, bytes]:
     """The weights' tokenizer (tokenizer.json) and chat template (tokenizer_config.json, as Hugging
     Face keeps it) to write beside a conversion: a GGUF file's own, or those beside the source."""
     from kvports.formats.chat import TOKENIZER_CONFIG
-    from kvports.formats.gguf.cache import gguf_text
     from kvports.formats.gguf.reader import is_gguf
+    from kvports.formats.gguf.tokenizer import gguf_text
     from kvports.run import tokenizer_beside
 
     if not is_gguf(source):

@@ -118,8 +118,8 @@ def gguf_template(path: os.PathLike) -> tuple[str, dict[str, str]]:
     """A GGUF file's chat template and the bos_token / eos_token strings it may use (through the
     load cache: read from the file's metadata once), or the one `kvports convert` kept beside
     converted weights."""
-    from kvports.formats.gguf.cache import gguf_text
     from kvports.formats.gguf.reader import is_gguf
+    from kvports.formats.gguf.tokenizer import gguf_text
 
     if not is_gguf(path):
         beside = template_beside(path)

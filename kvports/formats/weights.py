@@ -18,7 +18,7 @@ import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -27,9 +27,6 @@ from kvports.shared.errors import UserError, echo, echo_path
 from kvports.shared.files import write_atomic
 from kvports.shared.quantization import q4_names
 from kvports.shared.shapes import iter_expected
-
-if TYPE_CHECKING:
-    from kvports.formats.gguf.cache import CachedGGUFWeights, Entry
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64", "F16": "float16", "BF16": "bfloat16"}
 DEFAULT_WEIGHTS = Path(__file__).parent.parent / "data" / "seed_model.safetensors"
@@ -230,14 +227,14 @@ class GGUFWeights(Closing):
     in), then checks and casts it as WeightsFile does. As there, a caller checks the bytes a run
     will allocate between the two."""
 
-    def __init__(self, path: os.PathLike, entry: Entry | None = None):
+    def __init__(self, path: os.PathLike, entry: Any = None):
         from kvports.formats.gguf.reader import GGUFFile
 
         self.source = str(path)
         self.file: GGUFFile = GGUFFile(path)
         self.config = self.file.config
         self.dtype = "float32"
-        self.entry = entry  # the load cache's entry, written once the tensors are read (formats.gguf.cache)
+        self.entry = entry  # a load cache Entry (formats.gguf.cache), written once the tensors are read
 
     def read(self, dtype: str | None = None, quant: str = "none") -> dict[str, np.ndarray]:
         """Every tensor, in state_dict order, finite, at `dtype` (None: float32); quant "q4": beside each
@@ -272,14 +269,12 @@ class GGUFWeights(Closing):
         self.file.close()
 
 
-def open_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> WeightsFile | GGUFWeights | CachedGGUFWeights:
-    """Our safetensors weights file, or a GGUF file (by its magic) through the same interface: mapped
-    from the load cache once its first load has kept what it derived (`formats.gguf.cache`)."""
-    from kvports.formats.gguf.cache import open_gguf
+def open_weights(path: os.PathLike = DEFAULT_WEIGHTS) -> WeightsFile | GGUFWeights:
+    """Our safetensors weights file, or a GGUF file (by its magic) through the same interface."""
     from kvports.formats.gguf.reader import is_gguf
 
     refuse_hf_checkpoint(Path(path))
-    return open_gguf(path) if is_gguf(path) else WeightsFile(path)
+    return GGUFWeights(path) if is_gguf(path) else WeightsFile(path)
 
 
 def refuse_hf_checkpoint(path: Path) -> None:

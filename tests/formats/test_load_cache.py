@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from kvports.formats.gguf import cache, reader
-from kvports.formats.gguf.tokenizer import gguf_tokenizer
-from kvports.formats.weights import GGUFWeights, open_weights
+from kvports.formats.gguf.tokenizer import gguf_text, gguf_tokenizer
+from kvports.formats.weights import GGUFWeights
+from kvports.run import open_model
 from tests.helpers.gguf_files import write_gguf
 
 
@@ -33,7 +34,7 @@ def fresh(path) -> dict[str, np.ndarray]:
 
 
 def load(path, dtype="float32") -> tuple[type, dict[str, np.ndarray]]:
-    with open_weights(path) as file:
+    with open_model(path) as file:
         return type(file), file.read(dtype)
 
 
@@ -56,11 +57,11 @@ def test_a_second_load_maps_the_kept_tensors_equal_to_a_fresh_read(home, gguf, m
 
 def test_a_second_load_reads_the_kept_tokenizer_and_template(home, gguf, monkeypatch):
     built = gguf_tokenizer(gguf)
-    template = cache.gguf_text(gguf).template
+    template = gguf_text(gguf).template
     no_gguf_parse(monkeypatch)
     kept = gguf_tokenizer(gguf)
     assert kept.encode("naïve café 東京").ids == built.encode("naïve café 東京").ids
-    assert cache.gguf_text(gguf).template == template and "im_start" in template
+    assert gguf_text(gguf).template == template and "im_start" in template
 
 
 def flip_a_tensor_byte(folder):
@@ -85,12 +86,12 @@ def edit_the_text(folder):
 @pytest.mark.parametrize("damage", [flip_a_tensor_byte, truncate_the_tensors, edit_the_text])
 def test_a_damaged_entry_is_rebuilt_with_a_warning(home, gguf, capsys, damage):
     load(gguf)
-    template = cache.gguf_text(gguf).template
+    template = gguf_text(gguf).template
     (folder,) = [path for path in (home / cache.FOLDER).iterdir() if path.name != "digests"]
     damage(folder)
     cache.text_of.cache_clear()
     _, tensors = load(gguf)
-    assert cache.gguf_text(gguf).template == template
+    assert gguf_text(gguf).template == template
     assert "failed a check" in capsys.readouterr().err
     expected = fresh(gguf)
     assert all(np.array_equal(tensors[name], expected[name]) for name in expected)
@@ -119,7 +120,7 @@ def test_a_forged_digest_record_is_not_trusted(home, gguf):
 
 def test_float64_and_q4_loads_come_from_the_same_entry(home, gguf):
     load(gguf)
-    with open_weights(gguf) as file:
+    with open_model(gguf) as file:
         assert isinstance(file, cache.CachedGGUFWeights)
         tensors = file.read("float64", "q4")
     with GGUFWeights(gguf) as file:

@@ -21,7 +21,7 @@ import os
 import shutil
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -303,23 +303,22 @@ def open_gguf(path: os.PathLike) -> CachedGGUFWeights | GGUFWeights:
     return GGUFWeights(path, entry)
 
 
-def gguf_text(path: os.PathLike) -> Text:
-    """The file's tokenizer, chat template and special strings: from its cache entry, else read from
-    its metadata (one `error:` line for a tokenizer that cannot be built; nothing kept then). Once per
-    version of the file in a process: a run asks for the tokenizer and the template apart."""
+def kept_text(path: os.PathLike, read: Callable[[Path], Text]) -> Text:
+    """The file's tokenizer, chat template and special strings: from its cache entry, else `read`
+    from its metadata (`tokenizer.read_text`; one `error:` line for a tokenizer that cannot be built,
+    and nothing kept then). Once per version of the file in a process: a run asks for the
+    tokenizer and the template apart."""
     status = os.stat(path)
     where = str(cache_root()) if enabled() else None
-    return text_of(str(Path(path).resolve()), status.st_size, status.st_mtime_ns, status.st_ino, where)
+    return text_of(str(Path(path).resolve()), status.st_size, status.st_mtime_ns, status.st_ino, where, read)
 
 
 @functools.lru_cache(maxsize=2)
-def text_of(path: str, size: int, mtime_ns: int, inode: int, cache: str | None) -> Text:
-    from kvports.formats.gguf.tokenizer import read_text
-
+def text_of(path: str, size: int, mtime_ns: int, inode: int, cache: str | None, read: Callable[[Path], Text]) -> Text:
     entry = entry_for(Path(path))
     text = None if entry is None else entry.text()
     if text is None:
-        text = read_text(Path(path))
+        text = read(Path(path))
         if entry is not None:
             entry.save_text(text)
     return text

@@ -178,7 +178,7 @@ def numbers(meta: Metadata, key: str) -> list[int]:
 
 def read_text(path: Path) -> Text:
     """What a GGUF file's metadata says of its text: its tokenizer (as tokenizer.json), chat
-    template and bos_token / eos_token strings. The load cache keeps it (`cache.gguf_text`)."""
+    template and bos_token / eos_token strings. The load cache keeps it (`gguf_text`)."""
     from kvports.formats.gguf.cache import Text
 
     meta = Metadata(open_reader(path), str(path))
@@ -193,17 +193,20 @@ def read_text(path: Path) -> Text:
     return Text(tokenizer, template if isinstance(template, str) else None, special)
 
 
+def gguf_text(path: os.PathLike) -> Text:
+    """A GGUF file's text side (tokenizer, chat template, special strings), through the load cache."""
+    from kvports.formats.gguf.cache import kept_text
+
+    return kept_text(path, read_text)
+
+
 def has_tokenizer(path: os.PathLike) -> bool:
     """A GGUF file with a tokenizer in its metadata: its text is decoded without --tokenizer."""
-    from kvports.formats.gguf.cache import gguf_text
-
     return is_gguf(path) and gguf_text(path).tokenizer is not None
 
 
 def gguf_tokenizer(path: os.PathLike) -> Any:
     """The tokenizer stored in a GGUF file's metadata (a `tokenizers.Tokenizer`)."""
-    from kvports.formats.gguf.cache import gguf_text
-
     text = gguf_text(path)
     if text.tokenizer is None:  # the build's own message names the missing key
         return tokenizer_from_metadata(Metadata(open_reader(Path(path)), str(path)))
