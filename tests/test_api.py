@@ -362,3 +362,23 @@ def test_words_need_a_model_with_a_tokenizer(call):
 def test_bad_messages_are_refused_naming_the_argument(chat_model):
     model = kvports.load("numpy", chat_model)
     assert "messages: message 0" in api_message(lambda: model.chat([{"role": "robot", "content": "x"}]))
+
+
+# JAX passes it too, but at ~40 s (30 layers compiled twice under the suite's -O0 flags, its loop and
+# its streamed step): its answer on this file is tests/test_smollm2.py's, token for token.
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", [name for name in registry.PORTS if name != "jax"])
+def test_the_real_model_answers_in_words_and_streams_the_same_words(framework):
+    """SmolLM2 (skipped until `make model`): the chat's answer, and its stream in pieces."""
+    from kvports.hub import model_path
+
+    port_or_skip(framework)
+    try:
+        model_path("smollm2")
+    except kvports.UserError:
+        pytest.skip("SmolLM2 is not fetched: run make model")
+    smol = kvports.load(framework, model="smollm2", threads=1)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    assert smol.chat(question, new_tokens=12).answer == ["The capital of France is Paris."]
+    pieces = list(smol.stream(messages=question, new_tokens=12))
+    assert len(pieces) > 1 and "".join(pieces) == "The capital of France is Paris."
