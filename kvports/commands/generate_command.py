@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
@@ -22,7 +23,7 @@ from kvports.commands.inputs import (
 from kvports.devices import add_device_argument, tensor_parallel_layout
 from kvports.families import describe
 from kvports.flags import add_speculative_arguments, integer, positive_int
-from kvports.run import Generation, generate, load_model
+from kvports.run import JAX_CACHE_VARIABLE, Generation, generate, load_model
 from kvports.shared.generation import PAD, GenerationConfig
 from kvports.threads import describe_threads, use_threads
 from kvports.validation import MAX_LOGPROBS, MAX_SAMPLES, MODES
@@ -44,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help=f"N samples of each prompt, seeded S, S+1, ..., S+N-1 (S its --seed; at most {MAX_SAMPLES})",
+    )
+    parser.add_argument(
+        "--no-jax-cache", action="store_true", help="compile again rather than use JAX's cache in $KVPORTS_HOME"
     )
     parser.add_argument(
         "--stream", action="store_true", help="print tokens as they are made (with --json: one JSON line per step)"
@@ -95,6 +99,8 @@ class Stream:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.no_jax_cache:
+        os.environ[JAX_CACHE_VARIABLE] = "0"
     given = read_inputs(args, args.framework, args.mode)
     warn_unused(args, args.mode == "speculative")
     use_threads(given.inputs.threads)

@@ -134,3 +134,50 @@ def test_the_cache_is_off_with_its_variable(home, gguf, monkeypatch):
     load(gguf)
     kind, _ = load(gguf)
     assert kind is GGUFWeights and not (home / cache.FOLDER).exists()
+
+
+def test_jax_keeps_what_it_compiles_under_kvports_home_unless_told_not_to(home, monkeypatch):
+    jax = pytest.importorskip("jax")
+    from kvports import run
+
+    previous = jax.config.jax_compilation_cache_dir
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.setenv(run.JAX_CACHE_VARIABLE, "0")
+        run.use_jax_cache()
+        assert jax.config.jax_compilation_cache_dir is None
+        monkeypatch.delenv(run.JAX_CACHE_VARIABLE)
+        run.use_jax_cache()
+        assert jax.config.jax_compilation_cache_dir == str(home / "jax")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+
+
+@pytest.mark.parametrize("elapsed, drawn", [(0.5, False), (1.5, True)])
+def test_a_load_draws_its_bar_on_a_terminal_once_it_has_taken_a_second(monkeypatch, elapsed, drawn):
+    from kvports import progress
+
+    started = []
+
+    class Bar:
+        def start(self):
+            started.append(True)
+
+        def add_task(self, what, total):
+            return 0
+
+        def update(self, task, completed):
+            pass
+
+        def stop(self):
+            pass
+
+    clock = iter([0.0, elapsed, elapsed])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: True)
+    monkeypatch.setattr(progress, "make_progress", lambda quiet: Bar())
+    with progress.load_progress(2, "dequantizing") as advance:
+        read = advance(lambda name: name.upper())
+        assert read("a") == "A"
+    assert bool(started) is drawn
