@@ -4,11 +4,12 @@ and name the known mistake behind each defect (docs/CHECK.md)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import sys
 
-from kvports.checker import FAMILIES, run_check
+from kvports.checker import DEFAULT_TIMEOUT, FAMILIES, run_isolated
+from kvports.flags import OutOfRange, number
+
+MAX_TIMEOUT = 86400  # seconds: a day
 
 HELP = "check your own implementation (the post's TinyModel file, or an adapter) against the reference"
 DESCRIPTION = """\
@@ -58,13 +59,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="seed",
         help="adapters only: seed (the shipped seed model, the default) or a small random model of that family",
     )
-    parser.add_argument("--json", action="store_true", help='print {"ok", "checks": [...], "diagnoses": [...], ...}')
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="drop the longest runs (T = the maximum) and every float64 run: a faster, weaker check",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=seconds,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"how long one call of the implementation may take before it is stopped (TIMEOUT); "
+        f"default {DEFAULT_TIMEOUT:g}",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help='print {"ok", "checks": [...], "diagnoses": [...], "explanations", ...}'
+    )
+
+
+def seconds(text: str) -> float:
+    """A time limit: more than 0, at most a day (a finite number: nan and inf are refused)."""
+    value = number(text)
+    if not 0 < value <= MAX_TIMEOUT:
+        raise OutOfRange(f"{value:g} is not above 0 and at most {MAX_TIMEOUT}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
-    # Whatever the implementation prints goes to stderr: stdout is the report (and --json's one object).
-    with contextlib.redirect_stdout(sys.stderr):
-        report = run_check(args.implementation, args.family)
+    # The checks run in a child process whose stdout and stderr come back on stderr:
+    # stdout is the report (and --json's one object).
+    report = run_isolated(args.implementation, args.family, args.quick, args.timeout)
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
@@ -75,5 +99,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(table)
         for line in report.explanations:
             console.print(f"[bold red]diagnosis[/]: {line}", highlight=False, soft_wrap=True)
+        for line in report.notes:
+            console.print(f"note: {line}", highlight=False, soft_wrap=True)
         print("ok: every check passes" if report.ok else "FAILED: see the diagnosis above")
     return 0 if report.ok else 1
