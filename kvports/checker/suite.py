@@ -39,7 +39,9 @@ TOLERANCE = {"float32": 1e-4, "float64": 1e-10}  # |logit diff| float noise may 
 # Logits an implementation returns in a 16-bit type are held at that type's precision, relative to the largest logit.
 LOW_PRECISION_TOLERANCE = {"bfloat16": 5e-2, "float16": 1e-2}
 MATCH = 1e-3  # a broken variant whose logits are this close to the implementation's is its signature
-_NORM_POSITIONS_GELU = "LayerNorm (weight and bias, eps {eps}), learned positions added to the embeddings, GELU ({gelu})"
+_NORM_POSITIONS_GELU = (
+    "LayerNorm (weight and bias, eps {eps}), learned positions added to the embeddings, GELU ({gelu})"
+)
 _LLAMA_PARTS = (
     "RMSNorm (weight only, eps inside the square root), RoPE (half-split pairs (i, i + Dh/2) as transformers' Llama; "
     "an interleaved implementation permutes q and k rows), SwiGLU (ffn.0 holds gate then up), "
@@ -183,7 +185,9 @@ class Checker:
         line = error.line
         self.explained.add(name)
         seen = (error.function, line, type(error.error))
-        check = Check(name, FAIL, f"raised {type(error.error).__name__}", error.function + (f" ({line})" if line else ""))
+        check = Check(
+            name, FAIL, f"raised {type(error.error).__name__}", error.function + (f" ({line})" if line else "")
+        )
         check.diagnosis = diagnosis
         self.add(check)
         if seen in self.raised_at and diagnosis is None:  # the same slip again, from another check
@@ -220,11 +224,12 @@ class Checker:
         self.logits(model, "float32")
         if not self.quick:
             self.logits(None, "float64")
-        if impl.logits_dtype:
+        low = impl.logits_dtype
+        if low:
             self.report.notes.append(
-                f"the implementation returns {impl.logits_dtype} logits: every logit row is held at {impl.logits_dtype}'s "
-                f"precision ({LOW_PRECISION_TOLERANCE[impl.logits_dtype]:g} of the largest logit), not float32's; "
-                "that is its dtype, not a mistake (load the weights as float32 for the tighter check)"
+                f"the implementation returns {low} logits: every logit row is held at {low}'s precision "
+                f"({LOW_PRECISION_TOLERANCE[low]:g} of the largest logit), not float32's; that is its dtype, "
+                "not a mistake (load the weights as float32 for the tighter check)"
             )
         self.diagnose()
         return self.report
@@ -316,7 +321,9 @@ class Checker:
         assert check.max_abs_diff is not None
         if dtype == "float64" and check.status == FAIL and check.max_abs_diff <= TOLERANCE["float32"] and float32_clean:
             check.status = NOISE_F32
-            check.detail += f"; computes in float32 inside ({FLOAT32_PARTS[self.family]}): float32's noise, not a defect"
+            check.detail += (
+                f"; computes in float32 inside ({FLOAT32_PARTS[self.family]}): float32's noise, not a defect"
+            )
         return check
 
     def float64_model(self) -> Any:

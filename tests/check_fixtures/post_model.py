@@ -59,7 +59,7 @@ class TinyModel(nn.Module):
         if MISTAKE == "position_offset":
             S = 0
         x = self.emb(idx) + self.pos.weight[S : S + T]  # [B, T, d]
-        for block, cache in zip(self.blocks, caches):
+        for block, cache in zip(self.blocks, caches, strict=True):
             x = block(x, cache)
         return self.head(self.ln(x))  # [B, T, vocab]
 
