@@ -116,8 +116,12 @@ def to_numpy(array: Any) -> np.ndarray:
         if dtype_name(array) in LOW_PRECISION:
             array = array.float()
         return array.numpy()
-    if isinstance(array, (list, tuple)):  # a nested list, or one of tensors: each item as its values
-        return np.asarray([to_numpy(item) for item in array]) if array else np.asarray(array)
+    if isinstance(array, (list, tuple)):  # a nested list of numbers, or a list of tensors: each item as its values
+        with contextlib.suppress(ValueError, TypeError):
+            numbers = np.asarray(array)
+            if numbers.dtype != object:
+                return numbers
+        return np.asarray([to_numpy(item) for item in array])
     if not hasattr(array, "__array__") and callable(getattr(array, "numpy", None)):  # TensorFlow's eager tensors
         array = array.numpy()
     array = np.asarray(array)

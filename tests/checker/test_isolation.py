@@ -54,7 +54,7 @@ def test_an_implementation_that_ends_or_hangs_on_import_is_one_error_line(capsys
 
 def test_what_the_implementation_writes_goes_to_stderr_and_json_stays_one_object(capsys, tmp_path):
     # From Python (print) and as native code would (a write to file descriptor 1).
-    writes = 'import os; os.write(1, b"written to fd 1\\n"); print("printed")\n    '
+    writes = 'import os; os.write(1, b"written to fd 1\\n"); print("printed")\n'
     path = variant(tmp_path, ADAPTER, FULL, FULL + "    " + writes)
     code, out, err = run_cli(capsys, "check", path, "--quick", "--json")
     assert code == 0 and json.loads(out)["ok"]
