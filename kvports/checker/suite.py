@@ -114,7 +114,11 @@ def compare_logits(
     return check
 
 
-def compare_generated(name: str, reference: np.ndarray, ref_logits: np.ndarray, tokens: np.ndarray, P: int) -> Check:
+def compare_generated(
+    name: str, reference: np.ndarray, ref_logits: np.ndarray, tokens: np.ndarray, P: int, near_tie: float = NEAR_TIE
+) -> Check:
+    """Generated tokens [B, P + n] against the reference's; where they part at a reference margin
+    below near_tie (float noise's, or a 16-bit dtype's), that is noise."""
     agreement = compare_tokens(reference, tokens, P, ref_logits)
     n = reference.shape[1] - P
     if agreement.agree:
@@ -122,9 +126,10 @@ def compare_generated(name: str, reference: np.ndarray, ref_logits: np.ndarray, 
     step, row = agreement.first_divergent_step, agreement.divergent_row
     assert step is not None and row is not None and agreement.reference_margin is not None
     margin = agreement.reference_margin
-    status = NOISE if agreement.explained else FAIL
+    tie = agreement.explained or margin < near_tie
+    status = NOISE if tie else FAIL
     detail = f"tokens part at step {step}: reference margin {margin:.1e}" + (
-        f" (a near-tie, below {NEAR_TIE:g})" if agreement.explained else ""
+        f" (a near-tie, below {max(near_tie, NEAR_TIE):.2g})" if tie else ""
     )
     return Check(name, status, detail, where(step, row, P + step), None, step, row, P + step, margin)
 
@@ -249,7 +254,8 @@ class Checker:
             except ImplementationError as error:
                 self.raised(name, error)
                 continue
-            check = self.add(compare_generated(name, reference, ref_logits, tokens, prompt.shape[1]))
+            near_tie = self.tolerance("float32", ref_logits) if self.impl.logits_dtype else NEAR_TIE
+            check = self.add(compare_generated(name, reference, ref_logits, tokens, prompt.shape[1], near_tie))
             if check.status == FAIL and mode == "cached":
                 self.failed_tokens.append((check, prompt, tokens))
             if self.impl.training(model):
