@@ -113,6 +113,7 @@ SLOWEST_FILES = (
     "test_loops.py",
     "test_quant.py",
     "test_check.py",
+    "checker/test_isolation.py",  # a child process per check, each importing the checker
     "test_jax_compilation.py",
     "test_random_configs.py",
     "commands/test_compare_figures.py",
