@@ -251,3 +251,22 @@ def test_help_names_the_interfaces_and_the_tensor_names(capsys):
     out = capsys.readouterr().out
     for phrase in ("generate_cached(model, prompt, n)", "step(model, tokens [B, T], state)", "blocks.{i}.qkv", "exit"):
         assert phrase in out.lower() or phrase in out, phrase
+
+
+def test_the_documented_rope_permutation_lets_interleaved_pairs_compute_the_same():
+    # docs/CHECK.md: an implementation rotating pairs (2i, 2i + 1) permutes each head's q and k rows
+    # with w.reshape(H, 2, Dh // 2, D).transpose(0, 2, 1, 3).reshape(H * Dh, D).
+    H, Dh, D, T, theta = 4, 8, 32, 6, 10000.0
+    rng = np.random.default_rng(0)
+    w, x, positions = rng.normal(size=(H * Dh, D)), rng.normal(size=(T, D)), np.arange(3, 3 + T)
+    heads = (x @ w.T).reshape(T, H, Dh).transpose(1, 0, 2)[None]  # [1, H, T, Dh]
+    half_split = variants.rotate(heads, positions, theta)
+    permuted = w.reshape(H, 2, Dh // 2, D).transpose(0, 2, 1, 3).reshape(H * Dh, D)
+    pairs = (x @ permuted.T).reshape(T, H, Dh // 2, 2)  # [T, H, Dh/2, 2]: (2i, 2i + 1)
+    angles = positions[:, None] / theta ** (np.arange(Dh // 2) / (Dh // 2))  # [T, Dh/2]
+    cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]  # [T, 1, Dh/2]
+    a, b = pairs[..., 0], pairs[..., 1]
+    interleaved = np.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)  # [T, H, Dh/2, 2]
+    # Row 2i of the interleaved layout is row i of the half-split one, row 2i + 1 is row i + Dh/2.
+    as_half_split = interleaved.transpose(1, 0, 3, 2).reshape(H, T, Dh)[None]  # [1, H, T, Dh]
+    np.testing.assert_allclose(as_half_split, half_split, atol=1e-12)
