@@ -81,6 +81,27 @@ def test_each_known_mistake_is_named(tmp_path, interface, mistake):
     assert [line for line in report["explanations"] if line.startswith(mistake + ": ")]  # its own line, and fix
 
 
+def test_a_prefill_fed_token_by_token_returning_the_last_logits_only_is_a_prefill(tmp_path):
+    # The learner's step loops over the prompt and keeps the last call's logits [B, 1, V].
+    prefill = with_mistake(tmp_path, "adapter", "prefill")
+    broken = variant(
+        tmp_path, prefill, "return np.concatenate(pieces, axis=1), state", "return pieces[-1], state", "b.py"
+    )
+    code, report = check_json(broken, quick=True)
+    assert (code, report["diagnoses"]) == (1, ["prefill"])
+    assert {check["status"] for check in report["checks"] if "==" in check["name"]} <= {"pass", "noise"}
+    assert report["notes"] and "only the last position" in report["notes"][0]
+
+
+def test_a_batch_the_full_forward_takes_and_step_does_not_fails(tmp_path):
+    step = "def step(model, tokens, state):\n"
+    one_row = step + '    if tokens.shape[0] > 1:\n        raise ValueError("one row at a time")\n'
+    code, report = check_json(variant(tmp_path, ADAPTER, step, one_row), quick=True)
+    rows = {check["name"]: check["status"] for check in report["checks"]}
+    assert (code, rows["full logits float32, T=16, batch 3"]) == (1, "noise")
+    assert rows["cached == full float32, P=7 + 9 steps, batch 3"] == "FAIL"
+
+
 def test_a_cache_attended_but_never_grown_is_a_cache_update_not_a_mask_offset(tmp_path):
     # At P=1 it is mask_offset's signature too (a decode step sees the first token only); the runs
     # of P=5 and more are not, so mask_offset reproduces only part of what fails and is not named.
@@ -99,7 +120,8 @@ def test_a_wrong_architecture_with_a_right_cache_passes_the_cached_rows(tmp_path
     assert code == 1 and report["diagnoses"] == []
     assert rows["full logits float32, T=5"] == rows["full logits float32, T=16, batch 3"] == "FAIL"
     assert {status for name, status in rows.items() if name.startswith("cached ==")} <= {"pass", "noise"}
-    (line,) = [line for line in report["explanations"] if line.startswith("architecture: ")]
+    (line,) = report["explanations"]  # the generated tokens that part follow from it: not listed again
+    assert line.startswith("architecture: ")
     assert "exact, erf" in line and "LayerNorm" in line and "RMSNorm" not in line
 
 

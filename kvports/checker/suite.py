@@ -93,6 +93,7 @@ def compare_logits(
     """Logits [B, T, V] against the reference's (or the implementation's own full forward's) at every
     position. prompt_len: for a cached run, where the prefill ends (positions from it on are steps 1, 2, ...)."""
     difference = np.abs(logits.astype(np.float64) - reference.astype(np.float64)).max(axis=-1)  # [B, T]
+    difference = np.nan_to_num(difference, nan=0.0)  # a position step did not return (NaN) is not compared
     largest = float(difference.max())
     step_of = (lambda t: 0 if t < prompt_len else t - prompt_len + 1) if prompt_len else (lambda t: None)
     suffix = f" {against}" if against else ""
@@ -106,7 +107,8 @@ def compare_logits(
     if largest == 0:
         return Check(name, PASS, "identical logits" + suffix, "", 0.0)
     check = Check(name, NOISE, f"max |logit diff| {largest:.1e}{suffix}", "peak at " + where(step_of(t), b, t), largest)
-    parted = np.argwhere(logits.argmax(-1) != reference.argmax(-1))  # [K, 2]: float noise at a near-tie
+    known = ~np.isnan(logits).any(axis=-1)  # [B, T]
+    parted = np.argwhere((logits.argmax(-1) != reference.argmax(-1)) & known)  # [K, 2]: noise at a near-tie
     if len(parted):
         b, t = (int(i) for i in parted[0])
         check.reference_margin = top2_margin(reference[b, t])
@@ -229,6 +231,11 @@ class Checker:
         self.logits(model, "float32")
         if not self.quick:
             self.logits(None, "float64")
+        if impl.last_only:
+            self.report.notes.append(
+                "step returned only the last position's logits for a prompt of several tokens: the prompt's other "
+                "positions are not compared (return logits [B, T, V] for every position to have them checked)"
+            )
         low = impl.logits_dtype
         if low:
             self.report.notes.append(
@@ -470,8 +477,8 @@ class Checker:
     def distance(self, mistake: variants.Mistake, failed: FailedRun) -> float | None:
         """How far the mistake's broken reference is from this run's cached logits; None: too far."""
         variant = variants.forward_chunks(self.config, self.weights, failed.tokens, failed.chunks, mistake)
-        distance = float(np.abs(variant - failed.logits).max())
-        scale = max(1.0, float(np.abs(failed.logits).max()))
+        distance = float(np.nanmax(np.abs(variant - failed.logits)))
+        scale = max(1.0, float(np.nanmax(np.abs(failed.logits))))
         return distance if distance <= max(MATCH * scale, failed.tolerance) else None
 
     def match_tokens(self, check: Check, prompt: np.ndarray, tokens: np.ndarray) -> None:
