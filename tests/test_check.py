@@ -160,6 +160,8 @@ def test_a_cache_concatenated_along_the_wrong_axis_is_a_cache_update(tmp_path):
     )
     code, report = check_json(broken)
     assert (code, report["diagnoses"]) == (1, ["cache_update"])
+    (line,) = [line for line in report["explanations"] if line.startswith("cache_update: ")]  # the text says it too
+    assert "raised RuntimeError" in line
 
 
 def test_the_posts_cat_without_dim_is_explained_in_one_line(capsys, tmp_path):

@@ -6,10 +6,15 @@ renames the seed's weights to transformers' names. RESTART_POSITIONS = True pass
 position_ids counted from 0 in every cached call, the position_offset mistake.
 """
 
+import inspect
+import warnings
+
 import numpy as np
 import torch
 
 RESTART_POSITIONS = False
+# transformers 5 renames the keyword to `cache` (past_key_values is deprecated, then removed): the one its forward has.
+warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
 
 
 def hf_model(config, dtype):
@@ -104,6 +109,9 @@ def hf_names(config, weights):
 
 def load(config, weights):
     dtype = getattr(torch, str(next(iter(weights.values())).dtype))
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # its deprecation notes are not the check's business
     model = hf_model(config, dtype)
     missing, unexpected = model.load_state_dict(hf_names(config, weights), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -123,5 +131,7 @@ def step(model, tokens, state):
     kwargs = {}
     if RESTART_POSITIONS:
         kwargs["position_ids"] = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
-    out = model(input_ids=torch.from_numpy(tokens), past_key_values=cache, use_cache=True, **kwargs)
-    return out.logits, out.past_key_values
+    keyword = "past_key_values" if "past_key_values" in inspect.signature(model.forward).parameters else "cache"
+    kwargs[keyword] = cache
+    out = model(input_ids=torch.from_numpy(tokens), use_cache=True, **kwargs)
+    return out.logits, cache

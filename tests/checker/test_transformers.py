@@ -34,3 +34,13 @@ def test_transformers_with_positions_restarting_is_a_position_offset(tmp_path, f
     restarting = variant(tmp_path, HF_ADAPTER, "RESTART_POSITIONS = False", "RESTART_POSITIONS = True")
     code, report = check_json(restarting, family, quick=True)
     assert (code, report["diagnoses"]) == (1, ["position_offset"])
+
+
+def test_a_bfloat16_model_is_told_its_dtype_and_passes_at_its_precision(tmp_path):
+    in_bfloat16 = variant(
+        tmp_path, HF_ADAPTER, "return model.to(dtype).eval()", "return model.to(torch.bfloat16).eval()"
+    )
+    code, report = check_json(in_bfloat16, "llama", quick=True)
+    assert (code, report["diagnoses"]) == (0, [])
+    assert report["notes"] and report["notes"][0].startswith("the implementation returns bfloat16 logits")
+    assert [check for check in report["checks"] if check["status"] == "noise" and "logit diff" in check["detail"]]
