@@ -192,9 +192,9 @@ BAD_PLUGINS = {
             tmp,
             ADAPTER,
             "return model.forward(tokens, state), state",
-            "return model.forward(tokens, state)[:, -1:], state",
+            "return model.forward(tokens, state)[:, :, :-1], state",
         ),
-        "step returned logits of shape [1, 1, 500], expected [B, T, V] = [1, 5, 500]",
+        "step returned logits of shape [1, 5, 499], expected [B, T, V] = [1, 5, 500]",
     ),
     "NaN logits": (
         lambda tmp: variant(
