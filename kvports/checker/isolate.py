@@ -30,6 +30,8 @@ from kvports.checker.report import FAIL, TIMEOUT, Check, Report
 from kvports.shared.errors import UserError, echo_path
 
 DEFAULT_TIMEOUT = 120.0  # seconds one call of the implementation may take (a Flax model's first call compiles)
+SILENCE, MIN_SILENCE = 10, 600.0  # between calls, the child may be silent max(10 timeouts, 10 minutes)
+DRAIN = 2.0  # seconds to wait for the last output once the child has sent its last event
 
 
 def ended(returncode: int) -> str:
@@ -49,8 +51,10 @@ class Watch:
         self.calls: list[tuple[str, float]] = []  # (function, when it started): nested calls, innermost last
         self.final: dict[str, Any] | None = None
         self.user_error: str | None = None
+        self.heard = time.monotonic()  # when the child last said anything
 
     def hear(self, event: dict[str, Any]) -> None:
+        self.heard = time.monotonic()
         kind = event["event"]
         if kind == "begin":
             self.header = event["report"]
@@ -88,18 +92,26 @@ def run_isolated(target: str, family: str = "seed", quick: bool = False, timeout
     selector = selectors.DefaultSelector()
     selector.register(events_read, selectors.EVENT_READ, "events")
     selector.register(child.stdout.fileno(), selectors.EVENT_READ, "output")
-    pending = b""
+    pending, events_open, drain_until = b"", True, 0.0
     try:
         while selector.get_map():
+            now = time.monotonic()
             left = watch.deadline(timeout)
+            if not events_open:  # the child is done: its last output, briefly (a grandchild may hold the pipe)
+                drain_until = drain_until or now + DRAIN
+                left = max(0.0, drain_until - now)
+            elif left is None:  # between calls: the checker's own work, bounded generously
+                left = max(0.0, watch.heard + max(SILENCE * timeout, MIN_SILENCE) - now)
             ready = selector.select(left)
-            if not ready and left is not None and watch.deadline(timeout) == 0:
-                timed_out = watch.calls[0][0]
+            if not ready:
+                if events_open:
+                    timed_out = watch.calls[0][0] if watch.calls else "the checks between calls"
                 break
             for key, _ in ready:
                 data = os.read(key.fd, 1 << 16)
                 if not data:
                     selector.unregister(key.fd)
+                    events_open = events_open and key.data != "events"
                 elif key.data == "output":  # the implementation's prints, and the child's own: stderr
                     sys.stderr.write(data.decode(errors="replace"))
                     sys.stderr.flush()
