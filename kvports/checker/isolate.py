@@ -6,6 +6,7 @@ suite.run_check and sends what happens over the pipe FD, one JSON object a line:
   {"event": "call", "function": NAME}    the implementation's code runs (plugin.call, an import)
   {"event": "return"}                    ... and returned (or raised)
   {"event": "check", "check": {...}}     a row, as soon as it is decided
+  {"event": "explain", "diagnosis": D, "line": L}   a diagnosis (or None) and its line, as found
   {"event": "report", "report": {...}}   the whole report: the checks ended
   {"event": "user_error", "message": M}  the implementation cannot be checked (exit status 2)
 
@@ -48,6 +49,8 @@ class Watch:
     def __init__(self) -> None:
         self.header: dict[str, Any] | None = None
         self.checks: list[dict[str, Any]] = []
+        self.diagnoses: list[str] = []
+        self.explanations: list[str] = []
         self.calls: list[tuple[str, float]] = []  # (function, when it started): nested calls, innermost last
         self.final: dict[str, Any] | None = None
         self.user_error: str | None = None
@@ -64,6 +67,9 @@ class Watch:
             self.calls.pop()
         elif kind == "check":
             self.checks.append(event["check"])
+        elif kind == "explain":
+            self.diagnoses += [event["diagnosis"]] if event["diagnosis"] is not None else []
+            self.explanations.append(event["line"])
         elif kind == "report":
             self.final = event["report"]
         elif kind == "user_error":
@@ -145,7 +151,8 @@ def outcome(watch: Watch, target: str, timeout: float, timed_out: str | None, re
             limit = f" (--timeout {timeout:g})" if timed_out else ""
             raise UserError(f"cannot check {echo_path(target)}: {function} {how}{limit}")
         raise UserError(f"cannot check {echo_path(target)}: the checker's process ended ({ended(returncode)})")
-    report = Report.from_dict({**watch.header, "checks": watch.checks})
+    found = {"checks": watch.checks, "diagnoses": watch.diagnoses, "explanations": watch.explanations}
+    report = Report.from_dict({**watch.header, **found})
     if function is None:
         report.checks.append(Check("the checks' process", FAIL, f"ended between calls ({ended(returncode)})"))
         report.explanations.append(

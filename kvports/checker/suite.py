@@ -216,6 +216,7 @@ class Checker:
         if diagnosis is not None:
             self.report.diagnoses.append(diagnosis)
         self.report.explanations.append(line)
+        plugin_notify({"event": "explain", "diagnosis": diagnosis, "line": line})
 
     # -- the checks ------------------------------------------------------------------------
     def run(self) -> Report:

@@ -75,3 +75,14 @@ def test_nested_lists_are_taken_as_the_logits_they_hold(capsys, tmp_path):
 def test_the_timeout_must_be_a_positive_number_of_seconds(capsys):
     err = assert_one_error_line(*run_cli(capsys, "check", ADAPTER, "--timeout", "0"))
     assert "--timeout" in err and "0 is not above 0" in err
+
+
+def test_the_rows_decided_before_the_process_ended_are_kept(capsys, tmp_path):
+    # It ends the process in the batch run, the last of --quick: every row before it stands.
+    batch_exit = variant(
+        tmp_path, ADAPTER, STEP, STEP + "    if tokens.shape[0] > 1:\n        import os; os._exit(0)\n"
+    )
+    code, report = command_json(capsys, batch_exit, "--quick")
+    names = [check["name"] for check in report["checks"]]
+    assert code == 1 and names[-1] == "step returns" and report["checks"][-1]["status"] == "FAIL"
+    assert "cached == full float32, P=5 + 15 steps" in names and "full logits float32, T=16, batch 3" in names
