@@ -32,7 +32,7 @@ from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig
 
-FAMILIES = ("seed", "gpt2", "llama", "mistral")
+FAMILIES = ("seed", "gpt2", "gpt2-window", "llama", "mistral")
 SEED_PROMPT = np.array([[160, 248, 104, 209, 394]], dtype=np.int64)  # [1, 5]: the seed's demo prompt
 GOLDEN_TOKENS = 100  # the seed's README generates 100 tokens; tests/helpers/models.py GOLDEN holds them
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}  # |logit diff| float noise may reach (float32 ports sit near 1e-6)
@@ -51,17 +51,21 @@ _LLAMA_PARTS = (
 FAMILY_PARTS = {
     "seed": _NORM_POSITIONS_GELU.format(eps="1e-5", gelu="exact, erf") + ", q/k/v order in qkv, the untied head",
     "gpt2": _NORM_POSITIONS_GELU.format(eps="1e-5", gelu="tanh") + ", q/k/v order in qkv, the head tied to emb",
+    "gpt2-window": _NORM_POSITIONS_GELU.format(eps="1e-5", gelu="tanh")
+    + ", q/k/v order in qkv, the head tied to emb, the sliding window (W keys including the current token)",
     "llama": _LLAMA_PARTS + ", q/k/v order in qkv, the untied head",
     "mistral": _LLAMA_PARTS + ", the sliding window (W keys including the current token), the head tied to emb",
 }
 # What correct code commonly computes in float32 inside a float64 run, family by family.
-FLOAT32_PARTS = {"seed": "LayerNorm/GELU/softmax", "gpt2": "LayerNorm/GELU/softmax"}
+FLOAT32_PARTS = {family: "LayerNorm/GELU/softmax" for family in ("seed", "gpt2", "gpt2-window")}
 FLOAT32_PARTS |= {"llama": "RMSNorm/RoPE/softmax", "mistral": "RMSNorm/RoPE/softmax"}
 _LLAMA = dict(positions="rope", norm="rmsnorm", activation="swiglu", attn_bias=False, ffn_bias=False)
 SMALL = dict(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=48)
-# The other families at a test's size: tied GPT-2, GQA Llama, Mistral with a window of 4.
+# The other families at a test's size: tied GPT-2 (and with a window of 4: a window without RoPE),
+# GQA Llama, Mistral with a window of 4.
 FAMILY_CONFIGS = {
     "gpt2": ModelConfig(**SMALL, activation="gelu_tanh", tie_embeddings=True),  # type: ignore[arg-type]
+    "gpt2-window": ModelConfig(**SMALL, activation="gelu_tanh", tie_embeddings=True, sliding_window=4),  # type: ignore[arg-type]
     "llama": ModelConfig(**SMALL, **_LLAMA, n_kv_heads=2),  # type: ignore[arg-type]
     "mistral": ModelConfig(**SMALL, **_LLAMA, n_kv_heads=2, sliding_window=4, tie_embeddings=True),  # type: ignore[arg-type]
 }

@@ -60,6 +60,7 @@ Conventions:
   window     a sliding window of W attends W keys, the current token's included.
   families   seed  V 500, D 128, H 4, L 2, 512 positions, F 512, LayerNorm, exact GELU
              gpt2  V 64, D 32, H 4, L 2, 48 positions, F 128, LayerNorm, tanh GELU, tied
+             gpt2-window  gpt2's, with a window of 4
              llama V 64, D 32, H 4, Hkv 2, L 2, 48 positions, F 128, RMSNorm, RoPE, SwiGLU
              mistral  llama's, tied, with a window of 4
 
