@@ -1,0 +1,179 @@
+"""The GPU: tests marked `gpu` hold torch and JAX on a GPU to themselves on the CPU (where no GPU
+is here they skip, all of them in one line of `pytest -rs`); and `make gpu-check`
+(tools/gpu_check.py), tested on the CPU: its refusal without a GPU, its report and its verdict,
+and the whole pipeline through its hidden CPU switch on tiny models."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from kvports import registry
+from kvports.batching.engine import BatchSettings, Engine
+from kvports.batching.requests import Request
+from kvports.devices import device_problem
+from kvports.shared.generation import GenerationConfig
+from tests.helpers.models import TINY_FAMILIES, random_prompts, random_weights
+from tools import gpu_check
+
+GPU_PORTS = ("torch", "jax")
+
+
+@functools.cache
+def gpu_problems() -> dict[str, str | None]:
+    """Each GPU framework -> why it cannot reach a GPU here (None: it can)."""
+    problems: dict[str, str | None] = {}
+    for name in GPU_PORTS:
+        port = registry.available_port(name)
+        problems[name] = registry.not_installed(name) if port is None else device_problem(port, "gpu")
+    return problems
+
+
+def gpu_port_or_skip(name: str):
+    """The port, on a machine where it reaches a GPU. Where none does, every gpu test skips with the
+    same reason from this line: `pytest -rs` folds them into one."""
+    problems = gpu_problems()
+    if all(problems.values()):
+        pytest.skip("no GPU here (" + "; ".join(f"{n}: {p}" for n, p in problems.items()) + ")")
+    if problems[name]:
+        pytest.skip(f"{name} does not reach the GPU: {problems[name]}")
+    return registry.load_port(name)
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["naive", "cached"])
+@pytest.mark.parametrize("family", ["seed", *sorted(TINY_FAMILIES)])
+@pytest.mark.parametrize("name", GPU_PORTS)
+def test_gpu_tokens_equal_cpu_tokens_at_float64(name, family, mode, seed_weights):
+    port = gpu_port_or_skip(name)
+    config, tensors = (
+        seed_weights if family == "seed" else (TINY_FAMILIES[family], random_weights(TINY_FAMILIES[family]))
+    )
+    prompts = random_prompts(config.vocab_size, batch=2, length=7, seed=3)  # [2, 7]
+    made = {}
+    for device in ("cpu", "gpu"):
+        model = port.load_model(config, tensors, "float64", device)
+        made[device], _ = port.generate(model, prompts, GenerationConfig(16), mode)  # [2, 23]
+    np.testing.assert_array_equal(made["gpu"], made["cpu"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_PORTS)
+def test_the_paged_engine_on_a_gpu_equals_the_one_request_path(name):
+    port = gpu_port_or_skip(name)
+    config = TINY_FAMILIES["llama"]
+    model = port.load_model(config, random_weights(config, seed=4), "float64", "gpu")
+    rng = np.random.default_rng(5)
+    requests = [
+        Request(f"r{i}", tuple(rng.integers(0, config.vocab_size, size=length).tolist()), GenerationConfig(new))
+        for i, (length, new) in enumerate([(5, 9), (11, 4), (2, 12), (8, 6)])
+    ]
+    engine = Engine(port, model, config, BatchSettings(max_batch=4, block_size=4, max_length=32), dtype="float64")
+    for request in requests:
+        engine.add(request)
+    finished = {}
+    while not engine.idle:
+        finished.update({sequence.request.id: sequence.tokens for sequence in engine.step()})
+    for request in requests:
+        alone, _ = port.generate(model, np.asarray([request.prompt]), request.generation, "cached")  # [1, P + N]
+        assert list(finished[request.id]) == alone[0].tolist(), request.id
+
+
+# ---------------------------------------------------------------- make gpu-check, on the CPU
+
+FOUND = {"gpu": "Test GPU", "versions": {"torch": "2.13.0", "numpy": "2.4.6"}, "unusable": {}, "frameworks": ("torch",)}
+
+
+def compare_row(framework: str, device: str, agree: bool = True, explained: bool = True, step=None) -> dict:
+    """A row of `kvports compare --json` as it prints one."""
+    return {
+        "framework": framework,
+        "mode": "cached",
+        "device": device,
+        "available": True,
+        "agree": agree,
+        "explained": explained,
+        "first_divergent_step": step,
+        "logits": {"max_abs_diff": 0.0 if agree else 0.5},
+        "seconds": 0.01,
+    }
+
+
+def agreement_verdict(dtype: str, gpu_rows: list[dict], cpu_tokens=None) -> tuple[str, int]:
+    section = gpu_check.Section("Agreement")
+    gpu = {"tokens": [[1, 2, 3]], "rows": gpu_rows}
+    gpu_check.agreement_rows(section, "seed", dtype, {"tokens": cpu_tokens or [[1, 2, 3]]}, gpu)
+    return gpu_check.build_report(FOUND, [section], "now")
+
+
+def test_the_check_passes_when_every_gpu_row_agrees_with_the_cpu():
+    report, status = agreement_verdict("float64", [compare_row("torch", "gpu"), compare_row("numpy", "cpu")])
+    assert status == 0
+    assert "every row agrees" in report
+    assert "| seed | float64 | torch | cached | gpu | agree | equal | 0.0e+00 | 0.010 |" in report
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_gpu_row_that_differs_fails_the_check_and_is_named(dtype):
+    rows = [compare_row("torch", "gpu"), compare_row("jax", "gpu", agree=False, explained=False, step=4)]
+    report, status = agreement_verdict(dtype, rows)
+    assert status == gpu_check.EXIT_DISAGREE
+    assert f"- seed {dtype} jax cached (gpu): tokens DIFFER @ 4, CPU reference equal" in report
+
+
+def test_a_gpu_reference_that_parts_from_the_cpu_fails_at_float64():
+    report, status = agreement_verdict("float64", [compare_row("torch", "gpu")], cpu_tokens=[[1, 2, 4]])
+    assert status == gpu_check.EXIT_DISAGREE
+    assert "CPU reference DIFFER" in report
+
+
+def test_a_float32_near_tie_passes_where_float64_would_fail():
+    rows = [compare_row("torch", "gpu"), compare_row("numpy", "cpu", agree=False, explained=True, step=2)]
+    assert agreement_verdict("float32", rows, cpu_tokens=[[1, 2, 4]])[1] == 0
+    assert agreement_verdict("float64", rows, cpu_tokens=[[1, 2, 4]])[1] == gpu_check.EXIT_DISAGREE
+
+
+def test_the_speed_table_shows_prefill_figures_the_bench_json_has():
+    row = {"framework": "jax", "variant": None, "mode": "cached", "weights": "float32", "device": "gpu"}
+    row |= {"available": True, "ttft_ms": 1.5, "pp_tokens_per_s": 9000.0, "decode_ms_per_token": 0.8}
+    result = {
+        "settings": {"parameters": 1000, "batch": 1, "prompt_len": 5, "new_tokens": 8, "repeats": 3},
+        "machine": {"bandwidth_gb_s": {"jax (gpu)": 3000.0}},
+        "rows": [row],
+    }
+    lines = gpu_check.bench_lines("gpt2-small", result)
+    assert "| framework | mode | weights | device | ttft ms | pp_tokens_per_s | decode ms/token |" in lines[2]
+    assert "| jax | cached | float32 | gpu | 1.50 | 9000.00 | 0.800 |" in lines[4]
+    assert lines[0].startswith("**gpt2-small**: 1,000 parameters") and "jax (gpu) 3000 GB/s" in lines[0]
+
+
+def test_without_a_gpu_the_check_refuses_in_one_line(capsys):
+    if not all(gpu_problems().values()):
+        pytest.skip("a GPU is here: the check would run")
+    assert gpu_check.main([]) == gpu_check.EXIT_NO_GPU
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: make gpu-check needs a GPU: ")
+    assert all(f"{name}: " in err for name in GPU_PORTS if not registry.missing_packages(name))
+
+
+def test_the_check_runs_end_to_end_through_its_cpu_switch(tmp_path, capsys):
+    out = tmp_path / "report.md"
+    status = gpu_check.main(["--device", "cpu", "--frameworks", "numpy", "--small", "--out", str(out)])
+    report = capsys.readouterr().out
+    assert status == 0, report
+    assert out.read_text() == report
+    for title in (
+        "Agreement: the GPU against the CPU",
+        "Fewer bits on the GPU",
+        "Speed: kvports bench",
+        "Tests marked gpu",
+    ):
+        assert f"#### {title}" in report
+    assert "| gpt2-small-shaped | float64 | numpy | cached | cpu | agree | equal |" in report
+    assert "| seed | bfloat16 | - | - | not offered by numpy | - |" in report
+    assert "#### Verdict\n\nevery row agrees" in report
