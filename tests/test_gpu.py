@@ -16,6 +16,7 @@ from kvports.batching.requests import Request
 from kvports.devices import device_problem
 from kvports.shared.generation import GenerationConfig
 from tests.helpers.models import TINY_FAMILIES, random_prompts, random_weights
+from tests.helpers.ports import port_or_skip
 from tools import gpu_check
 
 GPU_PORTS = ("torch", "jax")
@@ -82,6 +83,28 @@ def test_the_paged_engine_on_a_gpu_equals_the_one_request_path(name):
     for request in requests:
         alone, _ = port.generate(model, np.asarray([request.prompt]), request.generation, "cached")  # [1, P + N]
         assert list(finished[request.id]) == alone[0].tolist(), request.id
+
+
+@pytest.mark.parametrize("switches", ["torch 2.9's fp32_precision", "allow_tf32, before them"])
+def test_torch_turns_tf32_off_on_a_gpu_with_the_switches_its_version_has(switches, monkeypatch):
+    import types
+
+    port = port_or_skip("torch")
+    switch = types.SimpleNamespace(fp32_precision="tf32", allow_tf32=True)
+    cudnn = types.SimpleNamespace(allow_tf32=True)
+    if switches.startswith("torch 2.9"):
+        cudnn.conv = types.SimpleNamespace(fp32_precision="tf32")
+    fake = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(is_available=lambda: True),
+        backends=types.SimpleNamespace(cuda=types.SimpleNamespace(matmul=switch), cudnn=cudnn),
+        device=str,
+    )
+    monkeypatch.setattr(port, "torch", fake)  # a CUDA build of either age, on any machine
+    assert port.resolve_device("gpu") == "cuda"
+    if switches.startswith("torch 2.9"):
+        assert (switch.fp32_precision, cudnn.conv.fp32_precision) == ("ieee", "ieee")
+    else:
+        assert (switch.allow_tf32, cudnn.allow_tf32) == (False, False)
 
 
 # ---------------------------------------------------------------- make gpu-check, on the CPU
