@@ -6,6 +6,7 @@ and the whole pipeline through its hidden CPU switch on tiny models."""
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -159,6 +160,22 @@ def test_a_float32_near_tie_passes_where_float64_would_fail():
     rows = [compare_row("torch", "gpu"), compare_row("numpy", "cpu", agree=False, explained=True, step=2)]
     assert agreement_verdict("float32", rows, cpu_tokens=[[1, 2, 4]])[1] == 0
     assert agreement_verdict("float64", rows, cpu_tokens=[[1, 2, 4]])[1] == gpu_check.EXIT_DISAGREE
+
+
+def test_a_framework_that_fails_in_fewer_bits_is_named_and_the_others_rows_still_show(tmp_path):
+    def run(argv, timeout):  # kvports compare as a GPU machine whose torch lacks a CUDA kernel would answer
+        frameworks = argv[argv.index("--frameworks") + 1]
+        if "torch" in frameworks:
+            return 1, "", "Traceback (most recent call last):\nNotImplementedError: no CUDA kernel for int8\n"
+        row = {"framework": "jax", "mode": "cached", "available": True}
+        row["vs_float32"] = {"first_divergent_step": None, "max_abs_diff": 0.02}
+        return 0, json.dumps({"rows": [row]}), ""
+
+    models = gpu_check.model_files(gpu_check.Plan(small=True), tmp_path)
+    section = gpu_check.reduced_precision(gpu_check.Kvports(1, run), gpu_check.Plan(), GPU_PORTS, models, None)
+    assert "| seed | float32+int8 | jax | cached | agree | 2.0e-02 |" in section.lines
+    assert "seed float32+int8 torch: exit 1: NotImplementedError: no CUDA kernel for int8" in section.failures
+    assert len(section.failures) == 4  # torch, at each of bfloat16 and int8 on both models
 
 
 def test_the_speed_table_shows_prefill_figures_the_bench_json_has():
