@@ -147,13 +147,13 @@ def test_a_gpu_row_that_differs_fails_the_check_and_is_named(dtype):
     rows = [compare_row("torch", "gpu"), compare_row("jax", "gpu", agree=False, explained=False, step=4)]
     report, status = agreement_verdict(dtype, rows)
     assert status == gpu_check.EXIT_DISAGREE
-    assert f"- seed {dtype} jax cached (gpu): tokens DIFFER @ 4, CPU reference equal" in report
+    assert f"- seed {dtype} jax cached (gpu): tokens DIFFER @ 4, GPU reference vs CPU equal" in report
 
 
 def test_a_gpu_reference_that_parts_from_the_cpu_fails_at_float64():
     report, status = agreement_verdict("float64", [compare_row("torch", "gpu")], cpu_tokens=[[1, 2, 4]])
     assert status == gpu_check.EXIT_DISAGREE
-    assert "CPU reference DIFFER" in report
+    assert "GPU reference vs CPU DIFFER" in report
 
 
 def test_a_float32_near_tie_passes_where_float64_would_fail():

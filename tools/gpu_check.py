@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -121,10 +122,9 @@ Runner = Callable[[Sequence[str], float], tuple[int, str, str]]
 
 
 def run_command(argv: Sequence[str], timeout: float) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of one command; JAX shares the GPU with torch (no preallocation)."""
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false")}
+    """(exit status, stdout, stderr) of one command."""
     try:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=max(timeout, 1), env=env, cwd=ROOT)
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=max(timeout, 1), cwd=ROOT)
     except subprocess.TimeoutExpired:
         return 124, "", f"timed out after {timeout:.0f} s"
     return done.returncode, done.stdout, done.stderr
@@ -240,7 +240,8 @@ def agreement(kv: Kvports, plan: Plan, frameworks: Sequence[str], models: dict[s
     section = Section(
         "Agreement: the GPU against the CPU",
         [
-            "| model | dtype | framework | mode | device | tokens | vs CPU reference | max abs logit diff | seconds |",
+            "| model | dtype | framework | mode | device | tokens | GPU reference vs CPU | max abs logit diff "
+            "| seconds |",
             "|---|---|---|---|---|---|---|---|---:|",
         ],
     )
@@ -271,10 +272,10 @@ def agreement(kv: Kvports, plan: Plan, frameworks: Sequence[str], models: dict[s
             agreement_rows(section, model, dtype, cpu, gpu)
     section.lines.append("")
     section.lines.append(
-        "tokens: against the GPU run's reference (torch naive on the GPU); vs CPU reference: that run's tokens "
-        "against the CPU's (torch naive, `--device cpu`); float64 must agree exactly, float32 may part only at a "
-        "float near-tie (top-2 margin below compare's bound); max abs logit diff: against the GPU reference, up to "
-        "the first divergence (NumPy's rows: the CPU against the GPU)"
+        "tokens: against the GPU run's reference (torch naive on the GPU); GPU reference vs CPU: its tokens "
+        "against the CPU reference's (torch naive, `--device cpu`); float64 must agree exactly, float32 may part "
+        "only at a float near-tie (top-2 margin below compare's bound); max abs logit diff: against the GPU "
+        "reference, up to the first divergence (NumPy's rows: the CPU against the GPU)"
     )
     return section
 
@@ -300,7 +301,7 @@ def agreement_rows(section: Section, model: str, dtype: str, cpu: dict[str, Any]
         exact = row["agree"] and same_as_cpu
         passed = exact if dtype == "float64" else row["explained"] and (same_as_cpu or cpu_explains)
         if not passed:
-            section.failures.append(f"{where}: tokens {tokens}, CPU reference {versus_cpu}")
+            section.failures.append(f"{where}: tokens {tokens}, GPU reference vs CPU {versus_cpu}")
         logits = row.get("logits")
         diff = "-" if not logits else f"{logits['max_abs_diff']:.1e}"
         section.lines.append(
@@ -458,6 +459,9 @@ def bench_lines(model: str, result: dict[str, Any]) -> list[str]:
 def gpu_tests(kv: Kvports, plan: Plan) -> Section:
     """pytest -m gpu: its summary, each skip's reason (one line where there is no GPU), failures failing."""
     section = Section("Tests marked gpu")
+    if importlib.util.find_spec("pytest") is None:
+        section.failures.append("pytest -m gpu: pytest is not installed (pip install -e '.[gpu-check]')")
+        return section
     argv = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py"]
     try:
         status, out, _ = kv.run(argv, ok=(0, 1, 5))
@@ -523,6 +527,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None, runner: Runner = run_command) -> int:
     args = parse_args(argv)
+    # JAX takes most of a GPU's memory when it starts, unless told not to: torch runs beside it, in the probe
+    # here and in the commands (which inherit this); a user's own setting wins.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     frameworks = tuple(name for name in args.frameworks.split(",") if name)
     plan = Plan(args.device, frameworks, args.small, args.minutes)
     try:
