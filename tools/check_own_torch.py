@@ -58,7 +58,11 @@ def pip(venv_python: Path, *args: str) -> None:
 
 
 def main() -> None:
-    folder = Path(tempfile.mkdtemp(prefix="kvports-own-torch-"))
+    with tempfile.TemporaryDirectory(prefix="kvports-own-torch-") as folder:
+        check(Path(folder))
+
+
+def check(folder: Path) -> None:
     venv = folder / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     venv_python = venv / "bin" / "python"
