@@ -178,6 +178,19 @@ def test_a_framework_that_fails_in_fewer_bits_is_named_and_the_others_rows_still
     assert len(section.failures) == 4  # torch, at each of bfloat16 and int8 on both models
 
 
+def test_a_run_the_time_limit_stops_is_not_run_again_per_framework(tmp_path):
+    calls = []
+
+    def run(argv, timeout):
+        calls.append(argv)
+        return gpu_check.TIMED_OUT, "", f"timed out after {timeout:.0f} s"
+
+    models = gpu_check.model_files(gpu_check.Plan(small=True), tmp_path)
+    section = gpu_check.reduced_precision(gpu_check.Kvports(1, run), gpu_check.Plan(), GPU_PORTS, models, None)
+    assert len(calls) == 4  # bfloat16 and int8 on both models, each once
+    assert len(section.failures) == 4 and all("torch,jax: exit 124: timed out" in line for line in section.failures)
+
+
 def test_the_speed_table_shows_prefill_figures_the_bench_json_has():
     row = {"framework": "jax", "variant": None, "mode": "cached", "weights": "float32", "device": "gpu"}
     row |= {"available": True, "ttft_ms": 1.5, "pp_tokens_per_s": 9000.0, "decode_ms_per_token": 0.8}

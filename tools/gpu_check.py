@@ -81,6 +81,7 @@ SMALL_SHAPES = {
 }
 REDUCED = (("bfloat16", "none"), ("float32", "int8"))  # q4 needs a GGUF file's own 4-bit blocks
 EXIT_DISAGREE = 1
+TIMED_OUT = 124  # a command's status when the time limit stopped it (timeout(1)'s)
 EXIT_NO_GPU = 2
 
 
@@ -115,7 +116,12 @@ class Section:
 
 
 class StepFailed(Exception):
-    """A kvports command that exited with an error or printed no JSON: its one-line reason."""
+    """A kvports command that exited with an error or printed no JSON: its one-line reason, and its exit
+    status (None: not run, the time limit reached)."""
+
+    def __init__(self, reason: str, status: int | None = None):
+        super().__init__(reason)
+        self.status = status
 
 
 Runner = Callable[[Sequence[str], float], tuple[int, str, str]]
@@ -126,7 +132,7 @@ def run_command(argv: Sequence[str], timeout: float) -> tuple[int, str, str]:
     try:
         done = subprocess.run(list(argv), capture_output=True, text=True, timeout=max(timeout, 1), cwd=ROOT)
     except subprocess.TimeoutExpired:
-        return 124, "", f"timed out after {timeout:.0f} s"
+        return TIMED_OUT, "", f"timed out after {timeout:.0f} s"
     return done.returncode, done.stdout, done.stderr
 
 
@@ -146,7 +152,7 @@ class Kvports:
         print(f"gpu-check: {' '.join(argv)}", file=sys.stderr, flush=True)
         status, out, err = self.runner(argv, self.left())
         if status not in ok:
-            raise StepFailed(why(status, err))
+            raise StepFailed(why(status, err), status)
         return status, out, err
 
     def json(self, args: Sequence[str], ok: Sequence[int] = (0,)) -> dict[str, Any]:
@@ -155,7 +161,7 @@ class Kvports:
         try:
             return dict(json.loads(out))
         except json.JSONDecodeError:  # a crash exits 1 too
-            raise StepFailed(why(status, err)) from None
+            raise StepFailed(why(status, err), status) from None
 
 
 def why(status: int, err: str) -> str:
@@ -347,20 +353,22 @@ def reduced_precision(
         assert flags is not None
         args = ["--device", plan.device, "--dtype", dtype, "--quant", quant, "--new-tokens", str(plan.compare_tokens)]
         args += ["--modes", "cached", "--repeats", "1", *flags]  # the distance needs one mode
-        # Rows in fewer bits may part from each other: reported, not failed. Where the run fails, each framework
-        # again alone: the one that fails is named, the others' rows still shown.
-        rows = []
-        for names in [chosen] + [[name] for name in chosen] * (len(chosen) > 1):
-            try:
-                rows += kv.json(["compare", "--frameworks", ",".join(names), *args], ok=(0, 1))["rows"]
-            except StepFailed as exc:
-                if names == chosen and len(chosen) > 1:
-                    continue
-                section.failures.append(f"{model} {weights} {','.join(names)}: {exc}")
-                section.lines.append(f"| {model} | {weights} | {','.join(names)} | - | {exc} | - |")
-                continue
-            if names == chosen:
-                break
+        # Rows in fewer bits may part from each other: reported, not failed. Where the run fails (not for time),
+        # each framework again alone: the one that fails is named, the others' rows still shown.
+        rows: list[dict[str, Any]] = []
+        try:
+            rows = kv.json(["compare", "--frameworks", ",".join(chosen), *args], ok=(0, 1))["rows"]
+        except StepFailed as exc:
+            alone = len(chosen) > 1 and exc.status not in (None, TIMED_OUT)
+            failed = [] if alone else [(",".join(chosen), exc)]
+            for name in chosen if alone else []:
+                try:
+                    rows += kv.json(["compare", "--frameworks", name, *args], ok=(0, 1))["rows"]
+                except StepFailed as exc_alone:
+                    failed.append((name, exc_alone))
+            for names, reason in failed:
+                section.failures.append(f"{model} {weights} {names}: {reason}")
+                section.lines.append(f"| {model} | {weights} | {names} | - | {reason} | - |")
         for row in rows:
             if not row["available"]:
                 section.lines.append(
