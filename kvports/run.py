@@ -225,7 +225,7 @@ def usable_ports(
     problems: dict[str, str | None] = {}
     for name in frameworks:
         port = registry.available_port(name)
-        problems[name] = missing(name) if port is None else device_problem(port, device)
+        problems[name] = (registry.outdated(name) or missing(name)) if port is None else device_problem(port, device)
         if port is not None and problems[name] is None:
             ports[name] = port
         else:

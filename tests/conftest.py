@@ -120,6 +120,7 @@ SLOWEST_FILES = (
     "bad_input/test_command_line.py",  # a subprocess per command for a closed pipe
     "test_pitfalls.py",
     "commands/test_threads.py",  # a subprocess per port, each importing its framework
+    "test_gpu.py",  # make gpu-check end to end on the CPU: a subprocess per kvports command it runs
 )
 TESTS = Path(__file__).resolve().parent
 _RANK = {name: index for index, name in enumerate(SLOWEST_FILES)}
