@@ -122,10 +122,11 @@ def write_gguf(
     hf_tensors: dict[str, np.ndarray] | None = None,
     arch: str = "llama",
     big_endian: bool = False,
+    chat_template: str | bytes = CHATML,
 ) -> Path:
     """A tiny random Llama as llama.cpp writes it: GGUF names, q/k rows permuted, matrices in
     `qtype` (norms in F32), the byte-level tokenizer above and a ChatML template in the metadata.
-    metadata: keys to add or (value None) leave out."""
+    metadata: keys to add or (value None) leave out; chat_template: bytes for one that is not UTF-8."""
     import gguf
 
     tokens = gguf_tokens()
@@ -164,7 +165,7 @@ def write_gguf(
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
         writer.add_add_bos_token(False)
-        writer.add_chat_template(CHATML)
+        writer.add_string(gguf.Keys.Tokenizer.CHAT_TEMPLATE, chat_template)  # type: ignore[arg-type]
     kind = gguf.GGMLQuantizationType[qtype]
     for name, array in tensors.items():
         if name == "embed_tokens.weight":
