@@ -60,8 +60,11 @@ LLAMA_KEYS = {
 
 
 def is_gguf(path: os.PathLike) -> bool:
-    """The file starts with GGUF's magic (a path that cannot be read: no, and its reader will say why)."""
+    """The file starts with GGUF's magic (a path that cannot be read: no, and its reader will say why).
+    Only a regular file is opened: opening a FIFO for reading waits for a writer, forever."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
         with open(path, "rb") as handle:
             return handle.read(4) == GGUF_MAGIC
     except OSError:
