@@ -164,7 +164,7 @@ def template_environment(budget: Budget) -> Any:
                     budget.number(int(width))
             return super().call_binop(context, operator, left, right)
 
-        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
             budget.step()
             for value in (*args, *kwargs.values()):
                 budget.number(value)

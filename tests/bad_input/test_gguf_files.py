@@ -6,9 +6,9 @@ big-endian file. One `error:` line, exit 2, the same in every port; nothing writ
 
 from __future__ import annotations
 
-import pytest
-
 import struct
+
+import pytest
 
 from kvports.registry import PORTS
 from tests.helpers.commands import assert_one_error_line, run_cli
