@@ -165,8 +165,8 @@ def check_layout(scan: HeaderScan, table: list[tuple[str, int, int]], start: int
     for name, offset, nbytes in table:
         if start + offset + nbytes > scan.size:
             raise UserError(
-                f"{scan.name} is truncated or lies: tensor {name} (bytes [{start + offset}, {start + offset + nbytes})) "
-                f"runs past its end ({scan.size} bytes)"
+                f"{scan.name} is truncated or lies: tensor {name} (bytes [{start + offset}, "
+                f"{start + offset + nbytes})) runs past its end ({scan.size} bytes)"
             )
         if offset != expected:
             raise UserError(
