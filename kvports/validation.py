@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +64,7 @@ MAX_SAMPLES = 1024  # copies of one prompt: the batch they make is bounded again
 MAX_IDS = 1 << 20  # ids in one prompt or stop list: past any context, and ~40 MB as a Python list
 
 
-def bounded_ids(name: str, value: object, limit: int = MAX_IDS) -> list[object]:
+def bounded_ids(name: str, value: object, limit: int = MAX_IDS) -> list[Any]:
     """The items of a list of ids the API was given (a prompt, a row of one, stop_ids), read no further
     than `limit` + 1 of them: a range of 10**9 or a generator is refused by its size before anything
     is made of it; bytes are refused rather than read as the ids of their characters' codes."""
@@ -73,7 +74,7 @@ def bounded_ids(name: str, value: object, limit: int = MAX_IDS) -> list[object]:
         if value.size > limit:
             raise UserError(f"{name} holds {value.size} ids, above {limit}")
         return list(value.tolist())
-    size = len(value) if hasattr(value, "__len__") else None  # type: ignore[arg-type]
+    size = len(value) if hasattr(value, "__len__") else None
     if size is not None and size > limit:
         raise UserError(f"{name} holds {size} ids, above {limit}")
     items = list(itertools.islice(value, limit + 1))  # type: ignore[call-overload]
