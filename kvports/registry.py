@@ -6,7 +6,9 @@ imports, is a bug and surfaces as the error it is."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
+import re
 from typing import cast
 
 from kvports.shared.contract import Port
@@ -22,6 +24,14 @@ MODULES = {"torch": "kvports.torch_impl.port", "jax": "kvports.jax_impl.port", "
 MODES = {name: ("naive", "cached", "speculative", "paged") for name in PORTS}
 SPLIT_MODES = {"torch": ("naive", "cached", "speculative"), "jax": MODES["jax"], "numpy": ()}
 FRAMEWORK_PACKAGES = {"torch": ("torch",), "jax": ("jax", "flax"), "numpy": ()}  # NumPy: kvports' own dependency
+# The oldest release of each framework package the ports run on, and what they need from it: a machine's own
+# CUDA builds are often older than the pinned torch (JAX 0.8.1 with Flax 0.12.1 runs every mode: checked by hand).
+# Newer switches have an older route in the port (torch's TF32 switches).
+MINIMUM = {
+    "torch": ("2.6", "aten._weight_int4pack_mm_for_cpu, scaled_dot_product_attention's enable_gqa"),
+    "jax": ("0.8.1", "jax.enable_x64, and flax 0.12.1 needs it"),
+    "flax": ("0.12.1", "nnx.List, Variable.set_value"),
+}
 
 
 class PortUnavailable(RuntimeError):
@@ -41,6 +51,8 @@ def load_port(name: str) -> Port:
     if name not in _loaded:
         if missing_packages(name):
             raise PortUnavailable(name, not_installed(name))
+        if outdated(name):
+            raise PortUnavailable(name, str(outdated(name)))
         _loaded[name] = cast(Port, importlib.import_module(MODULES[name]))
     return _loaded[name]
 
@@ -48,6 +60,28 @@ def load_port(name: str) -> Port:
 def missing_packages(name: str) -> list[str]:
     """The framework packages port `name` needs that are not installed."""
     return [package for package in FRAMEWORK_PACKAGES[name] if importlib.util.find_spec(package) is None]
+
+
+def release(version: str) -> tuple[int, ...]:
+    """A version's leading numbers: "2.5.1+cu124" -> (2, 5, 1)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def outdated(name: str) -> str | None:
+    """Why port `name` cannot run on the installed release of its framework (older than MINIMUM), or None
+    (none older, or a package without a release to read: not installed, or a build without metadata)."""
+    for package in FRAMEWORK_PACKAGES[name]:
+        lowest, needs = MINIMUM[package]
+        try:
+            installed = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if release(installed) < release(lowest):
+            return (
+                f"{package} {installed} is older than {lowest}, which kvports needs ({needs}): "
+                f"pip install '{package}>={lowest}'"
+            )
+    return None
 
 
 def not_installed(name: str) -> str:

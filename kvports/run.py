@@ -42,7 +42,7 @@ from kvports.devices import (
 )
 from kvports.formats.weights import DEFAULT_WEIGHTS, open_weights
 from kvports.limits import check_bytes, check_run
-from kvports.shared.checks import COMMAND_LINE, Names, check_choice, check_generation
+from kvports.shared.checks import COMMAND_LINE, Names, check_choice, check_generation, python_value
 from kvports.shared.config import DTYPES, ModelConfig, host_dtype
 from kvports.shared.contract import OnToken, Port, Timed
 from kvports.shared.errors import UserError
@@ -77,6 +77,11 @@ class Draft:
     source: str
     tokens: int = 4
     ngram: int = 2
+
+    def __post_init__(self) -> None:
+        # NumPy integers are taken as the values they hold: an index a port builds from them must be an int.
+        object.__setattr__(self, "tokens", python_value(self.tokens))
+        object.__setattr__(self, "ngram", python_value(self.ngram))
 
 
 @dataclass(frozen=True)
@@ -291,7 +296,7 @@ def usable_ports(
     problems: dict[str, str | None] = {}
     for name in frameworks:
         port = registry.available_port(name)
-        problems[name] = missing(name) if port is None else device_problem(port, device)
+        problems[name] = (registry.outdated(name) or missing(name)) if port is None else device_problem(port, device)
         if port is not None and problems[name] is None:
             ports[name] = port
         else:

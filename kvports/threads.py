@@ -49,6 +49,7 @@ def use_threads(threads: int | None) -> None:
     before any port loads, and `settle_threads` after one has (torch's pools exist only then)."""
     if threads is None:
         return
+    threads = int(threads)  # a NumPy integer as its value: threadpoolctl takes an int only
     REQUESTED[:] = [threads]
     for name in THREAD_VARIABLES:
         os.environ[name] = str(threads)

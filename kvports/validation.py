@@ -8,10 +8,12 @@ them for every command; every port gets the same message, naming its value and t
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +59,39 @@ MAX_TENSOR_PARALLEL = 64  # devices one model is split across: far past any one 
 
 
 MAX_SAMPLES = 1024  # copies of one prompt: the batch they make is bounded again, in bytes, by check_run
+
+
+MAX_IDS = 1 << 20  # ids in one prompt or stop list: past any context, and ~40 MB as a Python list
+
+
+def bounded_ids(name: str, value: object, limit: int = MAX_IDS) -> list[Any]:
+    """The items of a list of ids the API was given (a prompt, a row of one, stop_ids), read no further
+    than `limit` + 1 of them: a range of 10**9 or a generator is refused by its size before anything
+    is made of it; bytes are refused rather than read as the ids of their characters' codes."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise UserError(f"{name}={echo(value)} is bytes: give token ids, or '1,2,3' as a str")
+    if isinstance(value, np.ndarray):
+        if value.size > limit:
+            raise UserError(f"{name} holds {value.size} ids, above {limit}")
+        return list(value.tolist())
+    size = len(value) if hasattr(value, "__len__") else None
+    if size is not None and size > limit:
+        raise UserError(f"{name} holds {size} ids, above {limit}")
+    items = list(itertools.islice(value, limit + 1))  # type: ignore[call-overload]
+    if len(items) > limit:
+        raise UserError(f"{name} holds more than {limit} ids")
+    return items
+
+
+def bounded_prompts(prompts: object) -> object:
+    """The API's prompts with every list bounded (bounded_ids): a str as given, else a list of ids,
+    or of rows (each a str, or a list of ids)."""
+    if isinstance(prompts, str):
+        return prompts
+    return [bounded_ids("prompts", row) if isinstance(row, ROWS) else row for row in bounded_ids("prompts", prompts)]
+
+
+ROWS = (bytes, bytearray, memoryview, np.ndarray, list, tuple, range)  # what bounded_prompts reads as a row
 
 
 def parse_prompt(text: str) -> list[int]:

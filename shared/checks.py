@@ -87,6 +87,12 @@ COMMAND_LINE = Names(
 API = Names(api=True)
 
 
+def python_value(value: object) -> object:
+    """A NumPy scalar (np.float32(0.5), np.uint64(3), np.bool_) as the Python number or bool it holds,
+    so that every check and every port sees the same value; anything else as given."""
+    return value.item() if isinstance(value, np.generic) and not isinstance(value, (np.str_, np.bytes_)) else value
+
+
 def is_integer(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 

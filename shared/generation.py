@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvports.shared.checks import check_generation
+from kvports.shared.checks import check_generation, python_value
 from kvports.shared.errors import NonFiniteLogits
 
 PAD = -1  # in a token array: left padding of a short prompt, or a slot after a row stopped
@@ -31,6 +31,11 @@ class GenerationConfig:
     seed: int = 0
     stop_ids: tuple[int, ...] = ()  # a row ends after it emits any of these (kept as its last token)
     seeds: tuple[int, ...] = ()  # one seed per row; empty: every row uses `seed`
+
+    def __post_init__(self) -> None:
+        # NumPy scalars are taken as the Python values they hold (checks.python_value).
+        for field in ("max_new_tokens", "temperature", "top_k", "top_p", "seed"):
+            object.__setattr__(self, field, python_value(getattr(self, field)))
 
     @property
     def greedy(self) -> bool:

@@ -133,12 +133,14 @@ SLOWEST_FILES = (
     "test_loops.py",
     "test_quant.py",
     "test_check.py",
+    "checker/test_isolation.py",  # a child process per check, each importing the checker
     "test_jax_compilation.py",
     "test_random_configs.py",
     "commands/test_compare_figures.py",
     "bad_input/test_command_line.py",  # a subprocess per command for a closed pipe
     "test_pitfalls.py",
     "commands/test_threads.py",  # a subprocess per port, each importing its framework
+    "test_gpu.py",  # make gpu-check end to end on the CPU: a subprocess per kvports command it runs
 )
 TESTS = Path(__file__).resolve().parent
 _RANK = {name: index for index, name in enumerate(SLOWEST_FILES)}

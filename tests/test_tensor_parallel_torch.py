@@ -14,6 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig, pad_prompts
 from tests.helpers.commands import running
 from tests.helpers.models import TINY_FAMILIES, llama_like, random_weights
@@ -105,7 +106,8 @@ def test_more_ranks_than_key_value_heads_replicate_them():
         two.close()
 
 
-def test_a_rank_killed_mid_run_ends_every_rank_with_its_message():
+def test_a_rank_killed_mid_run_ends_every_rank_with_its_one_line_message():
+    """A UserError: the command line prints it as its one `error:` line, not a traceback."""
     torch_port = port_or_skip("torch")
     two = torch_port.load_model(MQA, random_weights(MQA), "float64", tensor_parallel=2)
     pids = two.pids
@@ -114,7 +116,7 @@ def test_a_rank_killed_mid_run_ends_every_rank_with_its_message():
         if running(pids[1:]):
             os.kill(pids[1], signal.SIGKILL)
 
-    with pytest.raises(RuntimeError, match=r"^tensor-parallel rank 1 of 2 failed: died \(signal 9\)$"):
+    with pytest.raises(UserError, match=r"^tensor-parallel rank 1 of 2 failed: died \(signal 9\)$"):
         torch_port.generate(two, PROMPTS, 40, "cached", on_token=kill_rank_1)
     assert running(pids) == []
 
@@ -123,7 +125,7 @@ def test_a_rank_that_raises_ends_every_rank_with_its_message():
     torch_port = port_or_skip("torch")
     two = torch_port.load_model(MQA, random_weights(MQA), "float64", tensor_parallel=2)
     out_of_vocabulary = np.full((1, 3), MQA.vocab_size, dtype=np.int64)  # the embedding's IndexError, on each rank
-    with pytest.raises(RuntimeError, match=r"^tensor-parallel rank \d of 2 failed: IndexError: index out of range"):
+    with pytest.raises(UserError, match=r"^tensor-parallel rank \d of 2 failed: IndexError: index out of range"):
         torch_port.generate(two, out_of_vocabulary, 4, "cached")
     assert running(two.pids) == []
 

@@ -34,9 +34,14 @@ def resolve_device(device: str) -> torch.device:
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
             raise RuntimeError(f"torch {torch.__version__} ({build}) finds no GPU")
-        # float32 must mean float32 on a GPU: IEEE float32 matmuls, never TF32 (torch 2.9's switches).
-        torch.backends.cuda.matmul.fp32_precision = "ieee"
-        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        # float32 must mean float32 on a GPU: IEEE float32 matmuls, never TF32: torch 2.9's switches, or
+        # before them (a machine's own CUDA build) the two they replaced.
+        if hasattr(torch.backends.cudnn, "conv"):
+            torch.backends.cuda.matmul.fp32_precision = "ieee"
+            torch.backends.cudnn.conv.fp32_precision = "ieee"
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         return torch.device("cuda")
     return torch.device("cpu")
 

@@ -37,7 +37,24 @@ from kvports.shared.errors import UserError, echo, echo_path
 
 POST = ("TinyModel", "generate_naive", "generate_cached")
 ADAPTER = ("load", "full", "step")
+LOW_PRECISION = ("bfloat16", "float16")  # logits an implementation may compute in, held at their own precision
 _imported = 0  # a private module name per file imported
+_listeners: list[Callable[[dict[str, Any]], None]] = []  # who hears each call start and end (the child process)
+
+
+def notify(event: dict[str, Any]) -> None:
+    """Tell whoever listens (isolate.py's child: its parent, which times each call) what runs now."""
+    for listener in _listeners:
+        listener(event)
+
+
+@contextlib.contextmanager
+def listening(listener: Callable[[dict[str, Any]], None]) -> Iterator[None]:
+    _listeners.append(listener)
+    try:
+        yield
+    finally:
+        _listeners.remove(listener)
 
 
 class ImplementationError(Exception):
@@ -62,6 +79,12 @@ class ImplementationError(Exception):
             return "the naive path passes no cache: check for None before using one"
         if isinstance(self.error, (RuntimeError, ValueError)) and ("size" in message or "shape" in message):
             return "a shape that fits the first call but not the next: check how the cache grows"
+        if isinstance(self.error, SystemExit):
+            return "a function under check must return its result, not end the process (sys.exit, exit(), quit())"
+        if isinstance(self.error, KeyboardInterrupt):
+            return "the implementation raised KeyboardInterrupt itself; a checked function must return"
+        if isinstance(self.error, MemoryError):
+            return "an allocation far larger than the model needs: check the shapes of the buffers it makes"
         return "run the function by hand on this input to see the traceback"
 
 
@@ -76,16 +99,61 @@ def marked(start: int) -> Iterator[None]:
 
 
 def one_line(error: BaseException) -> str:
+    if isinstance(error, SystemExit):
+        return f"exit status {error.code!r}" if not isinstance(error.code, str) else error.code[:300]
     return " ".join(str(error).split())[:300] or type(error).__name__
 
 
+def dtype_name(array: Any) -> str:
+    """An array-like's element type as a short name (torch.bfloat16 -> bfloat16), '' for a list."""
+    return str(getattr(array, "dtype", "")).rsplit(".", 1)[-1]
+
+
 def to_numpy(array: Any) -> np.ndarray:
+    """Any array-like as its values: NumPy, torch (any device, bfloat16 too), JAX, nested lists."""
     if hasattr(array, "detach"):  # a torch tensor
         array = array.detach().cpu()
-        if str(array.dtype) == "torch.bfloat16":
+        if dtype_name(array) in LOW_PRECISION:
             array = array.float()
         return array.numpy()
-    return np.asarray(array)
+    if isinstance(array, (list, tuple)):  # a nested list of numbers, or a list of tensors: each item as its values
+        with contextlib.suppress(ValueError, TypeError):
+            numbers = np.asarray(array)
+            if numbers.dtype != object:
+                return numbers
+        return np.asarray([to_numpy(item) for item in array])
+    if not hasattr(array, "__array__") and callable(getattr(array, "numpy", None)):  # TensorFlow's eager tensors
+        array = array.numpy()
+    array = np.asarray(array)
+    return array.astype(np.float32) if dtype_name(array) == "bfloat16" else array  # ml_dtypes' bfloat16 (JAX)
+
+
+def first_output(out: Any) -> Any:
+    """The logits in what a forward returned: the array itself, a tuple (logits, ...), an object with .logits
+    (transformers' outputs); a nested list of numbers is an array, not a tuple."""
+    logits = getattr(out, "logits", None)
+    if logits is not None:
+        return logits
+    if isinstance(out, tuple) or (isinstance(out, list) and out and not np.isscalar(out[0]) and np.ndim(out[0]) != 2):
+        return out[0]
+    return out
+
+
+def tokens_of(args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Which argument of a forward call is the tokens: the first integer array among its positional and
+    keyword arguments (input_ids=...), else its first argument of any kind."""
+    values = [*args, *kwargs.values()]
+    for value in values:
+        if hasattr(value, "shape") and ("int" in dtype_name(value)):
+            return value
+    return values[0] if values else None
+
+
+def shape_of(value: Any) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in np.shape(value))
+    except (TypeError, ValueError):
+        return ()
 
 
 @contextlib.contextmanager
@@ -117,23 +185,29 @@ def import_target(target: str | ModuleType) -> ModuleType:
             raise UserError(f"cannot import implementation {echo_path(target)} (not a Python file)")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickling look their module up by name
+        notify({"event": "call", "function": f"import {path.name}"})
         try:
             with on_path(str(path.resolve().parent)):  # its own folder, as `python FILE` has: siblings import
                 spec.loader.exec_module(module)
         except SyntaxError as exc:
             del sys.modules[name]
             raise UserError(f"cannot import {echo_path(target)}: line {exc.lineno}: {exc.msg}") from None
-        except (Exception, SystemExit) as exc:  # a file that exits on import is as unusable as one that raises
+        except BaseException as exc:
             del sys.modules[name]
             raise UserError(f"cannot import {echo_path(target)}: {type(exc).__name__}: {one_line(exc)}") from None
+        finally:
+            notify({"event": "return"})
         return module
+    notify({"event": "call", "function": f"import {target}"})
     try:
         with on_path(os.getcwd()):  # a console script's path lacks the folder it runs in
             return importlib.import_module(target)
     except SyntaxError as exc:
         raise UserError(f"cannot import {echo(target)}: line {exc.lineno}: {exc.msg}") from None
-    except Exception as exc:
+    except BaseException as exc:
         raise UserError(f"cannot import {echo(target)}: {type(exc).__name__}: {one_line(exc)}") from None
+    finally:
+        notify({"event": "return"})
 
 
 def check_names(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], who: str) -> None:
@@ -155,6 +229,8 @@ class Implementation:
 
     kind = ""
     framework = ""  # "torch" where the implementation is a torch module (the reference is then torch's)
+    logits_dtype = ""  # bfloat16 or float16 where the implementation's logits come back in one
+    last_only = False  # step gave a prompt's last position only: the others are not compared
     label = ""
 
     def build(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: str) -> Any:
@@ -193,6 +269,25 @@ class Implementation:
     def to_eval(self, model: Any) -> None:
         pass
 
+    def checked_logits(self, function: str, out: Any, B: int, T: int, V: int) -> np.ndarray:
+        """The logits a call returned as NumPy [B, T, V], or a UserError: the wrong shape, not floats, not finite."""
+        raw = first_output(out)
+        logits = to_numpy(raw)
+        if dtype_name(raw) in LOW_PRECISION:  # held at its own precision, and told so
+            self.logits_dtype = dtype_name(raw)
+        if logits.shape != (B, T, V):
+            raise UserError(
+                f"{function} returned logits of shape {list(logits.shape)}, expected [B, T, V] = {[B, T, V]}"
+            )
+        if not np.issubdtype(logits.dtype, np.floating):
+            raise UserError(f"{function} returned logits of dtype {logits.dtype}, expected floats")
+        if not np.isfinite(logits).all():
+            b, t, v = np.argwhere(~np.isfinite(logits))[0]
+            raise UserError(
+                f"{function} returned non-finite logits ({logits[b, t, v]} at row {b}, position {t}, id {v})"
+            )
+        return logits
+
 
 def has_dropout(model: Any) -> bool:
     modules = getattr(model, "modules", None)
@@ -202,24 +297,17 @@ def has_dropout(model: Any) -> bool:
 
 
 def call(function: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """The implementation's own code runs only through here: whatever it raises (SystemExit and
+    KeyboardInterrupt included) is its verdict, and a listener times each call."""
+    notify({"event": "call", "function": function})
     try:
         return fn(*args)
     except UserError:
         raise
-    except Exception as exc:
+    except BaseException as exc:
         raise ImplementationError(function, exc) from exc
-
-
-def checked_logits(function: str, logits: Any, B: int, T: int, V: int) -> np.ndarray:
-    logits = to_numpy(logits[0] if isinstance(logits, (tuple, list)) else logits)
-    if logits.shape != (B, T, V):
-        raise UserError(f"{function} returned logits of shape {list(logits.shape)}, expected [B, T, V] = {[B, T, V]}")
-    if not np.issubdtype(logits.dtype, np.floating):
-        raise UserError(f"{function} returned logits of dtype {logits.dtype}, expected floats")
-    if not np.isfinite(logits).all():
-        b, t, v = np.argwhere(~np.isfinite(logits))[0]
-        raise UserError(f"{function} returned non-finite logits ({logits[b, t, v]} at row {b}, position {t}, id {v})")
-    return logits
+    finally:
+        notify({"event": "return"})
 
 
 def loaded_torch(label: str) -> ModuleType:
@@ -258,18 +346,34 @@ class Post(Implementation):
         return model
 
     def run_forward(self, model: Any, tokens: np.ndarray, caches: list | None) -> np.ndarray:
+        """forward(idx, caches) as the post calls it: caches a list of one dict per block for the
+        cached path; for the full forward a list of None per block (the post's generate_naive), or
+        nothing where forward's second parameter has a default."""
         torch = loaded_torch(self.label)
+        if caches is None and self.caches_required(model):
+            caches = [None] * self.blocks
         with torch.no_grad():
             idx = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
             args = (idx,) if caches is None else (idx, caches)
             logits = call(f"{type(model).__name__}.forward", model, *args)
-        return checked_logits("TinyModel.forward", logits, tokens.shape[0], tokens.shape[1], self.V)
+        return self.checked_logits("TinyModel.forward", logits, tokens.shape[0], tokens.shape[1], self.V)
 
     def full(self, model: Any, tokens: np.ndarray) -> np.ndarray:
         return self.run_forward(model, tokens, None)
 
+    @staticmethod
+    def parameters(model: Any) -> list[inspect.Parameter]:
+        try:
+            return list(inspect.signature(model.forward).parameters.values())
+        except (TypeError, ValueError):  # a forward with no signature to read (a C extension's)
+            return []
+
     def can_step(self, model: Any) -> bool:
-        return len(inspect.signature(model.forward).parameters) >= 2
+        return len(self.parameters(model)) >= 2
+
+    def caches_required(self, model: Any) -> bool:
+        parameters = self.parameters(model)
+        return len(parameters) >= 2 and parameters[1].default is inspect.Parameter.empty
 
     def cached(self, model: Any, tokens: np.ndarray, chunks: list[int]) -> np.ndarray:
         caches: list[dict] = [{} for _ in range(self.blocks)]
@@ -297,15 +401,8 @@ class Post(Implementation):
 
     @contextlib.contextmanager
     def counting_forwards(self, model: Any) -> Iterator[list[tuple[tuple[int, ...], float]] | None]:
-        calls: list[tuple[tuple[int, ...], float]] = []
-        shapes: list[tuple[int, ...]] = []
-        before = model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
-        after = model.register_forward_hook(lambda module, args, out: calls.append((shapes[-1], time.perf_counter())))
-        try:
+        with hooked(model) as calls:
             yield calls
-        finally:
-            before.remove()
-            after.remove()
 
     def prefill_call(self, model: Any, prompt: np.ndarray) -> str:
         self.generate(model, prompt, 1, "cached")
@@ -330,17 +427,25 @@ class Adapter(Implementation):
 
     def build(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: str) -> Any:
         self.V = config.vocab_size
-        return call("load", self.module.load, dataclasses.asdict(config), {k: v.copy() for k, v in weights.items()})
+        given = dataclasses.asdict(config)
+        given["ffn_hidden"], given["n_kv_heads"] = config.ffn_dim, config.kv_heads  # filled in: no guessing
+        return call("load", self.module.load, given, {k: v.copy() for k, v in weights.items()})
 
     def full(self, model: Any, tokens: np.ndarray) -> np.ndarray:
         logits = call("full", self.module.full, model, np.array(tokens, dtype=np.int64))
-        return checked_logits("full", logits, tokens.shape[0], tokens.shape[1], self.V)
+        return self.checked_logits("full", logits, tokens.shape[0], tokens.shape[1], self.V)
 
     def one_step(self, model: Any, tokens: np.ndarray, state: Any) -> tuple[np.ndarray, Any]:
         out = call("step", self.module.step, model, np.array(tokens, dtype=np.int64), state)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise UserError(f"step returned a {type(out).__name__}, expected a pair (logits [B, T, V], state)")
-        return checked_logits("step", out[0], tokens.shape[0], tokens.shape[1], self.V), out[1]
+        B, T = tokens.shape
+        if T > 1 and shape_of(first_output(out[0]))[:2] == (B, 1):  # a prompt's last position only (a loop inside?)
+            self.last_only = True
+            logits = np.full((B, T, self.V), np.nan)  # [B, T, V]: NaN where nothing came back, never compared
+            logits[:, -1:] = self.checked_logits("step", out[0], B, 1, self.V)
+            return logits, out[1]
+        return self.checked_logits("step", out[0], B, T, self.V), out[1]
 
     def cached(self, model: Any, tokens: np.ndarray, chunks: list[int]) -> np.ndarray:
         state, pieces, start = None, [], 0
@@ -368,20 +473,11 @@ class Adapter(Implementation):
 
     @contextlib.contextmanager
     def counting_forwards(self, model: Any) -> Iterator[list[tuple[tuple[int, ...], float]] | None]:
-        calls: list[tuple[tuple[int, ...], float]] = []
-        register = getattr(model, "register_forward_pre_hook", None)
-        if register is not None:  # a torch module: its hooks see every call
-            shapes: list[tuple[int, ...]] = []
-            before = register(lambda module, args: shapes.append(tuple(args[0].shape)))
-            after = model.register_forward_hook(
-                lambda module, args, out: calls.append((shapes[-1], time.perf_counter()))
-            )
-            try:
-                yield calls
-            finally:
-                before.remove()
-                after.remove()
+        if callable(getattr(model, "register_forward_pre_hook", None)):  # a torch module: its hooks see every call
+            with hooked(model) as seen:
+                yield seen
             return
+        calls: list[tuple[tuple[int, ...], float]] = []
         forward = getattr(model, "forward", None)
         if not callable(forward) or isinstance(model, type):
             yield None
@@ -389,7 +485,7 @@ class Adapter(Implementation):
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             out = forward(*args, **kwargs)
-            calls.append((tuple(np.shape(args[0])), time.perf_counter()))
+            calls.append((shape_of(tokens_of(args, kwargs)), time.perf_counter()))
             return out
 
         try:
@@ -408,6 +504,30 @@ class Adapter(Implementation):
 
     def generators(self) -> tuple[str, ...]:
         return ("naive", "cached")
+
+
+@contextlib.contextmanager
+def hooked(model: Any) -> Iterator[list[tuple[tuple[int, ...], float]]]:
+    """A torch module's forward calls while inside: the tokens' shape of each (a positional or a
+    keyword argument, input_ids=...) and when it ended."""
+    calls: list[tuple[tuple[int, ...], float]] = []
+    shapes: list[tuple[int, ...]] = []
+
+    def before(module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        shapes.append(shape_of(tokens_of(args, kwargs)))
+
+    def after(module: Any, args: tuple, kwargs: dict[str, Any], out: Any) -> None:
+        calls.append((shapes.pop() if shapes else (), time.perf_counter()))
+
+    handles = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def load_implementation(target: str | ModuleType) -> Implementation:

@@ -55,6 +55,13 @@ MISTAKES = (
                 "store k and v in the block's cache dict after each call, and attend over cat([cache['k'], k], dim=2)",
             ),
             (
+                "cache_read_only",
+                "the cache is attended but never grown: the prefill's keys and values are read in place of the "
+                "new token's own",
+                "append each call's k and v to the cache and attend over both: "
+                "k = cat([cache['k'], k], dim=2); cache['k'] = k",
+            ),
+            (
                 "cache_slot_zero",
                 "each call writes its k and v at slot 0 of a preallocated cache, not at the cache length",
                 "write a call's T keys and values at slots [S, S + T), S the cache length, not at [0, T)",
@@ -151,8 +158,12 @@ def forward(
             keys[:, :, : old_k.shape[2]], values[:, :, : old_v.shape[2]] = old_k, old_v
             keys[:, :, :T], values[:, :, :T] = k, v  # written at slot 0, whatever the cache holds
             cache["k"], cache["v"] = keys, values
-        elif variant == "cache_never_written":
+        elif variant == "cache_never_written" or (variant == "cache_read_only" and not old_k.shape[2]):
             keys, values = k, v
+            if variant == "cache_read_only":
+                cache["k"], cache["v"] = keys, values  # [B, Hkv, P, Dh]: the prefill's, for good
+        elif variant == "cache_read_only":
+            keys, values = old_k, old_v  # the new token's own k and v are dropped
         else:
             keys, values = np.concatenate([old_k, k], axis=2), np.concatenate([old_v, v], axis=2)  # [B, Hkv, S, Dh]
             if variant != "cache_prefill_only" or not length:

@@ -4,33 +4,40 @@ and name the known mistake behind each defect (docs/CHECK.md)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import sys
 
-from kvports.checker import FAMILIES, run_check
+from kvports.checker import DEFAULT_TIMEOUT, FAMILIES, run_isolated
+from kvports.flags import OutOfRange, number
+
+MAX_TIMEOUT = 86400  # seconds: a day
 
 HELP = "check your own implementation (the post's TinyModel file, or an adapter) against the reference"
 DESCRIPTION = """\
 Check an implementation of the seed's model against kvports' reference: the golden tokens,
-full-forward logits at every position, cached == full at every step, prompts of length 1,
-a few and the maximum, a batch of 3, float32 and (where it takes them) float64 weights.
-A difference within float noise is shown with its size; a real defect with the first step,
-row and position where it appears, and the known mistake whose broken reference reproduces
-it: position_offset, mask_offset, cache_update, prefill, eval_mode.
+full-forward logits at every position against the reference (the architecture), and each
+cached run against the implementation's own full forward on the same tokens (the cache):
+prompts of length 1, a few and the maximum, a batch of 3, float32 and (where it takes them)
+float64 weights. A difference within float noise is shown with its size; a real defect with
+the first step, row and position where it appears, and the known mistake whose broken
+reference reproduces every failing cached run: position_offset, mask_offset, cache_update,
+prefill, eval_mode. The implementation runs in a child process: an exit, a crash or a hang
+there is a verdict, and whatever it prints goes to stderr.
 
 Two interfaces (IMPLEMENTATION is a .py file, imported without running its __main__ block,
 or an importable module name):
   the post's   a torch TinyModel() whose state_dict has the seed's names, and
                generate_naive(model, prompt, n) / generate_cached(model, prompt, n):
                prompt a [1, P] int64 tensor, returning [1, P + n] tokens. Its
-               forward(idx) or forward(idx, caches), caches a list of one dict per
-               block that the model fills, is driven directly where it takes caches.
+               forward(idx, caches) is driven directly, as the post calls it: the whole
+               history with caches = [None] * len(model.blocks), the cached path with
+               caches = [{} for each block], which the model fills and reads. (A second
+               parameter with a default: forward(idx) for the whole history.)
   an adapter   load(config: dict, weights: dict[str, numpy.ndarray]) -> model,
                full(model, tokens [B, T]) -> logits [B, T, V],
                step(model, tokens [B, T], state) -> (logits [B, T, V], state),
                state None for a new cache (that first call, with the whole prompt, is
-               the prefill). Arrays in are NumPy; logits out NumPy, torch or JAX.
+               the prefill). Arrays in are NumPy; logits out NumPy, torch, JAX or
+               nested lists (a tuple or an object with .logits: its logits).
 
 Weights (the seed's state_dict names; Linear weights (out, in)):
   emb.weight [V, D], pos.weight [max_seq_len, D] (learned positions only),
@@ -41,11 +48,30 @@ Weights (the seed's state_dict names; Linear weights (out, in)):
   (absent when the head is tied). RMSNorm families have no .bias on norms, Llama and
   Mistral none on linears. config: kvports' ModelConfig as a dict (vocab_size, d_model,
   n_heads, n_kv_heads, n_layers, max_seq_len, norm, norm_eps, positions, rope_theta,
-  activation, tie_embeddings, sliding_window, ...).
+  activation, ffn_hidden, tie_embeddings, sliding_window, ...), with n_kv_heads and
+  ffn_hidden (F) filled in.
 
-Exit status: 0 every check passes, 1 a real defect (or the implementation raised during a
-check), 2 an implementation that cannot be used (cannot import, a missing function, wrong
-parameter names, a first forward that raises or gives the wrong shape or NaN)."""
+Conventions:
+  RoPE       half-split, as transformers' Llama: dimension i pairs with i + Dh/2, angle
+             position * rope_theta ** (-i / (Dh/2)). An interleaved implementation (pairs
+             2i, 2i+1: gpt-fast, llama2.c, Meta's) permutes each head's q and k rows:
+             w.reshape(heads, 2, Dh // 2, D).transpose(0, 2, 1, 3).reshape(heads * Dh, D).
+  GQA        query head h reads key/value head h // (H / Hkv).
+  window     a sliding window of W attends W keys, the current token's included.
+  families   seed  V 500, D 128, H 4, L 2, 512 positions, F 512, LayerNorm, exact GELU
+             gpt2  V 64, D 32, H 4, L 2, 48 positions, F 128, LayerNorm, tanh GELU, tied
+             gpt2-window  gpt2's, with a window of 4
+             llama V 64, D 32, H 4, Hkv 2, L 2, 48 positions, F 128, RMSNorm, RoPE, SwiGLU
+             mistral  llama's, tied, with a window of 4
+
+Rows: pass (identical), noise (within float noise, or a near-tie), noise-f32 (a float64 row
+off by float32's noise while every float32 row passes: the implementation computes in float32
+inside), skip, FAIL, TIMEOUT (a call that did not return within --timeout).
+
+Exit status: 0 no row FAIL or TIMEOUT; 1 a FAIL or TIMEOUT row (a defect; a call that
+raised, exited, ended the process or hung); 2 an implementation that cannot be used (cannot
+import, or its import exits or hangs; a missing function, wrong parameter names, a first
+forward that raises or gives the wrong shape or NaN)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,13 +84,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="seed",
         help="adapters only: seed (the shipped seed model, the default) or a small random model of that family",
     )
-    parser.add_argument("--json", action="store_true", help='print {"ok", "checks": [...], "diagnoses": [...], ...}')
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="drop the longest runs (T = the maximum) and every float64 run: a faster, weaker check",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=seconds,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"how long one call of the implementation may take before it is stopped (TIMEOUT); "
+        f"default {DEFAULT_TIMEOUT:g}",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help='print {"ok", "checks": [...], "diagnoses": [...], "explanations", ...}'
+    )
+
+
+def seconds(text: str) -> float:
+    """A time limit: more than 0, at most a day (a finite number: nan and inf are refused)."""
+    value = number(text)
+    if not 0 < value <= MAX_TIMEOUT:
+        raise OutOfRange(f"{value:g} is not above 0 and at most {MAX_TIMEOUT}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
-    # Whatever the implementation prints goes to stderr: stdout is the report (and --json's one object).
-    with contextlib.redirect_stdout(sys.stderr):
-        report = run_check(args.implementation, args.family)
+    # The checks run in a child process whose stdout and stderr come back on stderr:
+    # stdout is the report (and --json's one object).
+    report = run_isolated(args.implementation, args.family, args.quick, args.timeout)
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
@@ -75,5 +124,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(table)
         for line in report.explanations:
             console.print(f"[bold red]diagnosis[/]: {line}", highlight=False, soft_wrap=True)
+        for line in report.notes:
+            console.print(f"note: {line}", highlight=False, soft_wrap=True)
         print("ok: every check passes" if report.ok else "FAILED: see the diagnosis above")
     return 0 if report.ok else 1

@@ -350,6 +350,8 @@ def tokens_cell(row: dict[str, Any], reference: str) -> str:
             else row["reason"]
             if row["reason"][:3] == "no "
             else "no GPU"
+            if row["device"] == "gpu"
+            else "unavailable"  # a framework older than the port needs: the footnote says which
         )
     if f"{row['framework']} {row['mode']}" == reference:
         return "reference"

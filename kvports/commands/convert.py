@@ -82,7 +82,7 @@ def from_gguf(args: argparse.Namespace) -> int:
     from kvports.shared.shapes import parameter_count
 
     out = output_file(args.out)
-    check_output_file(out, args.force)
+    check_output_file(out, args.force, inputs=[args.from_gguf])
     with GGUFWeights(args.from_gguf) as weights:
         config = weights.config
         dtype = args.dtype if args.dtype is not None else weights.dtype

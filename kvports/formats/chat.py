@@ -4,8 +4,12 @@ jinja2 as transformers renders it (a sandboxed environment, trim_blocks and lstr
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable, Sequence
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -14,11 +18,30 @@ from kvports.shared.errors import UserError, echo, echo_path
 MAX_CHAT_FILE = 1 << 20  # bytes of a --chat-file
 MAX_MESSAGES = 1000
 ROLES = ("system", "user", "assistant")
+# A template is code from the file: what one rendering may spend.
+CHARS_PER_TOKEN = 32  # the margin over a model's context: no tokenizer's token is longer
+MAX_RENDER = 1 << 22  # characters of any value or output, whatever the context (4 MiB)
+MAX_STEPS = 2_000_000  # loop steps, operators and calls; a real template takes a few thousand
+TIME_LIMIT = 10.0  # seconds of one rendering; a real template takes milliseconds
 
 
 def turns(texts: Sequence[str]) -> list[dict[str, str]]:
     """--chat repeated: alternating user and assistant turns, the user's first."""
+    for index, text in enumerate(texts):
+        check_text(text, f"--chat {index + 1}")
     return [{"role": ROLES[1 + index % 2], "content": text} for index, text in enumerate(texts)]
+
+
+def check_text(text: str, what: str) -> None:
+    """Text a tokenizer can take: no byte that was not UTF-8 (Python reads such a byte in argv as a
+    surrogate) and no lone surrogate (JSON's "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            raise UserError(f"{what} holds the byte {code - 0xDC00:#04x} at character {exc.start}, not UTF-8") from None
+        raise UserError(f"{what} holds a lone surrogate U+{code:04X} at character {exc.start}, not text") from None
 
 
 def read_chat_file(path: os.PathLike) -> list[dict[str, str]]:
@@ -51,6 +74,7 @@ def check_messages(data: Any, what: str) -> list[dict[str, str]]:
             raise UserError(f"{what}: message {index} is {echo(message)}; each is {{'role': str, 'content': str}}")
         if message["role"] not in ROLES:
             raise UserError(f"{what}: message {index} has role {echo(message['role'])}; roles: {', '.join(ROLES)}")
+        check_text(message["content"], f"{what}: message {index}'s content")
     return data
 
 
@@ -58,24 +82,166 @@ def raise_exception(message: str) -> NoReturn:
     raise UserError(f"the chat template refuses these messages: {message}")
 
 
-def render_chat(template: str, messages: Sequence[dict[str, str]], special: dict[str, str] | None = None) -> str:
-    """The prompt the template makes of `messages`, ending with the generation prompt.
-    special: the bos_token / eos_token strings a template may use."""
+class TemplateLimit(Exception):
+    """A template ran past a limit: carried out of jinja2 as one message."""
+
+
+@dataclass
+class Budget:
+    """What one rendering may spend: loop steps, seconds, and characters in any one value or output."""
+
+    max_chars: int
+    steps: int = 0
+    deadline: float = 0.0
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps > MAX_STEPS:
+            raise TemplateLimit(f"runs more than {MAX_STEPS} loop steps")
+        if self.steps % 1024 == 0 and time.monotonic() > self.deadline:
+            raise TemplateLimit(f"runs longer than {TIME_LIMIT:g} seconds")
+
+    def size(self, length: int) -> None:
+        if length > self.max_chars:
+            raise TemplateLimit(f"makes a string or list of {length} items, above {self.max_chars}")
+
+    def number(self, value: Any) -> None:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_RENDER:
+            raise TemplateLimit(f"uses the number {echo(value)}, above {MAX_RENDER} (a size it could allocate)")
+
+
+def sized(value: Any) -> int:
+    return len(value) if isinstance(value, (str, list, tuple)) else 0
+
+
+def template_environment(budget: Budget) -> Any:
+    """jinja2's immutable sandbox (no Python internals), with every loop stepped through the budget,
+    every operator that can grow a value or a number checked before it runs, every call's numbers
+    bounded, and `~` joins sized."""
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def steps(iterable: Any) -> Iterator[Any]:
+        for item in iterable:
+            budget.step()
+            yield item
+
+    def concat(*parts: Any) -> str:
+        texts = [str(part) for part in parts]
+        budget.size(sum(map(len, texts)))
+        return "".join(texts)
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["+", "*", "**", "%", "//", "/"])
+
+        def _parse(self, source: str, name: str | None, filename: str | None) -> Any:
+            tree = super()._parse(source, name, filename)
+            for loop in tree.find_all(nodes.For):
+                loop.iter = nodes.Call(nodes.Name("_kvports_steps", "load"), [loop.iter], [], None, None)
+                loop.iter.set_lineno(loop.lineno)
+            for node in list(tree.find_all(nodes.Concat)):
+                call = nodes.Call(nodes.Name("_kvports_concat", "load"), node.nodes, [], None, None)
+                node.nodes = [call.set_lineno(node.lineno)]
+            tree.set_environment(self)
+            return tree
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            budget.step()
+            if operator == "*":
+                for sequence, times in ((left, right), (right, left)):
+                    if sized(sequence) and isinstance(times, int):
+                        budget.size(sized(sequence) * max(times, 0))
+                if isinstance(left, int) and isinstance(right, int):
+                    budget.size((left.bit_length() + right.bit_length()) // 3)
+            elif operator == "+":
+                budget.size(sized(left) + sized(right))
+            elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+                budget.size(left.bit_length() * max(right, 0) // 3)
+            elif operator == "%" and isinstance(left, str):
+                for value in right if isinstance(right, tuple) else (right,):
+                    budget.number(value)
+                for width in re.findall(r"\d+", left):
+                    budget.number(int(width))
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+            budget.step()
+            for value in (*args, *kwargs.values()):
+                budget.number(value)
+            bound = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)  # the sandbox wraps str.format
+            if isinstance(bound, str) and getattr(__obj, "__name__", "") in ("format", "format_map"):
+                for width in re.findall(r"\d+", bound):
+                    budget.number(int(width))
+            result = super().call(__context, __obj, *args, **kwargs)
+            budget.size(sized(result))
+            return result
+
+    environment = Bounded(trim_blocks=True, lstrip_blocks=True)
+    environment.globals.update(raise_exception=raise_exception, _kvports_steps=steps, _kvports_concat=concat)
+    for name in ("center", "indent", "wordwrap", "batch", "slice", "replace", "format", "truncate"):
+        environment.filters[name] = bounded_filter(environment.filters[name], budget)
+    return environment
+
+
+def bounded_filter(function: Callable[..., Any], budget: Budget) -> Callable[..., Any]:
+    """A filter whose numbers are bounded before it runs and whose result is sized after."""
+
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        budget.step()
+        for value in (*args, *kwargs.values()):
+            budget.number(value)
+        if function.__name__ == "do_replace" and len(args) >= 3:
+            budget.size(sized(args[0]) * max(1, sized(args[2])))
+        if function.__name__ == "do_format" and args and isinstance(args[0], str):
+            for width in re.findall(r"\d+", args[0]):
+                budget.number(int(width))
+        result = function(*args, **kwargs)
+        budget.size(sized(result))
+        return result
+
+    return functools.update_wrapper(bounded, function)
+
+
+def render_chat(
+    template: str,
+    messages: Sequence[dict[str, str]],
+    special: dict[str, str] | None = None,
+    name: str = "the chat template",
+    max_chars: int = MAX_RENDER,
+) -> str:
+    """The prompt the template makes of `messages`, ending with the generation prompt, under limits:
+    loop steps, seconds, and `max_chars` characters in any value and in the output.
+    special: the bos_token / eos_token strings a template may use; name: how a message names it."""
     try:
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise UserError("a chat prompt needs the jinja2 package (pip install jinja2)") from None
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    environment.globals["raise_exception"] = raise_exception
+    budget = Budget(max_chars, deadline=time.monotonic() + TIME_LIMIT)
+    chunks, length = [], 0
     try:
-        return environment.from_string(template).render(
-            messages=list(messages), add_generation_prompt=True, **(special or {})
-        )
+        compiled = template_environment(budget).from_string(template)
+        for chunk in compiled.generate(messages=list(messages), add_generation_prompt=True, **(special or {})):
+            length += len(chunk)
+            budget.size(length)
+            budget.step()
+            chunks.append(chunk)
     except UserError:
         raise
-    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-        raise UserError(f"the chat template cannot be rendered ({type(exc).__name__}: {exc})") from None
+    except TemplateLimit as exc:
+        raise UserError(f"{name} {exc}: refusing it") from None
+    except RecursionError:
+        raise UserError(f"{name} recurses without end") from None
+    except MemoryError:
+        raise UserError(f"{name} ran out of memory") from None
+    except TemplateError as exc:
+        where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+        raise UserError(f"{name} cannot be rendered{where}: {type(exc).__name__}: {exc}") from None
+    except (ArithmeticError, TypeError, ValueError, LookupError, AttributeError) as exc:
+        raise UserError(f"{name} cannot be rendered ({type(exc).__name__}: {exc})") from None
+    text = "".join(chunks)
+    if not text:
+        raise UserError(f"{name} renders these messages as nothing: no prompt to give the model")
+    return text
 
 
 def chat_messages(chat: Sequence[str] | None, chat_file: os.PathLike | None) -> list[dict[str, str]] | None:
@@ -89,16 +255,29 @@ def chat_messages(chat: Sequence[str] | None, chat_file: os.PathLike | None) -> 
 
 # The GGUF file's own template, here rather than in kvports.formats.gguf: the reader (which weights imports)
 # stays clear of jinja2 and of this module's file reading.
+@dataclass
+class ChatTemplate:
+    """A GGUF file's chat template, the bos_token / eos_token strings it may use, and how much it may
+    render: what the model's context could use, in characters, with a margin."""
+
+    source: str
+    special: dict[str, str]
+    name: str
+    max_chars: int
+
+    def render(self, messages: Sequence[dict[str, str]]) -> str:
+        return render_chat(self.source, messages, self.special, self.name, self.max_chars)
+
+
 def gguf_chat_prompt(path: os.PathLike, messages: list[dict[str, str]]) -> str:
     """The messages as the file's own chat template renders them, with the generation prompt."""
-    template, special = gguf_template(path)
-    return render_chat(template, messages, special)
+    return gguf_template(path).render(messages)
 
 
 TOKENIZER_CONFIG = "tokenizer_config.json"  # beside converted weights: the template, as Hugging Face keeps it
 
 
-def template_beside(path: os.PathLike) -> tuple[str, dict[str, str]] | None:
+def template_beside(path: os.PathLike) -> ChatTemplate | None:
     """The chat template `kvports convert` keeps beside the weights it writes (in the Hugging Face
     directory with --to-hf), as tokenizer_config.json's chat_template, bos_token and eos_token."""
     from kvports.formats.hf.checkpoint import read_json
@@ -110,14 +289,15 @@ def template_beside(path: os.PathLike) -> tuple[str, dict[str, str]] | None:
     template = saved.get("chat_template") if isinstance(saved, dict) else None
     if not isinstance(template, str):
         return None
+    check_text(template, f"the chat template in {echo_path(folder / TOKENIZER_CONFIG)}")
     special = {name: saved[name] for name in ("bos_token", "eos_token") if isinstance(saved.get(name), str)}
-    return template, special
+    return ChatTemplate(template, special, f"the chat template in {echo_path(folder / TOKENIZER_CONFIG)}", MAX_RENDER)
 
 
-def gguf_template(path: os.PathLike) -> tuple[str, dict[str, str]]:
-    """A GGUF file's chat template and the bos_token / eos_token strings it may use (through the
-    load cache: read from the file's metadata once), or the one `kvports convert` kept beside
-    converted weights."""
+def gguf_template(path: os.PathLike) -> ChatTemplate:
+    """A GGUF file's chat template, checked to be text, and the special token strings it may use
+    (through the load cache: read from the file's metadata once), or the one `kvports convert`
+    kept beside converted weights."""
     from kvports.formats.gguf.reader import is_gguf
     from kvports.formats.gguf.tokenizer import gguf_text
 
@@ -130,9 +310,13 @@ def gguf_template(path: os.PathLike) -> tuple[str, dict[str, str]]:
             "kvports convert wrote from one (tokenizer_config.json beside them)"
         )
     text = gguf_text(path)
+    name = f"the chat template of GGUF file {echo_path(path)}"
+    if text.template_error is not None:
+        raise UserError(f"{name} (metadata tokenizer.chat_template) {text.template_error}")
     if text.template is None:
         raise UserError(f"GGUF file {echo_path(path)} has no chat template (metadata tokenizer.chat_template)")
-    return text.template, text.special
+    tokens = text.context if text.context is not None and text.context > 0 else MAX_RENDER // CHARS_PER_TOKEN
+    return ChatTemplate(text.template, text.special, name, min(MAX_RENDER, tokens * CHARS_PER_TOKEN))
 
 
 def chat_ids(path: os.PathLike, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
@@ -143,5 +327,5 @@ def chat_ids(path: os.PathLike, messages: list[dict[str, str]], tokenizer: Any) 
 
 def chat_encoder(path: os.PathLike, tokenizer: Any) -> Callable[[list[dict[str, str]]], list[int]]:
     """`chat_ids` for many chats of one file (kvports batch's "messages" lines): its metadata read once."""
-    template, special = gguf_template(path)
-    return lambda messages: tokenizer.encode(render_chat(template, messages, special), add_special_tokens=False).ids
+    template = gguf_template(path)
+    return lambda messages: tokenizer.encode(template.render(messages), add_special_tokens=False).ids

@@ -187,7 +187,26 @@ def read_checked(
         array = read(name)
         check_finite(name, array, source)
         tensors[name] = cast_checked(name, array, dtype, source)
+    check_first_norm(tensors, dtype, source)
     return tensors
+
+
+def check_first_norm(tensors: dict[str, np.ndarray], dtype: str, source: str) -> None:
+    """The embedding rows the first norm squares and sums: one whose sum of squares is past what `dtype`
+    holds overflows the norm's input, and each port answers its own way (a NaN in torch's LayerNorm,
+    zeros in RMSNorm and in NumPy's and JAX's LayerNorm, then token 0 every step with finite logits):
+    refused here, the same line for every port, before any of them runs."""
+    limit = float(np.finfo(host_dtype(dtype)).max)
+    for name in ("emb.weight", "pos.weight"):
+        if name not in tensors:
+            continue
+        squares = np.square(tensors[name], dtype=np.float64).sum(axis=-1)  # [rows]
+        row = int(np.argmax(squares))
+        if squares[row] > limit:
+            raise UserError(
+                f"weights {echo_path(source)}: tensor {name!r} row {row} has a sum of squares of {squares[row]:.3g}, "
+                f"past {host_dtype(dtype)}'s {limit:.3g}: the first norm would overflow; a wider dtype holds it"
+            )
 
 
 class WeightsFile(Closing):

@@ -5,6 +5,7 @@ message: tests/test_api.py.)"""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import kvports
@@ -57,3 +58,46 @@ def test_the_api_names_its_own_threads_argument(no_port_may_load):
 
     with pytest.raises(kvports.UserError, match=r"^threads=0 is below 1$"):
         kvports.load("numpy", threads=0)
+
+
+# --- bytes, and lists bounded before they are read ------------------------------------------------
+
+BOUNDED = {
+    "prompts_bytes": (dict(prompts=b"1,2,3"), "prompts=b'1,2,3' is bytes: give token ids, or '1,2,3' as a str"),
+    "a_row_of_bytes": (dict(prompts=[b"1,2", b"3"]), "prompts=b'1,2' is bytes: give token ids, or '1,2,3' as a str"),
+    "prompts_a_range_of_10**9": (dict(prompts=range(10**9)), "prompts holds 1000000000 ids, above 1048576"),
+    "a_row_a_range_of_10**9": (dict(prompts=[range(10**9)]), "prompts holds 1000000000 ids, above 1048576"),
+    "stop_ids_a_range_of_10**9": (dict(stop_ids=range(10**9)), "stop_ids holds 1000000000 ids, above 1048576"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BOUNDED))
+def test_generate_refuses_bytes_and_lists_past_their_bound_unread(case):
+    keywords, expected = BOUNDED[case]
+    model = kvports.load("numpy")
+    assert api_message(lambda: model.generate(**{"new_tokens": 2, **keywords})) == expected
+
+
+NUMPY_SCALARS = {
+    "temperature": (dict(temperature=np.float32(0.5), seed=3), dict(temperature=0.5, seed=3)),
+    "top_p": (dict(temperature=0.5, top_p=np.float32(0.9)), dict(temperature=0.5, top_p=float(np.float32(0.9)))),
+    "draft_tokens and ngram": (
+        dict(mode="speculative", draft="ngram", draft_tokens=np.uint64(2), ngram=np.uint64(1)),
+        dict(mode="speculative", draft="ngram", draft_tokens=2, ngram=1),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NUMPY_SCALARS))
+def test_numpy_scalars_are_taken_as_their_python_values(case):
+    given, python = NUMPY_SCALARS[case]
+    model = kvports.load("numpy")
+    expected = model.generate([1, 2, 3], **{"new_tokens": 3, **python}).tokens
+    assert model.generate([1, 2, 3], **{"new_tokens": 3, **given}).tokens == expected
+
+
+def test_a_numpy_integer_thread_count_is_taken_as_its_value():
+    model = kvports.load("numpy", threads=np.uint64(1))
+    assert (
+        model.generate([1, 2, 3], new_tokens=2).tokens == kvports.load("numpy").generate([1, 2, 3], new_tokens=2).tokens
+    )

@@ -15,6 +15,7 @@ import pytest
 from kvports.formats.weights import DEFAULT_WEIGHTS, save_weights
 from kvports.shared.config import ModelConfig
 from tests.helpers.commands import assert_one_error_line, run_cli
+from tests.helpers.gguf_files import write_gguf
 from tests.helpers.hf_files import hf_dir
 from tests.helpers.weights_files import seed_tensors
 
@@ -246,3 +247,15 @@ def test_to_hf_never_replaces_a_symlink_or_a_folder_whose_files_kvports_did_not_
     err = assert_one_error_line(*run_cli(capsys, "convert", "--to-hf", DEFAULT_WEIGHTS, "--out", folder, "--force"))
     assert "config.json' is a symbolic link; kvports did not write it" in err, err
     assert (folder / "config.json").is_symlink() and (tmp_path / "link").is_symlink()
+
+
+@pytest.mark.parametrize("alias", ["itself", "hard_link"])
+def test_convert_from_gguf_force_never_writes_over_its_input(tmp_path, capsys, alias):
+    source = write_gguf(tmp_path / "m.gguf")
+    before = {source: source.read_bytes()}
+    out = source if alias == "itself" else tmp_path / "hard.gguf"
+    if alias == "hard_link":
+        os.link(source, out)
+    err = assert_one_error_line(*run_cli(capsys, "convert", "--from-gguf", source, "--out", out, "--force"))
+    assert "an input kvports reads: it never writes over its input" in err, err
+    assert_unchanged([source], before)

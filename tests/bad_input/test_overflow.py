@@ -17,7 +17,14 @@ from kvports.formats.weights import DEFAULT_WEIGHTS, gpt2_init_weights, save_wei
 from kvports.shared.checks import MIN_TEMPERATURE
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig
-from tests.helpers.commands import assert_one_error_line, batch, generate, requests_file, run_cli
+from tests.helpers.commands import (
+    assert_one_error_line,
+    batch,
+    generate,
+    refusals_in_every_framework,
+    requests_file,
+    run_cli,
+)
 from tests.helpers.hf_files import hf_dir
 from tests.helpers.models import LONG
 from tests.helpers.ports import port_or_skip
@@ -173,3 +180,13 @@ def test_a_window_wider_than_int32_gives_the_tokens_of_no_window(port, mode, win
     windowed = dataclasses.replace(config, sliding_window=window).validate()
     tokens, _ = port.generate(port.load_model(windowed, tensors), prompts, 20, mode)
     np.testing.assert_array_equal(tokens, expected)
+
+
+def test_an_embedding_whose_first_norm_overflows_is_the_same_line_in_every_port(capsys, tmp_path):
+    """An embedding of 1e30: torch's LayerNorm made a NaN and stopped, NumPy's and JAX's made zeros
+    and generated token 0 eight times with exit 0. The rule is the weights', before any port runs."""
+    path = tmp_path / "big.safetensors"
+    tensors = seed_tensors()
+    save_weights(path, {**tensors, "emb.weight": tensors["emb.weight"] * np.float32(1e30)}, ModelConfig())
+    err = refusals_in_every_framework(capsys, "--weights", path, "--new-tokens", "8")
+    assert "tensor 'emb.weight' row" in err and "past float32's 3.4e+38: the first norm would overflow" in err

@@ -277,3 +277,20 @@ def test_an_empty_draft_is_called_empty_not_a_folder(capsys, no_port_may_load, f
         *run_cli(capsys, "generate", "--framework", framework, "--mode", "speculative", "--draft", "")
     )
     assert err == "error: --draft '' is empty: give a smaller model's weights file or 'ngram'\n"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.parametrize("flag", ["--weights", "--draft"])
+def test_a_fifo_as_weights_is_refused_unopened_in_every_port(tmp_path, capsys, monkeypatch, no_port_may_load, flag):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    real_open = open
+
+    def never_the_fifo(file, *args, **kwargs):  # opening it for reading would wait for a writer, forever
+        assert not (isinstance(file, (str, os.PathLike)) and Path(file) == fifo), "the FIFO was opened"
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", never_the_fifo)
+    mode = ("--mode", "speculative") if flag == "--draft" else ()
+    err = refusals_in_every_framework(capsys, flag, fifo, *mode)
+    assert f"{str(fifo)!r} is not a regular file" in err

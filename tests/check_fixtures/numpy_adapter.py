@@ -7,7 +7,7 @@ tests/test_check.py writes copies with MISTAKE set to one known mistake.
 import numpy as np
 from scipy.special import erf
 
-MISTAKE = None  # None, or one of: position_offset, mask_offset, cache_update, prefill, eval_mode
+MISTAKE = None  # None, or one of: position_offset, mask_offset, cache_update, prefill, eval_mode, never_grown
 
 
 class Model:
@@ -45,7 +45,9 @@ class Model:
             p = f"blocks.{i}."
             qkv = self.linear(self.norm(x, p + "ln1"), p + "qkv").reshape(B, T, 3, H, Dh)
             q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))  # [B, H, T, Dh]
-            if cache is not None:
+            if cache is not None and MISTAKE == "never_grown" and past:  # attends the prefill's cache only
+                k, v = cache["k"][i][:, :, :past], cache["v"][i][:, :, :past]
+            elif cache is not None:
                 at = 0 if MISTAKE == "cache_update" else past
                 cache["k"][i][:, :, at : at + T] = k
                 cache["v"][i][:, :, at : at + T] = v
@@ -59,7 +61,7 @@ class Model:
             h = self.linear(self.norm(x, p + "ln2"), p + "ffn.0")
             h = 0.5 * h * (1 + erf(h / np.float32(np.sqrt(2))))
             x = x + self.dropout(self.linear(h, p + "ffn.2"))
-        if cache is not None:
+        if cache is not None and (MISTAKE != "never_grown" or not past):
             cache["length"] = past + T
         head = self.w.get("head.weight", self.w["emb.weight"])
         return self.norm(x, "ln") @ head.T

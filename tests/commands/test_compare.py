@@ -5,6 +5,7 @@ table width: test_compare_figures.py.)"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 
@@ -93,6 +94,17 @@ def test_compare_table_says_not_installed(capsys, monkeypatch):
         ("jax", "naive"),
         ("jax", "cached"),
     ]
+
+
+def test_compare_table_says_a_framework_older_than_its_port_needs_is_unavailable_and_why(capsys, monkeypatch):
+    port_or_skip("jax")
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.12.0" if name == "flax" else real(name))
+    monkeypatch.setattr(registry, "_loaded", {})
+    code, out, _ = run_cli(capsys, "compare", "--new-tokens", "3", "--frameworks", "jax,numpy", "--repeats", "1")
+    assert code == 0
+    assert re.findall(r"(\w+)\W+(naive|cached)\W+unavailable", out) == [("jax", "naive"), ("jax", "cached")]
+    assert "jax: flax 0.12.0 is older than 0.12.1" in " ".join(out.split())  # the footnote wraps
 
 
 # --- --frameworks, --modes and speculative rows ---------------------------------------------------

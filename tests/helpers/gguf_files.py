@@ -3,6 +3,7 @@ Llama, q/k rows permuted, matrices quantized, a byte-level BPE tokenizer and a C
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,25 @@ def edit_gguf_tensor(path: Path, name: str, part: int, value: int) -> None:
     del reader
 
 
+def gguf_tensor_offset(path: Path, name: str) -> int:
+    """A tensor's data offset as the file's table gives it."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    offset = int(next(t for t in reader.tensors if t.name == name).field.parts[5][0])
+    del reader
+    return offset
+
+
+def raw_gguf(path: Path, key: str, value_type: int, value: bytes) -> Path:
+    """A GGUF file of one metadata key, its value given as raw bytes after its type, and no tensor:
+    for what the gguf library cannot write (an array nested thousands deep) or writes slowly."""
+    encoded = key.encode()
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(encoded)) + encoded
+    path.write_bytes(header + struct.pack("<I", value_type) + value)
+    return path
+
+
 def write_gguf(
     path: Path,
     qtype: str = "F32",
@@ -101,15 +121,18 @@ def write_gguf(
     metadata: dict | None = None,
     hf_tensors: dict[str, np.ndarray] | None = None,
     arch: str = "llama",
+    big_endian: bool = False,
+    chat_template: str | bytes = CHATML,
 ) -> Path:
     """A tiny random Llama as llama.cpp writes it: GGUF names, q/k rows permuted, matrices in
     `qtype` (norms in F32), the byte-level tokenizer above and a ChatML template in the metadata.
-    metadata: keys to add or (value None) leave out."""
+    metadata: keys to add or (value None) leave out; chat_template: bytes for one that is not UTF-8."""
     import gguf
 
     tokens = gguf_tokens()
     tensors = hf_tensors if hf_tensors is not None else hf_llama_tensors(len(tokens), tie, seed)
-    writer = gguf.GGUFWriter(str(path), arch)
+    endianess = gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE
+    writer = gguf.GGUFWriter(str(path), arch, endianess=endianess)
     H, Hkv = GGUF_SIZE["n_heads"], GGUF_SIZE["n_kv_heads"]
     fields: dict = {
         "llama.block_count": GGUF_SIZE["n_layers"],
@@ -142,7 +165,7 @@ def write_gguf(
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
         writer.add_add_bos_token(False)
-        writer.add_chat_template(CHATML)
+        writer.add_string(gguf.Keys.Tokenizer.CHAT_TEMPLATE, chat_template)  # type: ignore[arg-type]
     kind = gguf.GGMLQuantizationType[qtype]
     for name, array in tensors.items():
         if name == "embed_tokens.weight":

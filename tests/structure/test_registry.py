@@ -4,6 +4,7 @@ ImportError, in a port or in what it imports, is the error it is."""
 from __future__ import annotations
 
 import importlib.abc
+import importlib.metadata
 import sys
 
 import pytest
@@ -58,3 +59,26 @@ def test_every_port_whose_framework_is_installed_loads(name):
 
 def test_numpy_needs_nothing_but_numpy():
     assert registry.missing_packages("numpy") == []
+
+
+@pytest.mark.parametrize(
+    ("name", "package", "release", "refusal"),
+    [
+        ("jax", "flax", "0.12.0", r"flax 0\.12\.0 is older than 0\.12\.1, which kvports needs \(nnx\.List, Variable"),
+        ("torch", "torch", "2.5.1+cu121", r"torch 2\.5\.1\+cu121 is older than 2\.6, .*: pip install 'torch>=2\.6'"),
+        ("torch", "torch", "2.6.0+cu124", None),  # a machine's own CUDA build, new enough
+    ],
+)
+def test_a_framework_older_than_the_ports_need_makes_its_port_unavailable_naming_the_release(
+    monkeypatch, name, package, release, refusal
+):
+    if registry.missing_packages(name):
+        pytest.skip(f"{name}'s framework is not installed here")
+    monkeypatch.setattr(registry, "_loaded", {})
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda wanted: release if wanted == package else real(wanted))
+    if refusal is None:
+        assert registry.load_port(name).NAME == name
+        return
+    with pytest.raises(registry.PortUnavailable, match=refusal):
+        registry.load_port(name)

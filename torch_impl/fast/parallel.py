@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import threading
 import time
 import weakref
@@ -36,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from kvports.shared.config import ModelConfig
+from kvports.shared.errors import UserError
 
 TIMEOUT = timedelta(minutes=30)  # gloo's and NCCL's wait for a peer; a dead peer is the parent's to notice first
 FAILURE_GRACE = 1.0  # seconds to collect every rank's report once one fails: the first may be only an echo
@@ -173,6 +175,9 @@ def serve(
 ) -> None:
     """A rank's life: join the group, build its shard, then run each call the parent sends until None."""
     threading.Thread(target=watch_parent, args=(parent,), daemon=True).start()
+    # Ctrl-C reaches the terminal's whole process group: the parent owns it (it ends every rank and says
+    # "interrupted"); a rank that took it too would race the parent with a failure of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import torch.distributed as dist
 
@@ -279,8 +284,12 @@ class ParallelModel:
 
     def _send(self, request: tuple[Any, ...], on_token: Callable[[np.ndarray], None] | None = None) -> Any:
         try:
-            for conn in self._conns:
-                conn.send(request)
+            for rank, conn in enumerate(self._conns):
+                try:
+                    conn.send(request)
+                except OSError:  # a rank already gone: its pipe is closed (not the caller's stdout)
+                    self.processes[rank].join(1.0)
+                    raise RankFailed(rank, len(self._conns), exit_description(self.processes[rank].exitcode)) from None
             return self._collect(on_token)
         except BaseException:
             # Interrupted, or on_token raised: the ranks are mid-call, out of step with this handle.
@@ -318,7 +327,7 @@ class ParallelModel:
         if failures:
             self.close()
             _, rank, message = min(failures)
-            raise RuntimeError(f"tensor-parallel rank {rank} of {len(self._conns)} failed: {message}")
+            raise RankFailed(rank, len(self._conns), message)
         return answered[0]
 
     def _load_draft(self, draft: Any) -> int:
@@ -330,6 +339,14 @@ class ParallelModel:
             self._send(("draft", key, draft.config, dtype, weights))
             self._drafts[key] = draft
         return key
+
+
+class RankFailed(UserError, RuntimeError):
+    """A rank that died or raised, every rank ended: one `error:` line, as the command line prints a
+    UserError (a RuntimeError too: the run failed, and not for a bad argument)."""
+
+    def __init__(self, rank: int, n: int, message: str):
+        super().__init__(f"tensor-parallel rank {rank} of {n} failed: {message}")
 
 
 def exit_description(code: int | None) -> str:

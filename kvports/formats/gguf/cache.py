@@ -43,6 +43,7 @@ FOLDER = "derived"
 TENSORS, TEXT = "tensors.safetensors", "text.json"
 MAX_TEXT = 64 << 20  # bytes of a text entry (a tokenizer.json of 260,000 tokens is ~20 MB)
 MAX_HEADER = 100 << 20  # the safetensors format's own bound
+TEXT_FIELDS = ("tokenizer", "template", "special", "context", "template_error")  # Text's, in order
 
 
 class Corrupt(Exception):
@@ -104,6 +105,8 @@ class Text:
     tokenizer: str | None
     template: str | None
     special: dict[str, str]
+    context: int | None = None  # the model's context length: a rendering's budget is sized by it
+    template_error: str | None = None  # why the template is not text (said when a chat asks for it)
 
     def load_tokenizer(self) -> Any:
         from tokenizers import Tokenizer
@@ -143,12 +146,12 @@ class Entry:
             if path.stat().st_size > MAX_TEXT:
                 raise Corrupt(f"above {MAX_TEXT} bytes")
             saved = json.loads(path.read_bytes())
-            fields = {key: saved[key] for key in ("source_sha256", "version", "tokenizer", "template", "special")}
+            fields = {key: saved[key] for key in ("source_sha256", "version", *TEXT_FIELDS)}
             if saved.get("seal") != sealed(fields):
                 raise Corrupt("its checksum does not match")
             if fields["source_sha256"] != self.digest or fields["version"] != __version__:
                 raise Corrupt("made from another file or version")
-            return Text(fields["tokenizer"], fields["template"], dict(fields["special"]))
+            return Text(*(fields[key] for key in TEXT_FIELDS))
         except (Corrupt, OSError, ValueError, KeyError, TypeError) as exc:
             self.discard(TEXT, str(exc) or type(exc).__name__)
             return None
@@ -157,9 +160,7 @@ class Entry:
         fields = {
             "source_sha256": self.digest,
             "version": __version__,
-            "tokenizer": text.tokenizer,
-            "template": text.template,
-            "special": text.special,
+            **{key: getattr(text, key) for key in TEXT_FIELDS},
         }
         self.save(TEXT, json.dumps({**fields, "seal": sealed(fields)}).encode())
 

@@ -3,15 +3,18 @@ its `llama.*` metadata mapped to a ModelConfig, its tensors dequantized by the l
 dequantizer, renamed to ours and put in our layouts. `kvports.formats.weights.GGUFWeights` serves it
 to every command as a weights file; this module imports nothing of shared but the config.
 
-Before the library walks the file, its header's counts are bounded; while it walks, every
-read is checked to lie inside the file (the library would slice past the end and loop on
-empty reads, forever for a lying array length) and every metadata array's length bounded.
+Before the library walks the file, its whole header is walked here without building anything
+(`scan_header`): every read inside the file, metadata nesting, array lengths and item counts
+bounded, byte order little-endian, and the tensor table laid out as llama.cpp's reader requires
+(`check_layout`). While the library walks, every read is still checked to lie inside the file, and
+a metadata array of numbers is one slice of the file rather than one object per item.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import mmap
 import os
 import re
 import stat
@@ -28,7 +31,14 @@ from kvports.shared.errors import UserError, echo, echo_path
 GGUF_MAGIC = b"GGUF"
 MAX_TENSORS = 100_000  # a 400-layer model has ~4,000
 MAX_FIELDS = 10_000  # metadata keys; a model has ~50
-MAX_ARRAY = 4_000_000  # items of one metadata array: vocabularies and merges reach ~260,000
+MAX_ARRAY = 1_000_000  # items of one metadata array: vocabularies and merges reach ~260,000
+MAX_ITEMS = 3_000_000  # items of every metadata array together, nested ones included
+MAX_DEPTH = 2  # arrays of arrays at most (llama.cpp reads no nested array at all)
+MAX_DIMS = 4  # a tensor's dimensions (GGML_MAX_DIMS)
+DEFAULT_ALIGNMENT = 32
+# GGUF's value types (GGUFValueType) by number: the scalars' sizes in bytes, then string and array.
+SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+STRING, ARRAY, UINT32 = 8, 9, 4
 # What kvports dequantizes, each with the library's own dequantizer; every other type is refused by name.
 READABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 # The llama.* keys read; any other one could change the model, and is refused by name.
@@ -50,12 +60,137 @@ LLAMA_KEYS = {
 
 
 def is_gguf(path: os.PathLike) -> bool:
-    """The file starts with GGUF's magic (a path that cannot be read: no, and its reader will say why)."""
+    """The file starts with GGUF's magic (a path that cannot be read: no, and its reader will say why).
+    Only a regular file is opened: opening a FIFO for reading waits for a writer, forever."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
         with open(path, "rb") as handle:
             return handle.read(4) == GGUF_MAGIC
     except OSError:
         return False
+
+
+class HeaderScan:
+    """The header walked as raw bytes before the library parses it: each count and length bounded
+    before anything is read by it, nothing built but the tensor table's numbers."""
+
+    def __init__(self, path: Path, data: Any, size: int):
+        self.name, self.data, self.size = f"GGUF file {echo_path(path)}", data, size
+        self.items = 0
+        self.alignment = DEFAULT_ALIGNMENT
+
+    def need(self, offset: int, count: int) -> None:
+        if offset + count > self.size:
+            raise UserError(
+                f"{self.name} is truncated or lies: a read of bytes [{offset}, {offset + count}) runs past its end "
+                f"({self.size} bytes)"
+            )
+
+    def unpack(self, fmt: str, offset: int) -> int:
+        self.need(offset, struct.calcsize(fmt))
+        return int(struct.unpack_from(fmt, self.data, offset)[0])
+
+    def string(self, offset: int) -> tuple[bytes, int]:
+        length = self.unpack("<Q", offset)
+        self.need(offset + 8, length)
+        return bytes(self.data[offset + 8 : offset + 8 + length]), offset + 8 + length
+
+    def value(self, offset: int, kind: int, depth: int) -> int:
+        """The offset after one value of type `kind`."""
+        if kind in SCALAR_BYTES:
+            self.need(offset, SCALAR_BYTES[kind])
+            return offset + SCALAR_BYTES[kind]
+        if kind == STRING:
+            return self.string(offset)[1]
+        if kind != ARRAY:
+            raise UserError(f"{self.name} has a value of unknown type {kind}")
+        if depth >= MAX_DEPTH:
+            raise UserError(f"{self.name} nests metadata arrays more than {MAX_DEPTH} deep")
+        item, length = self.unpack("<I", offset), self.unpack("<Q", offset + 4)
+        if length > MAX_ARRAY:
+            raise UserError(f"{self.name} has a metadata array of {length} items, above {MAX_ARRAY}")
+        self.items += length
+        if self.items > MAX_ITEMS:
+            raise UserError(f"{self.name} has more than {MAX_ITEMS} metadata array items in all")
+        offset += 12
+        if item in SCALAR_BYTES:
+            self.need(offset, length * SCALAR_BYTES[item])
+            return offset + length * SCALAR_BYTES[item]
+        for _ in range(length):
+            offset = self.value(offset, item, depth + 1)
+        return offset
+
+    def tensor_table(self, offset: int, fields: int, tensors: int) -> tuple[list[tuple[str, int, int]], int]:
+        """[(name, data offset, bytes)] in the file's order, and where the data section starts."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        for _ in range(fields):
+            key, offset = self.string(offset)
+            kind = self.unpack("<I", offset)
+            if key == b"general.alignment" and kind == UINT32:
+                self.alignment = self.unpack("<I", offset + 4)
+            offset = self.value(offset + 4, kind, 0)
+        table = []
+        for _ in range(tensors):
+            raw, offset = self.string(offset)
+            name = echo(raw.decode("utf-8", "replace"))
+            dims = self.unpack("<I", offset)
+            if dims > MAX_DIMS:
+                raise UserError(f"{self.name}: tensor {name} has {dims} dimensions, above {MAX_DIMS}")
+            shape = [self.unpack("<Q", offset + 4 + 8 * i) for i in range(dims)]
+            offset += 4 + 8 * dims
+            kind, start = self.unpack("<I", offset), self.unpack("<Q", offset + 4)
+            offset += 12
+            try:
+                block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            except (ValueError, KeyError):
+                raise UserError(f"{self.name} has a tensor of unknown quantization type {kind}") from None
+            if shape and shape[0] % block:
+                raise UserError(
+                    f"{self.name}: tensor {name} has rows of {shape[0]} values, not a multiple of its type's "
+                    f"block of {block}"
+                )
+            table.append((name, start, math.prod(shape) // block * block_bytes))
+        if self.alignment == 0 or self.alignment & (self.alignment - 1):
+            raise UserError(f"{self.name} has metadata general.alignment={self.alignment}, not a power of two")
+        return table, -(-offset // self.alignment) * self.alignment
+
+
+def check_layout(scan: HeaderScan, table: list[tuple[str, int, int]], start: int) -> None:
+    """llama.cpp's rule (gguf.cpp): each tensor's data sits at the running sum of the aligned sizes
+    of the tensors before it, so no two overlap and none is misaligned; the data section is that
+    sum (the last tensor's padding may be left out); every tensor lies inside the file."""
+    expected = 0
+    for name, offset, nbytes in table:
+        if start + offset + nbytes > scan.size:
+            raise UserError(
+                f"{scan.name} is truncated or lies: tensor {name} (bytes [{start + offset}, "
+                f"{start + offset + nbytes})) runs past its end ({scan.size} bytes)"
+            )
+        if offset != expected:
+            raise UserError(
+                f"{scan.name}: tensor {name} is at data offset {offset}, not {expected}: each tensor must sit at "
+                f"the running sum of the {scan.alignment}-byte aligned sizes of those before it (llama.cpp's rule; "
+                "overlapping, misaligned or out-of-order tensors are refused)"
+            )
+        last = nbytes
+        expected += -(-nbytes // scan.alignment) * scan.alignment
+    data = scan.size - start
+    if table and not expected - (-(-last // scan.alignment) * scan.alignment - last) <= data <= expected:
+        raise UserError(
+            f"{scan.name} has a data section of {data} bytes; its tensors' aligned sizes sum to {expected} "
+            "(llama.cpp's rule: nothing before, between or after them)"
+        )
+
+
+def scan_header(path: Path, size: int) -> None:
+    """The header's raw bytes walked and bounded (see HeaderScan), and the tensors' layout checked."""
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        scan = HeaderScan(path, data, size)
+        tensors, fields = scan.unpack("<Q", 8), scan.unpack("<Q", 16)
+        table, start = scan.tensor_table(24, fields, tensors)
+        check_layout(scan, table, start)
 
 
 def bounded_reader(path: Path, size: int) -> Any:
@@ -76,11 +211,18 @@ def bounded_reader(path: Path, size: int) -> Any:
 
         def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
             if raw_type == GGUFValueType.ARRAY:
-                length = int(self._get(orig_offs + 4, np.uint64)[0])
-                if length > MAX_ARRAY:
+                # An array of numbers as one slice (the library makes an object per item: a minute and
+                # a gigabyte for 4 million bytes); contents() reads it the same.
+                item, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+                if int(length[0]) > MAX_ARRAY:
                     raise UserError(
-                        f"GGUF file {echo_path(path)} has a metadata array of {length} items, above {MAX_ARRAY}"
+                        f"GGUF file {echo_path(path)} has a metadata array of {int(length[0])} items, above {MAX_ARRAY}"
                     )
+                kind = GGUFValueType(int(item[0]))
+                numbers = self.gguf_scalar_to_np.get(kind)
+                if numbers is not None:
+                    values = self._get(orig_offs + 12, numbers, int(length[0]))
+                    return 12 + int(values.nbytes), [item, length, values], [2], [GGUFValueType.ARRAY, kind]
             return super()._get_field_parts(orig_offs, raw_type)
 
     return BoundedReader(path)
@@ -90,6 +232,7 @@ def bounded_reader(path: Path, size: int) -> Any:
 def cached_reader(path: str, size: int, mtime_ns: int, inode: int) -> Any:
     """One parse per file and version of it: a run reads the weights, the tokenizer and the chat
     template from the same metadata, and parsing 100,000 strings takes seconds."""
+    scan_header(Path(path), size)
     return bounded_reader(Path(path), size)
 
 
@@ -111,6 +254,11 @@ def open_reader(path: Path) -> Any:
     if len(header) < 24:
         raise UserError(f"{name} is truncated: shorter than a GGUF header (24 bytes)")
     version, tensors, fields = struct.unpack("<IQQ", header[4:])
+    if version & 0xFFFF == 0:  # the gguf library's test: a small version number, byte-swapped
+        raise UserError(
+            f"{name} is big-endian (its version reads {version:#x} little-endian); kvports reads little-endian "
+            "GGUF files, as llama.cpp writes them"
+        )
     if tensors > MAX_TENSORS:
         raise UserError(f"{name} declares {tensors} tensors, above {MAX_TENSORS}")
     if fields > MAX_FIELDS:
@@ -182,10 +330,33 @@ class Metadata:
         return None if key not in self else self.integer(key, low=0)
 
     def strings(self, key: str) -> list[str]:
-        value = self.get(key, [])
+        try:
+            value = self.get(key, [])
+        except UnicodeDecodeError as exc:
+            raise self.refuse(key, "<strings>", f"holds a string that is not UTF-8 ({exc.reason})") from None
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
             raise self.refuse(key, f"<{type(value).__name__}>", "must be a list of strings")
         return value
+
+    def string_at(self, key: str, index: int) -> str | None:
+        """One string of a string array, decoded alone; None past its end."""
+        if not 0 <= index < self.count(key):
+            return None
+        try:
+            return str(self.reader.fields[key].contents(index))
+        except UnicodeDecodeError as exc:
+            raise self.refuse(key, f"<item {index}>", f"is not UTF-8 ({exc.reason})") from None
+
+    def count(self, key: str) -> int:
+        """The items of a string array, none decoded (a run given token ids never needs the strings)."""
+        from gguf import GGUFValueType
+
+        field = self.reader.fields.get(key)
+        if field is None:
+            return 0
+        if field.types[:1] != [GGUFValueType.ARRAY] or field.types[-1:] != [GGUFValueType.STRING]:
+            raise self.refuse(key, "<not strings>", "must be a list of strings")
+        return len(field.data)
 
 
 def gguf_config(reader: Any, source: str) -> ModelConfig:
@@ -211,21 +382,26 @@ def gguf_config(reader: Any, source: str) -> ModelConfig:
     for key in ("llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"):
         if key in meta and meta.integer(key) != head_dim:
             raise meta.refuse(key, meta.get(key), f"kvports needs embedding_length / head_count = {head_dim}")
-    tokens = meta.strings("tokenizer.ggml.tokens")
-    vocab = meta.integer("llama.vocab_size", len(tokens) or None)
-    if tokens and len(tokens) != vocab:
+    tokens = meta.count("tokenizer.ggml.tokens")
+    vocab = meta.integer("llama.vocab_size", tokens or None)
+    if tokens and tokens != vocab:
         raise meta.refuse(
             "tokenizer.ggml.tokens",
-            f"<{len(tokens)} tokens>",
+            f"<{tokens} tokens>",
             f"the tokenizer's size differs from the vocabulary's {vocab}",
         )
     names = {tensor.name for tensor in reader.tensors}
+    # Checked against the tensors present before anything loops over the layers.
+    layers = {int(match[1]) for match in map(re.compile(r"blk\.(\d+)\.").match, names) if match}
+    blocks = meta.integer("llama.block_count")
+    if blocks > len(layers):
+        raise meta.refuse("llama.block_count", blocks, f"the file holds tensors of {len(layers)} layers (blk.N.*)")
     eos = [meta.token_id(key) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return ModelConfig(
         vocab_size=vocab,
         d_model=d_model,
         n_heads=heads,
-        n_layers=meta.integer("llama.block_count"),
+        n_layers=blocks,
         max_seq_len=meta.integer("llama.context_length"),
         n_kv_heads=kv_heads,
         activation="swiglu",

@@ -183,14 +183,24 @@ def read_text(path: Path) -> Text:
 
     meta = Metadata(open_reader(path), str(path))
     tokenizer = tokenizer_from_metadata(meta).to_str() if "tokenizer.ggml.model" in meta else None
-    template = meta.get("tokenizer.chat_template")
+    try:
+        template, problem = meta.get("tokenizer.chat_template"), None
+    except UnicodeDecodeError:
+        template, problem = None, "is not UTF-8 text"
     tokens = strings(meta, "tokenizer.ggml.tokens")
     special = {}
     for name in ("bos", "eos"):
         index = meta.token_id(f"tokenizer.ggml.{name}_token_id")
         if index is not None and index < len(tokens):
             special[f"{name}_token"] = tokens[index]
-    return Text(tokenizer, template if isinstance(template, str) else None, special)
+    context = meta.get("llama.context_length")
+    return Text(
+        tokenizer,
+        template if isinstance(template, str) else None,
+        special,
+        context if isinstance(context, int) and not isinstance(context, bool) else None,
+        problem,
+    )
 
 
 def gguf_text(path: os.PathLike) -> Text:
