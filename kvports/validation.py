@@ -361,7 +361,8 @@ def check_rules(
     setup: Setup, names: Names = COMMAND_LINE, models: Sequence[tuple[str, ModelConfig]] = ()
 ) -> dict[str, str]:
     """Every rule of what the ports can run, in one place, checked before any port is imported:
-    quant over float64 activations; a dtype or quant a port lacks (PRECISIONS); the split's range;
+    quant over float64 activations; a dtype or quant a port lacks (PRECISIONS), or has on the CPU only
+    (CPU_QUANTS); the split's range;
     quant on one device only; a port that splits nothing, or not in this mode (SPLIT_MODES); whole
     heads and FFN slices per device for each of `models` (the model, and a speculative draft);
     a mode a port lacks (registry.MODES); a GPU asked of CPU-only ports; a draft's vocabulary
@@ -384,6 +385,7 @@ def check_rules(
 
     quant = check_quant(setup.dtype, setup.quant, names)
     each(lambda framework: precision_refusal(framework, setup.dtype, quant, names))
+    each(lambda framework: quant_device_refusal(framework, quant, setup.device, names))
     N = check_range("tensor_parallel", setup.tensor_parallel, 1, names, MAX_TENSOR_PARALLEL)
     check_quant_split(quant, N, names)
     each(lambda framework: split_refusal(framework, N, setup.modes, names))
@@ -429,6 +431,22 @@ def precision_refusal(framework: str, dtype: str, quant: str, names: Names = COM
         f"{shown(names, field, missing)} is offered by {', '.join(offered)} only, where the framework has a fast "
         f"{missing} product",
         f"no {missing}",
+    )
+
+
+# torch's packed int8 and 4-bit products (aten._weight_int8pack_mm, _weight_int4pack_mm_for_cpu) are
+# CPU kernels: on a GPU they would fail inside the first forward instead of here.
+CPU_QUANTS = {"torch": ("int8", "q4")}
+
+
+def quant_device_refusal(framework: str, quant: str, device: str, names: Names = COMMAND_LINE) -> Refusal | None:
+    """A quant whose product this framework has on the CPU only, asked of a GPU."""
+    if device == "cpu" or quant not in CPU_QUANTS.get(framework, ()):
+        return None
+    return Refusal(
+        f"{shown(names, 'quant', quant)} runs on the CPU in {framework} (its packed {quant} product is a CPU "
+        f"kernel): give it without {shown(names, 'device', device)}",
+        f"{quant} on the CPU only",
     )
 
 

@@ -164,6 +164,17 @@ RULES = {
         {**CHECK_SKIP, **NO_DRAFT, "batch": takes_no("--mode", "--draft")},
         prepare=numpy_without_speculative,
     ),
+    "torch_quant_on_a_gpu": Rule(
+        {"framework": "torch", "quant": "q4", "device": "gpu"},
+        "--quant q4 runs on the CPU in torch (its packed q4 product is a CPU kernel): give it without --device gpu",
+        "quant='q4' runs on the CPU in torch (its packed q4 product is a CPU kernel): give it without device='gpu'",
+        {
+            **CHECK_SKIP,
+            "bench": "runs torch's baselines beside its rows, on the GPU at float weights: the q4 rows say why "
+            "they are missing (its port_problems imports torch to ask for the GPU)",
+        },
+        {"batch --bench": FLOAT_WEIGHTS},
+    ),
     "numpy_on_a_gpu": Rule(
         {"framework": "numpy", "device": "gpu"},
         "--device gpu: numpy runs on the CPU only",
