@@ -1,0 +1,232 @@
+"""`kvports serve`: an OpenAI-compatible HTTP server over the continuous-batching engine (docs/SERVING.md).
+
+Everything the user gave is checked before any framework code runs, as `kvports batch` checks it;
+then the model loads, the engine runs one warm-up request (JAX compiles its step programs there,
+not on the first client's request), and one line on stdout says where it listens. SIGINT or
+SIGTERM: it stops accepting, lets running requests finish (a few seconds at most, then cancels
+them) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvports.batching.engine import BLOCK_SIZE, MAX_STEP_TOKENS, BatchSettings, Engine, EngineStats, run_bytes
+from kvports.batching.requests import Request
+from kvports.commands.batch import chat_of, load_tokenizer
+from kvports.devices import add_device_argument
+from kvports.flags import (
+    OutOfRange,
+    add_quant_argument,
+    add_threads_argument,
+    add_weights_arguments,
+    non_negative_int,
+    positive_int,
+)
+from kvports.limits import check_bytes
+from kvports.registry import PORTS, REFERENCE
+from kvports.run import load_model, read_model
+from kvports.shared.config import DTYPES, ModelConfig
+from kvports.shared.errors import UserError
+from kvports.shared.generation import GenerationConfig
+from kvports.threads import check_threads, use_threads
+from kvports.validation import Setup, check_rules
+
+HELP = "serve a model over HTTP with the OpenAI API (completions, chat, streaming), batching its requests"
+MAX_BATCH = 16
+MAX_LENGTH = 1024  # the default longest sequence: a model's whole context sizes a pool too large to hold
+MAX_QUEUE = 64
+GRACEFUL_S = 5  # how long running requests may finish after SIGINT or SIGTERM
+LOOPBACK = "127.0.0.1"
+MAX_PORT = 65535
+INSTALL = "kvports serve needs FastAPI, uvicorn and prometheus-client: pip install 'kvports[serve]'"
+# What the server runs: the engine's paged steps (as `kvports batch`).
+MODES = ("paged",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--framework", choices=PORTS, default=REFERENCE, help=f"default {REFERENCE}")
+    add_weights_arguments(parser)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
+    add_quant_argument(parser)
+    add_device_argument(parser)
+    parser.add_argument(
+        "--tokenizer", type=Path, default=None, metavar="DIR", help="folder holding tokenizer.json "
+        "(default: a GGUF file's own)"
+    )
+    parser.add_argument("--host", default=LOOPBACK, help=f"address to listen on (default {LOOPBACK}: this machine only)")
+    parser.add_argument(
+        "--port", type=port_number, default=8000, help="TCP port (default 8000; 0: any free port, printed when ready)"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("KVPORTS_API_KEY"),
+        help="ask /v1/ requests for 'Authorization: Bearer KEY' (default: $KVPORTS_API_KEY; none: no key)",
+    )
+    parser.add_argument(
+        "--max-batch", type=positive_int, default=MAX_BATCH, help=f"sequences running at once (default {MAX_BATCH})"
+    )
+    parser.add_argument(
+        "--max-length",
+        type=positive_int,
+        default=None,
+        help=f"the longest sequence, prompt and new tokens (default: the model's context, at most {MAX_LENGTH})",
+    )
+    parser.add_argument(
+        "--block-size", type=positive_int, default=BLOCK_SIZE, help=f"tokens per KV block (default {BLOCK_SIZE})"
+    )
+    parser.add_argument(
+        "--num-blocks",
+        type=positive_int,
+        default=None,
+        help="KV blocks in the pool (default: --max-batch sequences of --max-length)",
+    )
+    parser.add_argument(
+        "--max-step-tokens",
+        type=positive_int,
+        default=MAX_STEP_TOKENS,
+        help=f"a prefill step's [batch x tokens] budget, padding included (default {MAX_STEP_TOKENS})",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=MAX_QUEUE,
+        help=f"requests waiting beyond the batch before new ones get 429 (default {MAX_QUEUE})",
+    )
+    parser.add_argument("--no-prefix-cache", action="store_true", help="recompute shared prompt prefixes")
+    add_threads_argument(parser)
+
+
+def port_number(text: str) -> int:
+    value = non_negative_int(text)
+    if value > MAX_PORT:
+        raise OutOfRange(f"{value} is above {MAX_PORT}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise UserError(INSTALL) from None
+    from kvports.server.app import ServerState, create_app
+    from kvports.server.loop import EngineLoop
+    from kvports.server.metrics import Metrics
+    from kvports.server.schemas import Limits
+
+    check_threads(args.threads)
+    check_api_key(args)
+    setup = Setup((args.framework,), MODES, args.dtype, args.quant, args.device, 1)
+
+    def check(config: ModelConfig) -> tuple[BatchSettings, Any]:
+        check_rules(setup, models=[("the model", config)])
+        settings = settings_of(args, config).validate(config)
+        check_bytes(run_bytes(config, args.dtype, settings), f"a server's block pool in {args.dtype}")
+        return settings, load_tokenizer(args.tokenizer, args.weights, config)
+
+    config, tensors, checked = read_model(args.weights, args.dtype, check, args.quant)
+    assert checked is not None
+    settings, tokenizer = checked
+    use_threads(args.threads)
+    loaded = load_model(args.framework, config, tensors, args.dtype, args.device, quant=args.quant)
+    engine = Engine(loaded.port, loaded.model, config, settings, dtype=args.dtype, end_nonfinite_rows=True)
+    warm_up(engine)
+    context = min(settings.longest(config), settings.pool_blocks(config) * settings.block_size)
+    limits = Limits(model_name(args), config.vocab_size, context, tuple(config.eos_token_ids))
+    metrics = Metrics()
+    metrics.blocks_free.set(engine.blocks.num_free)
+    loop = EngineLoop(engine, metrics, args.max_queue)
+    encode = None if tokenizer is None else (lambda text: tokenizer.encode(text).ids)
+    state = ServerState(loop, metrics, limits, tokenizer, encode, chat_of(args.weights, tokenizer), args.api_key)
+    state.created = int(time.time())
+    app = create_app(state)
+    loop.start()
+    try:
+        serve(app, args, f"{args.framework}, model {limits.model}, context {context}")
+    finally:
+        loop.stop()
+    return 0
+
+
+def check_api_key(args: argparse.Namespace) -> None:
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key is empty: give a key, or leave the flag out for none")
+
+
+def settings_of(args: argparse.Namespace, config: ModelConfig) -> BatchSettings:
+    length = args.max_length if args.max_length is not None else min(config.max_seq_len, MAX_LENGTH)
+    if length > config.max_seq_len:
+        raise UserError(f"--max-length {length} exceeds the model's context (max_seq_len) {config.max_seq_len}")
+    return BatchSettings(
+        max_batch=args.max_batch,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_step_tokens=args.max_step_tokens,
+        prefix_caching=not args.no_prefix_cache,
+        max_length=length,
+    )
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The name clients give as "model": --model NAME's, else the weights file's name."""
+    if getattr(args, "model", None):
+        return str(args.model)
+    return args.weights.stem if args.weights is not None else "kvports-seed"
+
+
+def warm_up(engine: Engine) -> None:
+    """One short request through the engine before the server says it is ready: JAX compiles its
+    prefill and decode programs here, not on a client's first request. Its counts are then forgotten."""
+    prompt = tuple([0] * min(8, engine.settings.longest(engine.config) - 2))
+    engine.add(Request("warm-up", prompt, GenerationConfig(max_new_tokens=2)))
+    engine.run()
+    engine.stats = EngineStats()
+    engine.blocks.peak_used = 0
+
+
+def serve(app: Any, args: argparse.Namespace, what: str) -> None:
+    """uvicorn until SIGINT or SIGTERM, which end it cleanly (exit status 0, not the signal's)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                print(f"kvports serve: ready on http://{shown}:{port} ({what})", flush=True)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn's own re-raises the signal once it has stopped, which ends the process by it.
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_S,
+        lifespan="off",
+    )
+    server = Server(config)
+    server.run()
+    if not server.started:
+        raise UserError(f"cannot listen on {args.host}:{args.port} (in use, or not an address of this machine)")
+    print("kvports serve: stopped", file=sys.stderr, flush=True)
