@@ -113,12 +113,33 @@ def port_number(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_extra()
+    state, app = prepare(args)
+    state.loop.start()
+    try:
+        server = make_server(app, args.host, args.port, state.describe)
+        server.run()
+        if not server.started:
+            raise UserError(f"cannot listen on {args.host}:{args.port} (in use, or not an address of this machine)")
+    finally:
+        state.loop.stop()
+    print("kvports serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def require_extra() -> None:
+    """The serve extra's packages, or the one line that says how to install them."""
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
         raise UserError(INSTALL) from None
+
+
+def prepare(args: argparse.Namespace, wrap_port: Any = None) -> tuple[Any, Any]:
+    """The server's state and its FastAPI app, the model loaded and the engine warmed up (its loop not
+    yet started). wrap_port: a test's wrapper around the port (a slow or failing step)."""
     from kvports.server.app import ServerState, create_app
     from kvports.server.loop import EngineLoop
     from kvports.server.metrics import Metrics
@@ -139,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
     settings, tokenizer = checked
     use_threads(args.threads)
     loaded = load_model(args.framework, config, tensors, args.dtype, args.device, quant=args.quant)
-    engine = Engine(loaded.port, loaded.model, config, settings, dtype=args.dtype, end_nonfinite_rows=True)
+    port = loaded.port if wrap_port is None else wrap_port(loaded.port)
+    engine = Engine(port, loaded.model, config, settings, dtype=args.dtype, end_nonfinite_rows=True)
     warm_up(engine)
     context = min(settings.longest(config), settings.pool_blocks(config) * settings.block_size)
     limits = Limits(model_name(args), config.vocab_size, context, tuple(config.eos_token_ids))
@@ -149,13 +171,8 @@ def run(args: argparse.Namespace) -> int:
     encode = None if tokenizer is None else (lambda text: tokenizer.encode(text).ids)
     state = ServerState(loop, metrics, limits, tokenizer, encode, chat_of(args.weights, tokenizer), args.api_key)
     state.created = int(time.time())
-    app = create_app(state)
-    loop.start()
-    try:
-        serve(app, args, f"{args.framework}, model {limits.model}, context {context}")
-    finally:
-        loop.stop()
-    return 0
+    state.describe = f"{args.framework}, model {limits.model}, context {context}"
+    return state, create_app(state)
 
 
 def check_api_key(args: argparse.Namespace) -> None:
@@ -194,21 +211,27 @@ def warm_up(engine: Engine) -> None:
     engine.blocks.peak_used = 0
 
 
-def serve(app: Any, args: argparse.Namespace, what: str) -> None:
-    """uvicorn until SIGINT or SIGTERM, which end it cleanly (exit status 0, not the signal's)."""
+def make_server(app: Any, host: str, port: int, what: str) -> Any:
+    """uvicorn's server for the app: one line on stdout once it listens; SIGINT or SIGTERM end it
+    cleanly (its run returns, and the command exits 0, not by the signal)."""
+    import threading
+
     import uvicorn
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started:
-                host, port = self.servers[0].sockets[0].getsockname()[:2]
-                shown = f"[{host}]" if ":" in host else host
-                print(f"kvports serve: ready on http://{shown}:{port} ({what})", flush=True)
+                bound, number = self.servers[0].sockets[0].getsockname()[:2]
+                self.url = f"http://{f'[{bound}]' if ':' in bound else bound}:{number}"
+                print(f"kvports serve: ready on {self.url} ({what})", flush=True)
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             # uvicorn's own re-raises the signal once it has stopped, which ends the process by it.
+            if threading.current_thread() is not threading.main_thread():  # a test's server: no signals
+                yield
+                return
             previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
             try:
                 yield
@@ -218,15 +241,11 @@ def serve(app: Any, args: argparse.Namespace, what: str) -> None:
 
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
+        host=host,
+        port=port,
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=GRACEFUL_S,
         lifespan="off",
     )
-    server = Server(config)
-    server.run()
-    if not server.started:
-        raise UserError(f"cannot listen on {args.host}:{args.port} (in use, or not an address of this machine)")
-    print("kvports serve: stopped", file=sys.stderr, flush=True)
+    return Server(config)

@@ -47,6 +47,7 @@ class ServerState:
     chat: Chat | None
     api_key: str | None = None
     created: int = 0  # the model's "created" time, as /v1/models shows it
+    describe: str = ""  # the framework, model and context, for the line that says it is ready
 
 
 def create_app(state: ServerState) -> Any:
