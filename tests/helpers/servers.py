@@ -74,12 +74,15 @@ def start_process(*argv: object) -> tuple[subprocess.Popen, str]:
     return process, line.split("ready on ", 1)[1].split()[0]
 
 
-def metric(text: str, name: str) -> float:
-    """A sample's value in Prometheus' text format (the first line starting with `name`)."""
+def metric(text: str, name: str, default: float | None = None) -> float:
+    """A sample's value in Prometheus' text format (the first line starting with `name`); `default`
+    for one not shown yet (a label no request has had)."""
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
+    if default is None:
+        raise KeyError(name)
+    return default
 
 
 def wait_for(condition: Any, seconds: float = WAIT_S) -> bool:
