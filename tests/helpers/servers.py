@@ -16,7 +16,7 @@ import numpy as np
 from kvports.cli import build_parser
 from kvports.commands import serve
 from kvports.flags import resolve_model
-from kvports.shared.generation import PAD
+from kvports.shared.generation import PAD, GenerationConfig, row_tokens
 
 START_S = 60  # a server's start, JAX's warm-up compile included
 WAIT_S = 20  # anything a test waits for once the server runs
@@ -72,6 +72,16 @@ def start_process(*argv: object) -> tuple[subprocess.Popen, str]:
         process.kill()
         raise RuntimeError(f"the server did not start: {line!r} {process.communicate(timeout=WAIT_S)[1][-2000:]}")
     return process, line.split("ready on ", 1)[1].split()[0]
+
+
+def alone(server: Running, prompt: list[int], **settings) -> list[int]:
+    """The new tokens port.generate gives the prompt alone (what `kvports generate` runs), stopping
+    at the model's eos ids as the server does."""
+    engine = server.engine
+    stops = tuple(engine.config.eos_token_ids)
+    generation = GenerationConfig(stop_ids=stops, **settings)
+    tokens, _ = engine.port.generate(engine.model, np.asarray([prompt]), generation, "cached")  # [1, P + N]
+    return row_tokens(tokens)[0][len(prompt) :]
 
 
 def metric(text: str, name: str, default: float | None = None) -> float:

@@ -7,15 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-import numpy as np
 import pytest
 
 from kvports.formats.chat import chat_ids
 from kvports.formats.gguf.tokenizer import gguf_tokenizer
 from kvports.registry import PORTS
-from kvports.shared.generation import GenerationConfig, row_tokens
 from tests.helpers.commands import run_cli
-from tests.helpers.servers import WAIT_S, start_server
+from tests.helpers.servers import WAIT_S, alone, start_server
 
 openai = pytest.importorskip("openai")
 MODEL = "tiny"  # the served name: the weights file's stem
@@ -34,16 +32,6 @@ def server(request, chat_model):
 
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=WAIT_S)
-
-
-def alone(server, prompt: list[int], **settings) -> list[int]:
-    """The new tokens port.generate gives the prompt alone (what `kvports generate` runs), stopping
-    at the model's eos ids as the server does."""
-    engine = server.engine
-    stops = tuple(engine.config.eos_token_ids)
-    generation = GenerationConfig(stop_ids=stops, **settings)
-    tokens, _ = engine.port.generate(engine.model, np.asarray([prompt]), generation, "cached")  # [1, P + N]
-    return row_tokens(tokens)[0][len(prompt) :]
 
 
 def chat(words: int) -> list[dict[str, str]]:
