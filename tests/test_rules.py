@@ -1,5 +1,5 @@
 """The run's refusal rules, one table, against every command that takes their inputs: `kvports
-generate`, `compare`, `bench`, `batch`, `batch --bench` (the batching bench), `check` and the Python
+generate`, `compare`, `bench`, `batch`, `batch --bench` (the batching bench), `serve`, `check` and the Python
 API (`kvports.load(...)`, then `Model.generate(...)`). Each refusal is one `error:` line, exit 2,
 the same line in every command (the API: the same words, naming its arguments), and comes before
 any port is imported (or, for what only an imported port can tell, before any model loads).
@@ -10,6 +10,7 @@ parser, so a rule cannot quietly exist in one command only."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -61,6 +62,9 @@ COMMANDS = {
     "batch": Command(("batch", "--requests", "{requests}"), {"framework": "--framework", **COMMON}),
     "batch --bench": Command(
         ("batch", "--bench", "--preset", "seed", "--count", "2"), {"framework": "--frameworks", **COMMON}
+    ),
+    "serve": Command(
+        ("serve",), {"framework": "--framework", "dtype": "--dtype", "quant": "--quant", "device": "--device"}
     ),
     "check": Command(("check", "{implementation}"), {}),
 }
@@ -248,6 +252,16 @@ RULES = {
             "batch --bench": takes_no("--mode", "--draft", "--logprobs"),
         },
     ),
+}
+# serve runs one model on one device with the engine's paged steps: no split, mode, draft or logprobs.
+SERVE_LACKS = {"tensor_parallel": "--tensor-parallel", "mode": "--mode", "draft": "--draft", "logprobs": "--logprobs"}
+RULES = {
+    name: dataclasses.replace(
+        rule, skip={"serve": takes_no(*(SERVE_LACKS[n] for n in rule.given if n in SERVE_LACKS)), **rule.skip}
+    )
+    if set(rule.given) & set(SERVE_LACKS)
+    else rule
+    for name, rule in RULES.items()
 }
 PAIRS = [(rule, command) for rule in RULES for command in EVERY_COMMAND]
 

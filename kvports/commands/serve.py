@@ -59,10 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_quant_argument(parser)
     add_device_argument(parser)
     parser.add_argument(
-        "--tokenizer", type=Path, default=None, metavar="DIR", help="folder holding tokenizer.json "
-        "(default: a GGUF file's own)"
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="folder holding tokenizer.json (default: a GGUF file's own)",
     )
-    parser.add_argument("--host", default=LOOPBACK, help=f"address to listen on (default {LOOPBACK}: this machine only)")
+    parser.add_argument(
+        "--host", default=LOOPBACK, help=f"address to listen on (default {LOOPBACK}: this machine only)"
+    )
     parser.add_argument(
         "--port", type=port_number, default=8000, help="TCP port (default 8000; 0: any free port, printed when ready)"
     )

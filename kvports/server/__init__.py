@@ -2,7 +2,7 @@
 
 One module per job:
 - `schemas`: request bodies checked field by field, and the OpenAI error object every refusal is
-- `text`: the new tokens as text, decoded as they come, cut at a stop string
+- `detokenize`: the new tokens as text, decoded as they come, cut at a stop string
 - `loop`: the engine's loop, in its own thread: requests join the running batch, tokens go back as made
 - `metrics`: the Prometheus metrics `/metrics` shows
 - `app`: the FastAPI application: the endpoints, streaming, the API key

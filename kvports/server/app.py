@@ -28,10 +28,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from kvports.batching.requests import Request
+from kvports.server.detokenize import Detokenizer
 from kvports.server.loop import Choice, EngineLoop, Job, QueueFull
 from kvports.server.metrics import Metrics
 from kvports.server.schemas import MAX_BODY_BYTES, ApiError, Chat, Completion, Encode, Limits, check_request, parse_body
-from kvports.server.text import Detokenizer
 
 RETRY_AFTER_S = 1  # a full queue's advice: most requests finish within seconds
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens looks whether its client is still there
@@ -80,8 +80,13 @@ def create_app(state: ServerState) -> Any:
             return
         given = request.headers.get("authorization", "").encode("utf-8", "replace")
         if not hmac.compare_digest(given, f"Bearer {state.api_key}".encode()):
-            raise ApiError(401, "a valid API key is required: 'Authorization: Bearer KEY'", None, "invalid_api_key",
-                           "authentication_error")
+            raise ApiError(
+                401,
+                "a valid API key is required: 'Authorization: Bearer KEY'",
+                None,
+                "invalid_api_key",
+                "authentication_error",
+            )
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -117,12 +122,21 @@ def create_app(state: ServerState) -> Any:
             state.loop.submit(job)
         except QueueFull as exc:
             state.metrics.rejected.inc()
-            raise ApiError(429, f"the server is busy: {exc}; retry later", None, "queue_full", "rate_limit_error",
-                           {"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise ApiError(
+                429,
+                f"the server is busy: {exc}; retry later",
+                None,
+                "queue_full",
+                "rate_limit_error",
+                {"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
         answer = Answer(state, checked, job, request, str(body["model"]))
         if checked.stream:
-            return StreamingResponse(answer.stream(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                answer.stream(),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         try:
             return await answer.whole()
         finally:
@@ -238,8 +252,14 @@ class Answer:
             raise ApiError(499, "the client closed the connection")
         choices = [self.choice(index, text) for index, text in enumerate(texts)]
         kind = "chat.completion" if self.checked.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
-                "usage": self.usage()}
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
 
     def choice(self, index: int, text: str) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
@@ -266,12 +286,20 @@ class Answer:
                 sent[index] = len(self.tokens[index])
                 delta = {"content": piece} if self.checked.chat else piece
                 if piece or reason is not None or new:
-                    yield self.sse(self.chunk(index, delta if piece else ({} if self.checked.chat else ""), reason, new))
+                    yield self.sse(
+                        self.chunk(index, delta if piece else ({} if self.checked.chat else ""), reason, new)
+                    )
             if self.error is not None:
                 yield self.sse(self.failure().body())
             elif self.done and self.checked.include_usage:
-                usage = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                         "choices": [], "usage": self.usage()}
+                usage = {
+                    "id": self.id,
+                    "object": self.kind,
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": self.usage(),
+                }
                 yield self.sse(usage)
             if self.done or self.error is not None:
                 yield "data: [DONE]\n\n"
@@ -301,4 +329,3 @@ class Answer:
     @staticmethod
     def sse(data: dict[str, Any]) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-

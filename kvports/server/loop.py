@@ -81,7 +81,9 @@ class EngineLoop:
             if self.stopping.is_set():
                 raise QueueFull("the server is shutting down")
             if self.in_flight + len(job.choices) > self.capacity:
-                raise QueueFull(f"{self.in_flight} requests are running or waiting, the most this server holds is {self.capacity}")
+                raise QueueFull(
+                    f"{self.in_flight} requests are running or waiting, the most this server holds is {self.capacity}"
+                )
             self.in_flight += len(job.choices)
             self.handed += len(job.choices)
         self.inbox.put(("add", job))

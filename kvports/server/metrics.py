@@ -45,7 +45,9 @@ class Metrics:
         self.finished = Counter(
             f"{PREFIX}_requests_finished", "Requests ended, by reason", ["finish_reason"], registry=registry
         )
-        self.rejected = Counter(f"{PREFIX}_requests_rejected", "Requests refused with 429 (queue full)", registry=registry)
+        self.rejected = Counter(
+            f"{PREFIX}_requests_rejected", "Requests refused with 429 (queue full)", registry=registry
+        )
         self.seen = {"prefill": 0, "cached": 0}  # the engine's totals already counted
 
     def engine(self, engine: Any, waiting_outside: int) -> None:

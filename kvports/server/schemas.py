@@ -210,7 +210,10 @@ def check_model(body: dict[str, Any], limits: Limits) -> None:
     if model != limits.model:
         shown = echo(model)[:200] if isinstance(model, str) else json_type(model)
         raise ApiError(
-            404, f"model {shown} is not served here; this server serves {echo(limits.model)}", "model", "model_not_found"
+            404,
+            f"model {shown} is not served here; this server serves {echo(limits.model)}",
+            "model",
+            "model_not_found",
         )
 
 
@@ -289,7 +292,9 @@ def chat_prompt(body: dict[str, Any], chat: Chat | None) -> list[int]:
 # ---------------------------------------------------------------- the request
 
 
-def check_request(body: dict[str, Any], limits: Limits, chat: bool, encode: Encode | None, render: Chat | None) -> Completion:
+def check_request(
+    body: dict[str, Any], limits: Limits, chat: bool, encode: Encode | None, render: Chat | None
+) -> Completion:
     """A body as the engine's requests, or the ApiError that names the first bad field."""
     check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     check_model(body, limits)

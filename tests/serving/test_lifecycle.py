@@ -37,7 +37,9 @@ def metrics(server) -> str:
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(slow_server):
     cancelled = metric(metrics(slow_server), CANCELLED, default=0.0)
-    with httpx.stream("POST", slow_server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=WAIT_S) as answer:
+    with httpx.stream(
+        "POST", slow_server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=WAIT_S
+    ) as answer:
         lines = answer.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))  # a token came: it runs
         assert metric(metrics(slow_server), "kvports_kv_blocks_used") > 0
@@ -69,7 +71,9 @@ def test_a_full_queue_is_429_with_retry_after_and_the_rest_finish(slow_server):
 
 def test_a_row_whose_logits_overflow_ends_alone_with_an_error(chat_model):
     marker = 250
-    server = start_server("--framework", "numpy", "--weights", chat_model, wrap_port=lambda port: OverflowingPort(port, marker))
+    server = start_server(
+        "--framework", "numpy", "--weights", chat_model, wrap_port=lambda port: OverflowingPort(port, marker)
+    )
     try:
         api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=WAIT_S)
 
@@ -78,7 +82,8 @@ def test_a_row_whose_logits_overflow_ends_alone_with_an_error(chat_model):
                 url = server.url + "/v1/completions"
                 body = {"model": "tiny", "max_tokens": 6, "temperature": 0}
                 return await asyncio.gather(
-                    client.post(url, json={**body, "prompt": [5, marker, 7]}), client.post(url, json={**body, "prompt": [5, 6, 7]})
+                    client.post(url, json={**body, "prompt": [5, marker, 7]}),
+                    client.post(url, json={**body, "prompt": [5, 6, 7]}),
                 )
 
         failed, fine = asyncio.run(both())
@@ -110,7 +115,9 @@ def test_an_api_key_is_asked_for_and_checked(chat_model):
 def test_a_signal_ends_the_server_cleanly_and_leaves_no_process(chat_model, sig):
     process, url = start_process("--framework", "numpy", "--weights", chat_model)
     try:
-        answer = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [3, 4], "max_tokens": 2}, timeout=WAIT_S)
+        answer = httpx.post(
+            url + "/v1/completions", json={"model": "tiny", "prompt": [3, 4], "max_tokens": 2}, timeout=WAIT_S
+        )
         assert answer.status_code == 200
         process.send_signal(sig)
         out, err = process.communicate(timeout=WAIT_S)

@@ -35,7 +35,9 @@ def test_the_client_gets_paris_streamed_and_not_and_generates_tokens(server):
     settings = dict(model="smollm2", messages=QUESTION, max_tokens=NEW_TOKENS, temperature=0)
     whole = api.chat.completions.create(**settings, extra_body={"return_token_ids": True})
     streamed = "".join(
-        chunk.choices[0].delta.content or "" for chunk in api.chat.completions.create(**settings, stream=True) if chunk.choices
+        chunk.choices[0].delta.content or ""
+        for chunk in api.chat.completions.create(**settings, stream=True)
+        if chunk.choices
     )
     assert whole.choices[0].message.content == streamed == ANSWER
     assert whole.choices[0].finish_reason == "stop"

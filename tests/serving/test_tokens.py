@@ -21,11 +21,15 @@ MODEL = "tiny"  # the served name: the weights file's stem
 WORDS = ["hello", "world", "this", "hi", "hell", "or"]
 
 
-@pytest.fixture(scope="module", params=[pytest.param(name, marks=[pytest.mark.slow] if name == "jax" else []) for name in PORTS])
+@pytest.fixture(
+    scope="module", params=[pytest.param(name, marks=[pytest.mark.slow] if name == "jax" else []) for name in PORTS]
+)
 def server(request, chat_model):
     """One server per port over the tiny chat model (JAX's marked slow: a program per prompt
     length for its alone runs)."""
-    running = start_server("--framework", request.param, "--weights", chat_model, "--dtype", "float64", "--max-batch", "8")
+    running = start_server(
+        "--framework", request.param, "--weights", chat_model, "--dtype", "float64", "--max-batch", "8"
+    )
     yield running
     running.stop()
 
@@ -46,7 +50,9 @@ def test_a_chat_gets_the_tokens_kvports_generate_gives_it(server, chat_model, ca
     chat_file = tmp_path / "chat.json"
     chat_file.write_text(json.dumps(messages))
     argv = ["generate", "--framework", server.engine.port.NAME, "--mode", "cached", "--weights", chat_model]
-    code, out, err = run_cli(capsys, *argv, "--chat-file", chat_file, "--new-tokens", "6", "--dtype", "float64", "--json")
+    code, out, err = run_cli(
+        capsys, *argv, "--chat-file", chat_file, "--new-tokens", "6", "--dtype", "float64", "--json"
+    )
     assert code == 0, err
     prompt = chat_ids(chat_model, messages, gguf_tokenizer(chat_model))
     choice = answer.choices[0]
@@ -103,7 +109,9 @@ def test_sixteen_concurrent_streamed_chats_each_get_their_own_tokens(server, cha
     requests = [(chat(1 + index % 5), 2 + index % 7) for index in range(16)]
 
     async def one(messages, max_tokens) -> list[int]:
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=WAIT_S) as api:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=WAIT_S
+        ) as api:
             stream = await api.chat.completions.create(
                 model=MODEL,
                 messages=messages,
