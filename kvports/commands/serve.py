@@ -19,8 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvports.batching.engine import BLOCK_SIZE, MAX_STEP_TOKENS, BatchSettings, Engine, EngineStats, run_bytes
+from kvports.batching.engine import BatchSettings, Engine, EngineStats, run_bytes
+from kvports.batching.flags import add_engine_arguments
 from kvports.batching.requests import Request
+from kvports.commands import batch
 from kvports.commands.batch import chat_of, load_tokenizer
 from kvports.devices import add_device_argument
 from kvports.flags import (
@@ -76,9 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("KVPORTS_API_KEY"),
         help="ask /v1/ requests for 'Authorization: Bearer KEY' (default: $KVPORTS_API_KEY; none: no key)",
     )
-    parser.add_argument(
-        "--max-batch", type=positive_int, default=MAX_BATCH, help=f"sequences running at once (default {MAX_BATCH})"
-    )
+    add_engine_arguments(parser, MAX_BATCH, "--max-batch sequences of --max-length")
     parser.add_argument(
         "--max-length",
         type=positive_int,
@@ -86,27 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the longest sequence, prompt and new tokens (default: the model's context, at most {MAX_LENGTH})",
     )
     parser.add_argument(
-        "--block-size", type=positive_int, default=BLOCK_SIZE, help=f"tokens per KV block (default {BLOCK_SIZE})"
-    )
-    parser.add_argument(
-        "--num-blocks",
-        type=positive_int,
-        default=None,
-        help="KV blocks in the pool (default: --max-batch sequences of --max-length)",
-    )
-    parser.add_argument(
-        "--max-step-tokens",
-        type=positive_int,
-        default=MAX_STEP_TOKENS,
-        help=f"a prefill step's [batch x tokens] budget, padding included (default {MAX_STEP_TOKENS})",
-    )
-    parser.add_argument(
         "--max-queue",
         type=positive_int,
         default=MAX_QUEUE,
         help=f"requests waiting beyond the batch before new ones get 429 (default {MAX_QUEUE})",
     )
-    parser.add_argument("--no-prefix-cache", action="store_true", help="recompute shared prompt prefixes")
     add_threads_argument(parser)
 
 
@@ -186,17 +170,11 @@ def check_api_key(args: argparse.Namespace) -> None:
 
 
 def settings_of(args: argparse.Namespace, config: ModelConfig) -> BatchSettings:
+    """The engine's settings: `kvports batch`'s flags, and the longest sequence (--max-length)."""
     length = args.max_length if args.max_length is not None else min(config.max_seq_len, MAX_LENGTH)
     if length > config.max_seq_len:
         raise UserError(f"--max-length {length} exceeds the model's context (max_seq_len) {config.max_seq_len}")
-    return BatchSettings(
-        max_batch=args.max_batch,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_step_tokens=args.max_step_tokens,
-        prefix_caching=not args.no_prefix_cache,
-        max_length=length,
-    )
+    return batch.settings_of(args, length)
 
 
 def model_name(args: argparse.Namespace) -> str:
