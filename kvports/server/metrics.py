@@ -48,7 +48,12 @@ class Metrics:
         self.rejected = Counter(
             f"{PREFIX}_requests_rejected", "Requests refused with 429 (queue full)", registry=registry
         )
-        self.seen = {"prefill": 0, "cached": 0}  # the engine's totals already counted
+        # The engine's own step timings (kvports bench --serve reads where a server's time goes).
+        self.step_seconds = Counter(
+            f"{PREFIX}_engine_step_seconds", "Seconds in the port's steps, by kind", ["kind"], registry=registry
+        )
+        self.steps = Counter(f"{PREFIX}_engine_steps", "Engine steps, by kind", ["kind"], registry=registry)
+        self.seen: dict[str, float] = {"prefill": 0, "cached": 0}  # the engine's totals already counted
 
     def engine(self, engine: Any, waiting_outside: int) -> None:
         """The engine's state after a step: its batch, its queue (and requests not yet handed to it), its blocks."""
@@ -57,9 +62,15 @@ class Metrics:
         self.waiting.set(len(scheduler.waiting) + waiting_outside)
         self.blocks_used.set(engine.blocks.num_used)
         self.blocks_free.set(engine.blocks.num_free)
-        self.prefill_tokens.inc(stats.prefill_tokens - self.seen["prefill"])
-        self.prefix_hits.inc(stats.cached_tokens - self.seen["cached"])
-        self.seen = {"prefill": stats.prefill_tokens, "cached": stats.cached_tokens}
+        totals = {"prefill": stats.prefill_tokens, "cached": stats.cached_tokens}
+        for kind in ("prefill", "decode"):
+            totals[f"{kind} seconds"], totals[f"{kind} steps"] = stats.seconds[kind], stats.steps[kind]
+        self.prefill_tokens.inc(totals["prefill"] - self.seen["prefill"])
+        self.prefix_hits.inc(totals["cached"] - self.seen["cached"])
+        for kind in ("prefill", "decode"):
+            self.step_seconds.labels(kind).inc(totals[f"{kind} seconds"] - self.seen.get(f"{kind} seconds", 0))
+            self.steps.labels(kind).inc(totals[f"{kind} steps"] - self.seen.get(f"{kind} steps", 0))
+        self.seen = totals
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
