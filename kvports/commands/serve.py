@@ -1,8 +1,8 @@
 """`kvports serve`: an OpenAI-compatible HTTP server over the continuous-batching engine (docs/SERVING.md).
 
 Everything the user gave is checked before any framework code runs, as `kvports batch` checks it;
-then the model loads, the engine runs one warm-up request (JAX compiles its step programs there,
-not on the first client's request), and one line on stdout says where it listens. SIGINT or
+then the model loads, the engine runs one warm-up request (JAX compiles its decode program and a
+one-row prefill program there, not on the first client's request), and one line on stdout says where it listens. SIGINT or
 SIGTERM: it stops accepting, lets running requests finish (a few seconds at most, then cancels
 them) and exits 0.
 """
@@ -186,7 +186,8 @@ def model_name(args: argparse.Namespace) -> str:
 
 def warm_up(engine: Engine) -> None:
     """One short request through the engine before the server says it is ready: JAX compiles its
-    prefill and decode programs here, not on a client's first request. Its counts are then forgotten."""
+    decode program (every decode step's) and a one-row prefill program here, not on a client's first
+    request; a prefill shape not seen yet compiles when it first comes. Its counts are then forgotten."""
     prompt = tuple([0] * min(8, engine.settings.longest(engine.config) - 2))
     engine.add(Request("warm-up", prompt, GenerationConfig(max_new_tokens=2)))
     engine.run()
