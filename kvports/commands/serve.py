@@ -1,10 +1,10 @@
 """`kvports serve`: an OpenAI-compatible HTTP server over the continuous-batching engine (docs/SERVING.md).
 
-Everything the user gave is checked before any framework code runs, as `kvports batch` checks it;
-then the model loads, the engine runs one warm-up request (JAX compiles its decode program and a
-one-row prefill program there, not on the first client's request), and one line on stdout says where it listens. SIGINT or
-SIGTERM: it stops accepting, lets running requests finish (a few seconds at most, then cancels
-them) and exits 0.
+Everything the user gave is checked before any framework code runs, as `kvports batch` checks it,
+and the address is bound; then the model loads, the engine runs one warm-up request (JAX compiles
+its decode program and a one-row prefill program there, not on the first client's request), and
+one line on stdout says where it listens. SIGINT or SIGTERM: it stops accepting, lets running
+requests finish (a few seconds at most, then cancels them) and exits 0.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -37,7 +38,7 @@ from kvports.limits import check_bytes
 from kvports.registry import PORTS, REFERENCE
 from kvports.run import load_model, read_model
 from kvports.shared.config import DTYPES, ModelConfig
-from kvports.shared.errors import UserError
+from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import GenerationConfig
 from kvports.threads import check_threads, use_threads
 from kvports.validation import Setup, check_rules
@@ -103,17 +104,32 @@ def port_number(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     require_extra()
-    state, app = prepare(args)
-    state.loop.start()
-    try:
-        server = make_server(app, args.host, args.port, state.describe)
-        server.run()
-        if not server.started:
-            raise UserError(f"cannot listen on {args.host}:{args.port} (in use, or not an address of this machine)")
-    finally:
-        state.loop.stop()
+    sock = listen(args.host, args.port)  # before the model loads: a port in use is one line, at once
+    with sock:
+        state, app = prepare(args)
+        state.loop.start()
+        try:
+            make_server(app, args.host, args.port, state.describe).run(sockets=[sock])
+        finally:
+            state.loop.stop()
     print("kvports serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound: an address this machine does not have, or a port in use, is a user error."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise UserError(f"cannot listen on --host {echo(host)} ({exc.strerror or exc})") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+    return sock
 
 
 def require_extra() -> None:

@@ -31,7 +31,9 @@ def alone(port, model, name: str) -> list[int]:
 
 def test_cancelled_requests_free_their_blocks_at_once_and_the_rest_run_unchanged():
     engine, port, model = engine_and_model()
-    sequences = {name: engine.add(Request(name, tuple(prompt), GenerationConfig(8))) for name, prompt in PROMPTS.items()}
+    sequences = {
+        name: engine.add(Request(name, tuple(prompt), GenerationConfig(8))) for name, prompt in PROMPTS.items()
+    }
     engine.step()  # a and b run (max_batch 2), c waits
     engine.cancel(sequences["a"])  # running
     engine.cancel(sequences["c"])  # waiting: it never runs

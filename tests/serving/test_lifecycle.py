@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import sys
 
 import pytest
@@ -149,3 +150,13 @@ def test_metrics_show_the_tokens_and_the_latencies(slow_server):
     ]:
         assert metric(after, name) - metric(before, name) == grown, name
     assert json.loads(httpx.get(slow_server.url + "/v1/models", timeout=WAIT_S).text)["data"][0]["id"] == "tiny"
+
+
+def test_a_port_in_use_is_one_error_line_before_any_model_loads(capsys, chat_model, no_port_may_load):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ("serve", "--framework", "numpy", "--weights", chat_model, "--port", port)
+        err = assert_one_error_line(*run_cli(capsys, *argv))
+    assert err == f"error: cannot listen on 127.0.0.1:{port} (Address already in use)\n"
