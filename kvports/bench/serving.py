@@ -8,7 +8,8 @@ throughput against concurrency. Bounded: max(4, clients) requests a level, each 
 
 Each level's user messages carry the level's tag, so a level finds in the prefix cache only the
 system prompt (and what its own requests share), not the previous level's whole prompts. Every
-level runs once untimed first on JAX (it compiles its step programs for the level's shapes there).
+server first answers 4 requests untimed, and on JAX each level runs once untimed first, with
+prompts of the same lengths (it compiles its step programs for the level's shapes there).
 """
 
 from __future__ import annotations
@@ -294,12 +295,14 @@ def bench_server(
     rows = []
     try:
         wait_ready(process, url)
+        # Every server's first requests pay for what a first use costs (pages of weights, buffers).
+        asyncio.run(run_level(url, model, requests("warm 0", MIN_REQUESTS), MIN_REQUESTS, ours))
         for concurrency in LEVELS:
             count = max(MIN_REQUESTS, concurrency)
-            if warm:  # JAX: the level's step shapes compiled before it is timed
-                asyncio.run(run_level(url, model, requests(f"warm-up {concurrency}", count), concurrency, ours))
+            if warm:  # JAX: the level's step shapes compiled before it is timed (the same prompt lengths)
+                asyncio.run(run_level(url, model, requests(f"warm {concurrency}", count), concurrency, ours))
             before = scrape(url) if ours else {}
-            chats = requests(f"set {concurrency}", count)
+            chats = requests(f"time {concurrency}", count)
             results, seconds = asyncio.run(run_level(url, model, chats, concurrency, ours))
             rows.append(row_of(name, concurrency, results, seconds, before, scrape(url) if ours else {}))
             progress(rows[-1])

@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from kvports.bench.serving import row_of
 from tests.helpers.commands import assert_one_error_line, run_cli
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 @pytest.mark.parametrize(
@@ -36,3 +41,10 @@ def test_a_row_is_the_clients_timings_and_the_servers_counters():
     assert row["prefix_hit_rate"] == pytest.approx(30 / 90)  # 30 cached of the 90 the prompts needed
     assert row["decode_ms_per_step"] == pytest.approx(200.0) and row["engine_busy"] == pytest.approx(0.75)
     assert row_of("llama.cpp server", 2, results, 2.0, {}, {})["prefix_hit_rate"] is None
+
+
+def test_serving_md_table_is_the_committed_run():
+    from kvports.bench.serving import table
+
+    run = json.loads((DOCS / "data" / "serving_smollm2_t2.json").read_text())
+    assert table(run) in (DOCS / "SERVING.md").read_text(), "paste kvports.bench.serving.table(the run) into it"
