@@ -107,7 +107,8 @@ def started(command: list[str], threads: int | None) -> subprocess.Popen:
 
 
 def start_kvports(framework: str, bench: ServingBench, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "kvports.cli", "serve", "--framework", framework, "--weights", str(bench.weights)]
+    kvports = str(Path(sys.executable).with_name("kvports"))  # the command installed beside this Python
+    command = [kvports, "serve", "--framework", framework, "--weights", str(bench.weights)]
     command += ["--dtype", bench.dtype, "--port", str(port), "--max-batch", str(max(LEVELS))]
     command += ["--max-length", str(MAX_LENGTH), "--max-queue", str(max(LEVELS))]
     if bench.threads is not None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvports.batching.arguments import add_engine_arguments
 from kvports.batching.blocks import blocks_for
 from kvports.batching.engine import (
     MAX_BATCH,
@@ -24,7 +25,6 @@ from kvports.batching.engine import (
     Engine,
     run_bytes,
 )
-from kvports.batching.flags import add_engine_arguments
 from kvports.batching.requests import BadLine, Chat, Request, parse_requests, split_lines
 from kvports.batching.scheduler import Sequence
 from kvports.bench.presets import PRESETS

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvports.batching.arguments import add_engine_arguments
 from kvports.batching.engine import BatchSettings, Engine, EngineStats, run_bytes
-from kvports.batching.flags import add_engine_arguments
 from kvports.batching.requests import Request
 from kvports.commands import batch
 from kvports.commands.batch import chat_of, load_tokenizer
