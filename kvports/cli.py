@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from kvports import bench
-from kvports.commands import batch, chat_command, check, compare, convert, fetch, generate_command, init_weights
+from kvports.commands import batch, chat_command, check, compare, convert, fetch, generate_command, init_weights, serve
 from kvports.flags import OutOfRange, resolve_model
 from kvports.shared.errors import UserError
 from kvports.version import __version__
@@ -35,6 +35,7 @@ COMMANDS: dict[str, ModuleType] = {
     "convert": convert,
     "bench": bench,
     "batch": batch,
+    "serve": serve,
     "check": check,
     "fetch": fetch,
 }

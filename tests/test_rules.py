@@ -1,5 +1,5 @@
 """The run's refusal rules, one table, against every command that takes their inputs: `kvports
-generate`, `compare`, `bench`, `batch`, `batch --bench` (the batching bench), `check` and the Python
+generate`, `compare`, `bench`, `batch`, `batch --bench` (the batching bench), `serve`, `check` and the Python
 API (`kvports.load(...)`, then `Model.generate(...)`). Each refusal is one `error:` line, exit 2,
 the same line in every command (the API: the same words, naming its arguments), and comes before
 any port is imported (or, for what only an imported port can tell, before any model loads).
@@ -61,6 +61,9 @@ COMMANDS = {
     "batch": Command(("batch", "--requests", "{requests}"), {"framework": "--framework", **COMMON}),
     "batch --bench": Command(
         ("batch", "--bench", "--preset", "seed", "--count", "2"), {"framework": "--frameworks", **COMMON}
+    ),
+    "serve": Command(
+        ("serve",), {"framework": "--framework", "dtype": "--dtype", "quant": "--quant", "device": "--device"}
     ),
     "check": Command(("check", "{implementation}"), {}),
     "chat": Command(
@@ -264,12 +267,18 @@ RULES = {
         },
     ),
 }
-# chat answers in its one cached loop on one device: a rule about the flags it lacks skips it
-CHAT_LACKS = {"mode": "--mode", "draft": "--draft", "tensor_parallel": "--tensor-parallel", "logprobs": "--logprobs"}
+# chat answers in its one cached loop, serve with the engine's paged steps, each on one device: a rule
+# about flags such a command lacks skips it there
+ONE_MODEL_ON_ONE_DEVICE = {
+    "mode": "--mode",
+    "draft": "--draft",
+    "tensor_parallel": "--tensor-parallel",
+    "logprobs": "--logprobs",
+}
 for _name, _rule in RULES.items():
-    _lacking = [flag for key, flag in CHAT_LACKS.items() if key in _rule.given]
+    _lacking = [flag for key, flag in ONE_MODEL_ON_ONE_DEVICE.items() if key in _rule.given]
     if _lacking:
-        RULES[_name] = replace(_rule, skip={**_rule.skip, "chat": takes_no(*_lacking)})
+        RULES[_name] = replace(_rule, skip={**_rule.skip, "chat": takes_no(*_lacking), "serve": takes_no(*_lacking)})
 PAIRS = [(rule, command) for rule in RULES for command in EVERY_COMMAND]
 
 

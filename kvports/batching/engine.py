@@ -6,6 +6,7 @@ Framework-free: the port is reached through two calls at the end of its port.py,
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -133,9 +134,13 @@ class Engine:
         clock: Callable[[], float] = time.perf_counter,
         *,
         dtype: str = "float32",
+        end_nonfinite_rows: bool = False,
     ):
         self.port, self.model, self.config = port, model, config
         self.dtype = dtype  # the model's, named when a step's logits overflow it
+        # True (a server): a row whose logits overflowed ends alone (reason "error"), the others run on.
+        # False (a batch file): the step raises NonFiniteLogits, ending every request.
+        self.end_nonfinite_rows = end_nonfinite_rows
         self.settings = settings.validate(config)
         self.clock = clock
         self.blocks = BlockManager(settings.pool_blocks(config), settings.block_size, settings.prefix_caching)
@@ -153,6 +158,10 @@ class Engine:
         sequence = Sequence(request, arrival=self.clock())
         self.scheduler.add(sequence)
         return sequence
+
+    def cancel(self, sequence: Sequence, reason: str = "cancelled") -> None:
+        """End a queued or running request now (its client went away), its blocks back at once."""
+        self.scheduler.cancel(sequence, self.clock(), reason)
 
     @property
     def idle(self) -> bool:
@@ -177,14 +186,33 @@ class Engine:
             next_tokens, self.pool = self.port.paged_step(
                 self.model, self.pool, step.tokens, step.start, step.block_tables, step.sampling
             )
-            check_step(step, next_tokens, self.dtype)
+            if not self.end_nonfinite_rows:
+                check_step(step, next_tokens, self.dtype)
         except BaseException:
             self.pool = None
             self.scheduler.abort_all(self.clock())
             raise
         self.stats.count(step, self.clock() - started)
         self.stats.preemptions = self.scheduler.preemptions
-        return self.scheduler.finish_step(step, next_tokens, self.clock())
+        failed = self.end_failed_rows(step, next_tokens)
+        if failed:
+            good = [row for row, sequence in enumerate(step.sequences) if sequence not in failed]
+            step = dataclasses.replace(step, sequences=[step.sequences[row] for row in good])
+            next_tokens = next_tokens[good]  # [B']
+        return failed + self.scheduler.finish_step(step, next_tokens, self.clock())
+
+    def end_failed_rows(self, step: Step, next_tokens: np.ndarray) -> list[Sequence]:
+        """The rows the port gave PAD (their logits held an inf or a NaN), ended with reason "error"
+        when the engine ends such rows alone. The prefix hashes go: those rows' blocks may hold
+        non-finite keys, and a later prompt must not find them."""
+        if not self.end_nonfinite_rows:
+            return []
+        failed = [sequence for sequence, token in zip(step.sequences, next_tokens, strict=True) if int(token) == PAD]
+        for sequence in failed:
+            self.scheduler.cancel(sequence, self.clock(), "error")
+        if failed:
+            self.blocks.forget_prefixes()
+        return failed
 
     def run(self, on_finish: Callable[[Sequence], None] | None = None) -> list[Sequence]:
         """Step until every queued request has finished; the finished sequences in finishing order."""

@@ -221,6 +221,16 @@ class Scheduler:
         if sequence in self.running:
             self.running.remove(sequence)
 
+    def cancel(self, sequence: Sequence, now: float, reason: str = "cancelled") -> None:
+        """End a sequence before its last token (its client went away, or its forward failed): out of
+        the queue or the batch, its blocks back at once."""
+        if sequence.status is Status.FINISHED:
+            return
+        if sequence.status is Status.WAITING:
+            self.waiting.remove(sequence)
+        sequence.finish_reason = reason
+        self.finish(sequence, now)
+
     def abort_all(self, now: float) -> list[Sequence]:
         """After a failed step: every sequence ends (reason "error"), every block goes back, and no
         prefix stays findable (blocks registered for the failed step were never written)."""

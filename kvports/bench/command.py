@@ -83,7 +83,21 @@ def run_batching(args: argparse.Namespace) -> int:
     return run_bench(batching_inputs(args, defaults, registry.PORTS))
 
 
+def run_serving(args: argparse.Namespace) -> int:
+    """`kvports bench --serve`: kvports serve per port (and llama.cpp's server) under concurrent clients."""
+    from kvports.bench.options import add_arguments
+    from kvports.bench.serving import SERVING_FLAGS, run_serving, serving_inputs
+
+    bench_parser = argparse.ArgumentParser()
+    add_arguments(bench_parser)
+    defaults = vars(bench_parser.parse_args([]))  # every bench flag at its default
+    changed = [name for name, value in defaults.items() if name not in SERVING_FLAGS and getattr(args, name) != value]
+    return run_serving(serving_inputs(args, changed))
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.serve:
+        return run_serving(args)
     if args.requests is not None:
         return run_batching(args)
     check_bench_counts(args.batch, args.prompt_len, args.new_tokens, args.repeats, args.warmup)

@@ -131,6 +131,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead of the rows above: N requests of mixed lengths, and N sharing a 256-token prefix, run with "
         "continuous batching over a paged cache against one at a time, per port (kvports batch --bench)",
     )
+    batching.add_argument(
+        "--serve",
+        action="store_true",
+        help="instead of the rows above: a kvports serve per port (and with --peers llama-cpp-python's server) "
+        "under 1, 4 and 16 concurrent chat clients: requests/s, tokens/s, TTFT and ITL (docs/SERVING.md)",
+    )
 
 
 # What --requests keeps from the bench's flags; every other one must stay at its default.

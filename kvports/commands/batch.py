@@ -17,11 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from kvports.batching.arguments import add_engine_arguments
 from kvports.batching.blocks import blocks_for
 from kvports.batching.engine import (
-    BLOCK_SIZE,
     MAX_BATCH,
-    MAX_STEP_TOKENS,
     BatchSettings,
     Engine,
     run_bytes,
@@ -83,25 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"max_new_tokens of a line that gives none (default {DEFAULT_NEW_TOKENS})",
     )
-    parser.add_argument(
-        "--max-batch", type=positive_int, default=MAX_BATCH, help=f"sequences running at once (default {MAX_BATCH})"
-    )
-    parser.add_argument(
-        "--block-size", type=positive_int, default=BLOCK_SIZE, help=f"tokens per KV block (default {BLOCK_SIZE})"
-    )
-    parser.add_argument(
-        "--num-blocks",
-        type=positive_int,
-        default=None,
-        help="KV blocks in the pool (default: enough for --max-batch of the longest request)",
-    )
-    parser.add_argument(
-        "--max-step-tokens",
-        type=positive_int,
-        default=MAX_STEP_TOKENS,
-        help=f"a prefill step's [batch x tokens] budget, padding included (default {MAX_STEP_TOKENS})",
-    )
-    parser.add_argument("--no-prefix-cache", action="store_true", help="recompute shared prompt prefixes")
+    add_engine_arguments(parser, MAX_BATCH, "--max-batch of the longest request")
     add_threads_argument(parser)
     bench = parser.add_argument_group("benchmark (--bench: no --requests; see docs/BATCHING.md)")
     bench.add_argument(

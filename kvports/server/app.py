@@ -1,0 +1,331 @@
+"""The FastAPI application: the OpenAI endpoints over the engine's loop.
+
+- `GET /health`, `GET /metrics` (Prometheus' text format), `GET /v1/models`
+- `POST /v1/completions`, `POST /v1/chat/completions`: whole, or streamed (`"stream": true`) as
+  Server-Sent Events, one `data: {json}` chunk per step's tokens, then `data: [DONE]`
+
+Imported only by `kvports serve`, once it has found FastAPI installed (the `serve` extra).
+Every refusal is an OpenAI error object with a 4xx status; an unexpected failure is a 500 with a
+one-line message, never a traceback. A client that goes away cancels its request (its blocks go
+back before the next step). With an API key, `/v1/` asks for `Authorization: Bearer KEY`, compared
+in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from kvports.batching.requests import Request
+from kvports.server.detokenize import Detokenizer
+from kvports.server.loop import Choice, EngineLoop, Job, QueueFull
+from kvports.server.metrics import Metrics
+from kvports.server.schemas import MAX_BODY_BYTES, ApiError, Chat, Completion, Encode, Limits, check_request, parse_body
+
+RETRY_AFTER_S = 1  # a full queue's advice: most requests finish within seconds
+DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens looks whether its client is still there
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    metrics: Metrics
+    limits: Limits
+    tokenizer: Any  # a tokenizers.Tokenizer, or None (token ids only)
+    encode: Encode | None
+    chat: Chat | None
+    api_key: str | None = None
+    created: int = 0  # the model's "created" time, as /v1/models shows it
+    describe: str = ""  # the framework, model and context, for the line that says it is ready
+
+
+def create_app(state: ServerState) -> Any:
+    app = FastAPI(title="kvports", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error_response(error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: HttpRequest, error: ApiError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HttpRequest, error: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return error_response(ApiError(error.status_code, message, None, None, kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: HttpRequest, error: RequestValidationError) -> JSONResponse:
+        return error_response(ApiError(400, "the request is not valid"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: HttpRequest, error: Exception) -> JSONResponse:
+        message = f"the server failed on this request ({type(error).__name__})"
+        return error_response(ApiError(500, message, None, None, "server_error"))
+
+    def authorize(request: HttpRequest) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "").encode("utf-8", "replace")
+        if not hmac.compare_digest(given, f"Bearer {state.api_key}".encode()):
+            raise ApiError(
+                401,
+                "a valid API key is required: 'Authorization: Bearer KEY'",
+                None,
+                "invalid_api_key",
+                "authentication_error",
+            )
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: HttpRequest) -> dict[str, Any]:
+        authorize(request)
+        model = {"id": state.limits.model, "object": "model", "created": state.created, "owned_by": "kvports"}
+        model["max_model_len"] = state.limits.context
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: HttpRequest) -> Any:
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: HttpRequest) -> Any:
+        return await complete(request, chat=True)
+
+    async def complete(request: HttpRequest, chat: bool) -> Any:
+        authorize(request)
+        body = parse_body(await read_body(request))
+        checked = check_request(body, state.limits, chat, state.encode, state.chat)
+        job = make_job(checked)
+        try:
+            state.loop.submit(job)
+        except QueueFull as exc:
+            state.metrics.rejected.inc()
+            raise ApiError(
+                429,
+                f"the server is busy: {exc}; retry later",
+                None,
+                "queue_full",
+                "rate_limit_error",
+                {"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        answer = Answer(state, checked, job, request, str(body["model"]))
+        if checked.stream:
+            return StreamingResponse(
+                answer.stream(),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            return await answer.whole()
+        finally:
+            if not answer.done:
+                state.loop.cancel(job)
+
+    def make_job(checked: Completion) -> Job:
+        import asyncio
+
+        request_id = secrets.token_hex(8)
+        choices = [
+            Choice(index, Request(f"{request_id}-{index}", checked.prompt, generation))
+            for index, generation in enumerate(checked.generations)
+        ]
+        return Job(choices, asyncio.get_running_loop())
+
+    return app
+
+
+async def read_body(request: Any) -> bytes:
+    """The body, refused (413) past MAX_BODY_BYTES, by its declared length or as it arrives."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is {declared} bytes, above {MAX_BODY_BYTES}", None, "body_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is above {MAX_BODY_BYTES} bytes", None, "body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class Answer:
+    """One request's answer, built from its job's events: whole, or as Server-Sent Events."""
+
+    def __init__(self, state: ServerState, checked: Completion, job: Job, request: Any, model: str):
+        self.state, self.checked, self.job, self.request, self.model = state, checked, job, request, model
+        self.id = ("chatcmpl-" if checked.chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        stop_ids = state.limits.stop_ids
+        n = len(checked.generations)
+        self.text = [Detokenizer(state.tokenizer, checked.stop, stop_ids) for _ in range(n)]
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.error: str | None = None
+        self.done = False
+
+    # ---------------------------------------------------------------- events
+
+    async def events(self) -> AsyncIterator[tuple[int, str, str | None]]:
+        """(choice, new text, finish reason or None) as the engine makes them; ends when every choice has."""
+        import asyncio
+
+        while not all(reason is not None for reason in self.finish):
+            try:
+                event = await asyncio.wait_for(self.job.events.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await self.request.is_disconnected():
+                    self.state.loop.cancel(self.job)
+                    return
+                continue
+            kind, index, value = event
+            detokenizer = self.text[index]
+            if kind == "tokens":
+                if self.finish[index] is not None or detokenizer.stopped:
+                    continue
+                taken = detokenizer.tokens
+                piece = detokenizer.add(value)
+                self.tokens[index].extend(value[: detokenizer.tokens - taken])  # up to a stop string's last token
+                if detokenizer.stopped:
+                    self.state.loop.stop_choice(self.job, index)
+                    self.finish[index] = "stop"
+                    yield index, piece + detokenizer.finish(), "stop"
+                elif piece:
+                    yield index, piece, None
+            elif kind == "error":
+                self.error = str(value)
+                self.finish[index] = "error"
+                self.state.loop.cancel(self.job)
+                return
+            elif self.finish[index] is None:  # "finish"
+                reason = "stop" if value == "stop" else "length" if value == "length" else str(value)
+                self.finish[index] = reason
+                yield index, detokenizer.finish(), reason
+        self.done = True
+
+    def failure(self) -> ApiError:
+        """The request was good; its generation failed (logits that overflowed, a failed step)."""
+        return ApiError(500, str(self.error), None, "generation_failed", "server_error")
+
+    def usage(self) -> dict[str, Any]:
+        prompt = len(self.checked.prompt)
+        completion = sum(len(tokens) for tokens in self.tokens)
+        cached = max((choice.sequence.cached_tokens for choice in self.job.choices if choice.sequence), default=0)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    # ---------------------------------------------------------------- whole
+
+    async def whole(self) -> dict[str, Any]:
+        texts = [""] * len(self.finish)
+        async for index, piece, _ in self.events():
+            texts[index] += piece
+        if self.error is not None:
+            raise self.failure()
+        if not self.done:  # the client went away: nobody reads this
+            raise ApiError(499, "the client closed the connection")
+        choices = [self.choice(index, text) for index, text in enumerate(texts)]
+        kind = "chat.completion" if self.checked.chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
+
+    def choice(self, index: int, text: str) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if self.checked.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        choice["finish_reason"] = self.finish[index]
+        if self.checked.return_token_ids:
+            choice["token_ids"] = self.tokens[index]
+        return choice
+
+    # ---------------------------------------------------------------- streamed
+
+    async def stream(self) -> AsyncIterator[str]:
+        try:
+            if self.checked.chat:
+                for index in range(len(self.finish)):
+                    yield self.sse(self.chunk(index, {"role": "assistant", "content": ""}, None, []))
+            sent = [0] * len(self.finish)
+            async for index, piece, reason in self.events():
+                new = self.tokens[index][sent[index] :]
+                sent[index] = len(self.tokens[index])
+                delta = {"content": piece} if self.checked.chat else piece
+                if piece or reason is not None or new:
+                    yield self.sse(
+                        self.chunk(index, delta if piece else ({} if self.checked.chat else ""), reason, new)
+                    )
+            if self.error is not None:
+                yield self.sse(self.failure().body())
+            elif self.done and self.checked.include_usage:
+                usage = {
+                    "id": self.id,
+                    "object": self.kind,
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": self.usage(),
+                }
+                yield self.sse(usage)
+            if self.done or self.error is not None:
+                yield "data: [DONE]\n\n"
+        finally:
+            if not self.done:
+                self.state.loop.cancel(self.job)
+
+    @property
+    def kind(self) -> str:
+        return "chat.completion.chunk" if self.checked.chat else "text_completion"
+
+    def chunk(self, index: int, delta: Any, reason: str | None, token_ids: list[int]) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if self.checked.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        choice["logprobs"] = None
+        choice["finish_reason"] = reason
+        if self.checked.return_token_ids:
+            choice["token_ids"] = token_ids
+        chunk = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "choices": [choice]}
+        if self.checked.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    @staticmethod
+    def sse(data: dict[str, Any]) -> str:
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

@@ -1,0 +1,145 @@
+"""`kvports serve` answers as `kvports generate` does: each request's tokens are the ones it gets
+alone (greedy and seeded sampling), whatever else runs, through the official `openai` client
+(sync and async, streamed and not). A tiny GGUF model in float64, so tokens agree exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from kvports.formats.chat import chat_ids
+from kvports.formats.gguf.tokenizer import gguf_tokenizer
+from kvports.registry import PORTS
+from tests.helpers.commands import run_cli
+from tests.helpers.servers import WAIT_S, alone, start_server
+
+openai = pytest.importorskip("openai")
+MODEL = "tiny"  # the served name: the weights file's stem
+# Chats of mixed lengths, each wanting its own number of tokens.
+WORDS = ["hello", "world", "this", "hi", "hell", "or"]
+
+
+@pytest.fixture(
+    scope="module", params=[pytest.param(name, marks=[pytest.mark.slow] if name == "jax" else []) for name in PORTS]
+)
+def server(request, chat_model):
+    """One server per port over the tiny chat model (JAX's marked slow: a program per prompt
+    length for its alone runs)."""
+    running = start_server(
+        "--framework", request.param, "--weights", chat_model, "--dtype", "float64", "--max-batch", "8"
+    )
+    yield running
+    running.stop()
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=WAIT_S)
+
+
+def chat(words: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": " ".join(WORDS[index % len(WORDS)] for index in range(words))}]
+
+
+def test_a_chat_gets_the_tokens_kvports_generate_gives_it(server, chat_model, capsys, tmp_path):
+    messages = chat(3)
+    answer = client(server).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+    )
+    chat_file = tmp_path / "chat.json"
+    chat_file.write_text(json.dumps(messages))
+    argv = ["generate", "--framework", server.engine.port.NAME, "--mode", "cached", "--weights", chat_model]
+    code, out, err = run_cli(
+        capsys, *argv, "--chat-file", chat_file, "--new-tokens", "6", "--dtype", "float64", "--json"
+    )
+    assert code == 0, err
+    prompt = chat_ids(chat_model, messages, gguf_tokenizer(chat_model))
+    choice = answer.choices[0]
+    assert json.loads(out)["tokens"][0] == prompt + choice.model_extra["token_ids"]
+    assert answer.usage.prompt_tokens == len(prompt)
+    assert answer.usage.completion_tokens == len(choice.model_extra["token_ids"])
+    assert choice.finish_reason in ("stop", "length")
+
+
+def test_a_streamed_completion_is_the_whole_one_in_pieces(server):
+    prompt = [5, 17, 40, 99, 3]
+    settings = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
+    whole = client(server).completions.create(**settings)
+    pieces, ids, reasons = "", [], []
+    for chunk in client(server).completions.create(stream=True, **settings):
+        for choice in chunk.choices:
+            pieces += choice.text
+            ids += choice.model_extra["token_ids"]
+            reasons.append(choice.finish_reason)
+    assert ids == whole.choices[0].model_extra["token_ids"] == alone(server, prompt, max_new_tokens=8)
+    assert pieces == whole.choices[0].text
+    assert reasons[-1] == whole.choices[0].finish_reason and set(reasons[:-1]) <= {None}
+
+
+def test_a_seeded_sample_gets_the_tokens_generate_draws_with_that_seed(server):
+    prompt = [9, 120, 33, 7, 200, 61, 18]
+    settings = dict(max_new_tokens=10, temperature=0.9, top_k=40, top_p=0.95, seed=12)
+    answer = client(server).completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0.9,
+        top_p=0.95,
+        seed=12,
+        extra_body={"top_k": 40, "return_token_ids": True},
+    )
+    assert answer.choices[0].model_extra["token_ids"] == alone(server, prompt, **settings)
+
+
+def test_n_choices_are_the_seeds_seed_to_seed_plus_n_minus_1(server):
+    prompt = [4, 8, 15, 16, 23, 42]
+    answer = client(server).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=1.0, seed=7, n=3, extra_body={"return_token_ids": True}
+    )
+    by_index = {choice.index: choice.model_extra["token_ids"] for choice in answer.choices}
+    for index in range(3):
+        assert by_index[index] == alone(server, prompt, max_new_tokens=5, temperature=1.0, seed=7 + index)
+
+
+def test_sixteen_concurrent_streamed_chats_each_get_their_own_tokens(server, chat_model):
+    """Sixteen async clients at once, of mixed prompt and answer lengths: requests join the running
+    batch (8 rows) as others leave it, and each gets the tokens it gets alone."""
+    tokenizer = gguf_tokenizer(chat_model)
+    requests = [(chat(1 + index % 5), 2 + index % 7) for index in range(16)]
+
+    async def one(messages, max_tokens) -> list[int]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=WAIT_S
+        ) as api:
+            stream = await api.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"return_token_ids": True},
+            )
+            ids: list[int] = []
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    ids += choice.model_extra.get("token_ids", [])
+            return ids
+
+    async def everyone():
+        return await asyncio.wait_for(asyncio.gather(*(one(*request) for request in requests)), WAIT_S * 2)
+
+    answers = asyncio.run(everyone())
+    for (messages, max_tokens), ids in zip(requests, answers, strict=True):
+        assert ids == alone(server, chat_ids(chat_model, messages, tokenizer), max_new_tokens=max_tokens)
+    assert server.engine.blocks.num_free == server.engine.blocks.num_blocks
+
+
+def test_a_stop_string_ends_the_text_before_it(server, chat_model):
+    prompt = [5, 17, 40, 99, 3]
+    full = client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+    stop = full[3:5]
+    assert len(stop) == 2 and stop not in full[:4]  # the tiny model's greedy text has one here
+    cut = client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
