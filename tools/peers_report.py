@@ -5,7 +5,9 @@ ratio to the peer its format is held to, its roofline ratio and the leading toke
 the float32 reference. Runs saved one per thread count (older JSON, rows without `threads`) are
 read as well, each at its own count.
 
-    python tools/peers_report.py docs/data/peers_smollm2.json --plot docs/img/peers_smollm2.png
+    python tools/peers_report.py docs/data/peers_smollm2.json --plot docs/img/peers_smollm2.png --doc docs/BENCH.md
+
+--doc rewrites the table in place, between the document's BEGIN and END markers below.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout, kvports import
 
 RUNS = [ROOT / "docs" / "data" / "peers_smollm2.json"]  # the committed run
 FIGURE = ROOT / "docs" / "img" / "peers_smollm2.png"
+BEGIN = "<!-- peers table: written by tools/peers_report.py --doc -->"
+END = "<!-- end of peers table -->"
 
 
 def read_runs(paths: list[Path]) -> list[dict[str, Any]]:
@@ -146,15 +150,29 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     write_atomic(path, buffer.getvalue())
 
 
+def write_doc(path: Path, table: str) -> None:
+    """The document with the text between BEGIN and END replaced by `table` (both markers must be there)."""
+    from kvports.shared.files import write_atomic
+
+    text = path.read_text()
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{path}: no {BEGIN} ... {END} section to rewrite")
+    write_atomic(path, (text[: start + len(BEGIN)] + "\n" + table + text[end:]).encode())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "runs", nargs="*", type=Path, default=RUNS, help="bench --peers --json outputs (default the committed run)"
     )
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write the figure here too")
+    parser.add_argument("--doc", type=Path, default=None, metavar="MD", help="rewrite the table between its markers")
     args = parser.parse_args(argv)
     results = read_runs(args.runs)
     sys.stdout.write(markdown(results))
+    if args.doc is not None:
+        write_doc(args.doc, markdown(results))
     if args.plot is not None:
         plot(results, args.plot)
     return 0
