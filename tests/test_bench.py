@@ -721,9 +721,9 @@ def test_the_peer_targets_are_met_at_or_below_the_peers_time_and_at_0_8_of_its_p
     add_peer_ratios(rows)
     found = {target["target"]: (target["value"], target["met"]) for target in peer_targets(rows)}
     assert found == {
-        "numpy float32 float32 tg, x the time per token of llama.cpp F32": (1.0, True),
-        "numpy float32 float32 pp, x the prompt tokens/s of llama.cpp F32": (0.8, True),
-        "torch bfloat16+int8 best int8 row's tg, x the time per token of ctranslate2 int8": (60 / 70, True),
+        "numpy float32 tg, x the time per token of llama.cpp F32": (1.0, True),
+        "numpy float32 pp, x the prompt tokens/s of llama.cpp F32": (0.8, True),
+        "torch bfloat16+int8 (the best int8 row) tg, x the time per token of ctranslate2 int8": (60 / 70, True),
     }
 
 

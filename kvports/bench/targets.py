@@ -13,11 +13,11 @@ HELD_TO = {"float32": ("llama.cpp", "F32"), "bfloat16": ("llama.cpp", "F16")}
 QUANT_HELD_TO = {"int8": ("ctranslate2", "int8"), "q4": ("llama.cpp", "Q4_1")}
 # (what, the formats' rows, peer, the ratio's figure, threshold, higher is better) per thread count.
 PEER_TARGETS = (
-    ("float32 tg, x the time per token of", ("float32",), ("torch", "jax", "numpy"), "tg", 1.0, False),
-    ("bfloat16 tg, x the time per token of", ("bfloat16",), ("torch", "jax"), "tg", 1.15, False),
-    ("best int8 row's tg, x the time per token of", ("+int8",), None, "tg", 1.0, False),
-    ("best 4-bit row's tg, x the time per token of", ("+q4",), None, "tg", 1.0, False),
-    ("float32 pp, x the prompt tokens/s of", ("float32",), ("torch", "jax", "numpy"), "pp", 0.8, True),
+    ("tg, x the time per token of", ("float32",), ("torch", "jax", "numpy"), "tg", 1.0, False),
+    ("tg, x the time per token of", ("bfloat16",), ("torch", "jax"), "tg", 1.15, False),
+    ("(the best int8 row) tg, x the time per token of", ("+int8",), None, "tg", 1.0, False),
+    ("(the best 4-bit row) tg, x the time per token of", ("+q4",), None, "tg", 1.0, False),
+    ("pp, x the prompt tokens/s of", ("float32",), ("torch", "jax", "numpy"), "pp", 0.8, True),
 )
 
 
