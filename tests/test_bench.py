@@ -693,37 +693,51 @@ def peer_row(framework, weights, threads, tg, pp, mode="cached"):
     }
 
 
-def test_each_row_is_held_to_its_formats_peer_at_its_own_thread_count():
-    rows = [
-        peer_row("torch", "float32", 1, 20.0, 400.0),
-        peer_row("torch", "bfloat16+q4", 1, 50.0, 900.0),
-        peer_row("jax", "float32+int8", 2, 30.0, 100.0),
-        peer_row("llama.cpp", "F32", 1, 25.0, 500.0),
-        peer_row("llama.cpp", "F32", 2, 40.0, 800.0),
-        peer_row("llama.cpp", "Q4_1", 1, 100.0, 1000.0),
-        peer_row("ctranslate2", "int8", 2, 60.0, 200.0),
-        peer_row("numpy", "float64", 1, 5.0, 50.0),
-    ]
+# (framework, weights, threads, tg tokens/s, pp tokens/s): ports beside the peers they are held to
+PEER_ROWS = (
+    ("torch", "float32", 1, 20.0, 400.0),
+    ("numpy", "float32", 1, 25.0, 400.0),
+    ("torch", "bfloat16+q4", 1, 50.0, 900.0),
+    ("torch", "bfloat16+int8", 1, 70.0, 100.0),
+    ("jax", "float32+int8", 2, 30.0, 100.0),
+    ("numpy", "float64", 1, 5.0, 50.0),
+    ("llama.cpp", "F32", 1, 25.0, 500.0),
+    ("llama.cpp", "F32", 2, 40.0, 800.0),
+    ("llama.cpp", "Q4_1", 1, 100.0, 1000.0),
+    ("ctranslate2", "int8", 1, 60.0, 200.0),
+    ("ctranslate2", "int8", 2, 60.0, 100.0),
+)
+
+
+def held_rows():
+    rows = [peer_row(*spec) for spec in PEER_ROWS]
     add_peer_ratios(rows)
-    held = [(row["held_to"], row["tg_vs_peer"], row["pp_vs_peer"]) for row in rows]
-    assert held[:3] == [("llama.cpp F32", 1.25, 0.8), ("llama.cpp Q4_1", 2.0, 0.9), ("ctranslate2 int8", 2.0, 0.5)]
-    assert held[3][0] is None and held[7] == (None, None, None)  # a peer's own row, and float64, are held to none
+    return rows
+
+
+def test_each_row_is_held_to_its_formats_peer_at_its_own_thread_count():
+    held = [(row["held_to"], row["tg_vs_peer"], row["pp_vs_peer"]) for row in held_rows()]
+    assert held[:5] == [
+        ("llama.cpp F32", 1.25, 0.8),
+        ("llama.cpp F32", 1.0, 0.8),
+        ("llama.cpp Q4_1", 2.0, 0.9),
+        ("ctranslate2 int8", 60 / 70, 0.5),
+        ("ctranslate2 int8", 2.0, 1.0),  # its peer at 2 threads, not at 1
+    ]
+    assert held[5] == (None, None, None) and held[6][0] is None  # float64, and a peer's own row: held to none
 
 
 def test_the_peer_targets_are_met_at_or_below_the_peers_time_and_at_0_8_of_its_prompt_speed():
-    rows = [
-        peer_row("numpy", "float32", 1, 25.0, 400.0),
-        peer_row("jax", "float32+int8", 1, 20.0, 100.0),
-        peer_row("torch", "bfloat16+int8", 1, 70.0, 100.0),
-        peer_row("llama.cpp", "F32", 1, 25.0, 500.0),
-        peer_row("ctranslate2", "int8", 1, 60.0, 200.0),
-    ]
-    add_peer_ratios(rows)
-    found = {target["target"]: (target["value"], target["met"]) for target in peer_targets(rows)}
+    found = {(t["target"], t["threads"]): (t["value"], t["met"]) for t in peer_targets(held_rows())}
+    tg, pp = "tg, x the time per token of", "pp, x the prompt tokens/s of"
     assert found == {
-        "numpy float32 tg, x the time per token of llama.cpp F32": (1.0, True),
-        "numpy float32 pp, x the prompt tokens/s of llama.cpp F32": (0.8, True),
-        "torch bfloat16+int8 (the best int8 row) tg, x the time per token of ctranslate2 int8": (60 / 70, True),
+        (f"torch float32 {tg} llama.cpp F32", 1): (1.25, False),
+        (f"numpy float32 {tg} llama.cpp F32", 1): (1.0, True),
+        (f"torch bfloat16+int8 (the best int8 row) {tg} ctranslate2 int8", 1): (60 / 70, True),
+        (f"torch bfloat16+q4 (the best 4-bit row) {tg} llama.cpp Q4_1", 1): (2.0, False),
+        (f"torch float32 {pp} llama.cpp F32", 1): (0.8, True),
+        (f"numpy float32 {pp} llama.cpp F32", 1): (0.8, True),
+        (f"jax float32+int8 (the best int8 row) {tg} ctranslate2 int8", 2): (2.0, False),
     }
 
 
