@@ -15,9 +15,11 @@ import pytest
 
 from kvports import cli, registry
 from kvports.bench import command
-from kvports.bench.measure import decode_bytes, fit_slope
+from kvports.bench.measure import Q4_BLOCK_BYTES, decode_bytes, fit_slope, format_of, matrix_bytes, summarize
 from kvports.bench.presets import PRESETS
+from kvports.bench.rounds import merge_rows
 from kvports.bench.runners import DEFAULT_MODES, RUNNERS
+from kvports.bench.targets import add_peer_ratios, peer_targets
 from kvports.formats.weights import gpt2_init_weights, load_weights
 from kvports.shared.config import ModelConfig, kv_cache_bytes
 from kvports.validation import PRECISIONS, missing_precision
@@ -227,6 +229,12 @@ def test_development_targets_are_printed_only_when_asked_for(capsys):
             ["--dtype", "float64", "--quant", "int8,q4"],
             "error: --dtype float64 --quant int8,q4 leave no format to run for numpy",
         ),
+        (["--pp", "512"], "error: --pp 512 + 1 new token exceeds max_seq_len 512"),
+        (["--pp", "-1"], "error: --pp -1 is below 0"),
+        (["--rounds", "0"], "error: --rounds 0 is below 1"),
+        (["--threads", "1,x"], "error: --threads value 'x' is not an integer"),
+        (["--threads", "1,0"], "error: --threads 0 is below 1"),
+        (["--threads", "1,2", "--pp", "512"], "error: --pp 512 + 1 new token exceeds max_seq_len 512"),
     ],
 )
 def test_bad_bench_input_is_one_error_line(capsys, argv, message):
@@ -628,3 +636,150 @@ def test_the_batching_benchs_bar_counts_a_run_once_it_has_finished(capsys, monke
     assert code == 0, err
     assert [completed for _, completed in seen] == [0, 1, 2, 3, 4]  # two runs per workload, both workloads
     assert seen[1][0] == "numpy mixed: sequential"  # the second half of the mixed workload has its own step
+
+
+# ---------------------------------------------------------------- llama-bench's figures beside the peers
+
+
+def test_a_format_streams_its_own_bytes_per_weight():
+    matrix, vector = np.zeros((6, 64), np.float32), np.zeros(64, np.float32)
+    assert matrix_bytes(matrix, "none", False, 2) == 6 * 64 * 2
+    assert matrix_bytes(matrix, "int8", False, 4) == 6 * 64 + 6 * 4  # a byte a weight, a float32 scale a row
+    assert matrix_bytes(matrix, "q4", True, 2) == 6 * 64 * 20 / 32  # Q4_1: 20 bytes per block of 32
+    assert matrix_bytes(matrix, "q4", False, 2) == matrix_bytes(matrix, "int8", False, 2)  # not in 4 bits: int8
+    assert matrix_bytes(vector, "int8", False, 2) == 64 * 2  # norms and biases stay at the compute dtype
+
+
+def test_a_quantized_decode_step_reads_its_matrices_quantized_and_a_float_embedding_row():
+    config = ModelConfig(vocab_size=10, d_model=4, n_heads=2, n_layers=1, max_seq_len=8)
+    tensors = gpt2_init_weights(config)
+    matrices = {name: a for name, a in tensors.items() if a.ndim == 2 and name not in ("emb.weight", "pos.weight")}
+    four_bit = frozenset(list(matrices)[:1])
+    kv = 3.5 * 2 * 1 * 2 * 2 * 4  # decode steps 1 and 2 of prompt 2 see 3.5 positions on average
+    expected = sum(a.size * Q4_BLOCK_BYTES if n in four_bit else a.size + a.shape[0] * 4 for n, a in matrices.items())
+    expected += sum(a.nbytes for a in tensors.values() if a.ndim == 1) + (2 * 4 * 4) * (not config.tie_embeddings)
+    if config.tie_embeddings:  # the head reads emb whole, quantized, and the lookup a float row beside it
+        expected += tensors["emb.weight"].size + 10 * 4 + 4 * 4 + 4 * 4
+    assert decode_bytes(config, tensors, 1, 2, 3, 4, "q4", four_bit) == pytest.approx(expected + kv)
+
+
+@pytest.mark.parametrize(
+    "weights, expected",
+    [
+        ("float32", ("float32", "none")),
+        ("bfloat16+q4", ("bfloat16", "q4")),
+        ("float32+int8", ("float32", "int8")),
+        ("Q4_1", ("bfloat16", "q4")),
+        ("F16", ("bfloat16", "none")),
+        ("F32", ("float32", "none")),
+        ("int8", ("float32", "int8")),
+    ],
+)
+def test_each_weight_format_streams_the_bytes_of_a_port_format(weights, expected):
+    assert format_of(weights) == expected
+
+
+def peer_row(framework, weights, threads, tg, pp, mode="cached"):
+    return {
+        "framework": framework,
+        "variant": weights if framework in ("llama.cpp", "ctranslate2") else None,
+        "mode": mode,
+        "weights": weights,
+        "threads": threads,
+        "available": True,
+        "tensor_parallel": 1,
+        "tg_tokens_per_s": tg,
+        "pp_tokens_per_s": pp,
+    }
+
+
+# (framework, weights, threads, tg tokens/s, pp tokens/s): ports beside the peers they are held to
+PEER_ROWS = (
+    ("torch", "float32", 1, 20.0, 400.0),
+    ("numpy", "float32", 1, 25.0, 400.0),
+    ("torch", "bfloat16+q4", 1, 50.0, 900.0),
+    ("torch", "bfloat16+int8", 1, 70.0, 100.0),
+    ("jax", "float32+int8", 2, 30.0, 100.0),
+    ("numpy", "float64", 1, 5.0, 50.0),
+    ("llama.cpp", "F32", 1, 25.0, 500.0),
+    ("llama.cpp", "F32", 2, 40.0, 800.0),
+    ("llama.cpp", "Q4_1", 1, 100.0, 1000.0),
+    ("ctranslate2", "int8", 1, 60.0, 200.0),
+    ("ctranslate2", "int8", 2, 60.0, 100.0),
+)
+
+
+def held_rows():
+    rows = [peer_row(*spec) for spec in PEER_ROWS]
+    add_peer_ratios(rows)
+    return rows
+
+
+def test_each_row_is_held_to_its_formats_peer_at_its_own_thread_count():
+    held = [(row["held_to"], row["tg_vs_peer"], row["pp_vs_peer"]) for row in held_rows()]
+    assert held[:5] == [
+        ("llama.cpp F32", 1.25, 0.8),
+        ("llama.cpp F32", 1.0, 0.8),
+        ("llama.cpp Q4_1", 2.0, 0.9),
+        ("ctranslate2 int8", 60 / 70, 0.5),
+        ("ctranslate2 int8", 2.0, 1.0),  # its peer at 2 threads, not at 1
+    ]
+    assert held[5] == (None, None, None) and held[6][0] is None  # float64, and a peer's own row: held to none
+
+
+def test_the_peer_targets_are_met_at_or_below_the_peers_time_and_at_0_8_of_its_prompt_speed():
+    found = {(t["target"], t["threads"]): (t["value"], t["met"]) for t in peer_targets(held_rows())}
+    tg, pp = "tg, x the time per token of", "pp, x the prompt tokens/s of"
+    assert found == {
+        (f"torch float32 {tg} llama.cpp F32", 1): (1.25, False),
+        (f"numpy float32 {tg} llama.cpp F32", 1): (1.0, True),
+        (f"torch bfloat16+int8 (the best int8 row) {tg} ctranslate2 int8", 1): (60 / 70, True),
+        (f"torch bfloat16+q4 (the best 4-bit row) {tg} llama.cpp Q4_1", 1): (2.0, False),
+        (f"torch float32 {pp} llama.cpp F32", 1): (0.8, True),
+        (f"numpy float32 {pp} llama.cpp F32", 1): (0.8, True),
+        (f"jax float32+int8 (the best int8 row) {tg} ctranslate2 int8", 2): (2.0, False),
+    }
+
+
+def test_rounds_merge_into_medians_over_every_rounds_repeats():
+    def run(*tg):
+        repeats = [
+            {
+                "total_s": 1.0,
+                "ttft_ms": 9.0,
+                "decode_ms_per_token": 1e3 / v,
+                "tg_tokens_per_s": v,
+                "pp_s": 0.5,
+                "per_step_ms": [9.0, 1e3 / v],
+            }
+            for v in tg
+        ]
+        return [{**peer_row("numpy", "float32", 1, None, None), "pp_tokens": 8, "repeats": repeats}]
+
+    (row,) = merge_rows([run(10.0, 30.0), run(20.0)], {"batch": 1, "new_tokens": 2})
+    assert row["tg_tokens_per_s"] == 20.0 and row["pp_tokens_per_s"] == 16.0
+    assert [repeat["round"] for repeat in row["repeats"]] == [1, 1, 2]
+    assert summarize(row["repeats"], 1, 2, 0)["pp_tokens_per_s"] is None  # no prompt timed: no pp
+
+
+def test_pp_and_tg_are_each_rows_llama_bench_figures_in_the_json_and_the_table(capsys):
+    argv = ["bench", "--frameworks", "numpy", "--modes", "cached", "--new-tokens", "3", "--repeats", "1"]
+    code, out, _ = run_cli(capsys, *argv, "--pp", "6", "--json")
+    (row,) = json.loads(out)["rows"]
+    assert code == 0 and row["pp_tokens"] == 6 and row["pp_tokens_per_s"] > 0 and row["tg_tokens_per_s"] > 0
+    assert row["tg_tokens_per_s"] == pytest.approx(2 / sum(row["repeats"][0]["per_step_ms"][1:]) * 1e3)
+    code, out, _ = run_cli(capsys, *argv, "--pp", "6")
+    assert code == 0 and "pp tok/s" in out and "tg tok/s" in out and "6-token prefill" in " ".join(out.split())
+
+
+def test_a_thread_list_gives_every_row_at_each_count_from_processes_of_their_own(capsys):
+    argv = ["bench", "--frameworks", "numpy", "--modes", "cached", "--new-tokens", "2", "--repeats", "1"]
+    code, out, _ = run_cli(capsys, *argv, "--pp", "4", "--threads", "1,2", "--roofline", "--json")
+    result = json.loads(out)
+    rows, machine = result["rows"], result["machine"]
+    assert code == 0 and [(row["framework"], row["threads"]) for row in rows] == [("numpy", 1), ("numpy", 2)]
+    assert result["settings"]["thread_counts"] == [1, 2] and [run["threads"] for run in machine["runs"]] == [1, 2]
+    assert all(row["pp_tokens_per_s"] > 0 and row["roofline_ratio"] > 0 for row in rows)
+    best = machine["roofline_bandwidth_gb_s"]["cpu"] * 1e9
+    step = machine["decode_bytes_per_step_by_format"]["float32"]
+    assert rows[0]["roofline_ms"] == pytest.approx(1e3 * step / best)

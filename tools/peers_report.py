@@ -1,12 +1,13 @@
 """docs/BENCH.md's table and figure of kvports beside llama.cpp and CTranslate2, from the JSON of
-`kvports bench --peers --json` runs (one per thread count): one line per engine and weight
-format, decode ms per token and prefill at each thread count, and the leading tokens that agree
-with the float32 reference. A run given several formats (`--dtype float32,bfloat16 --quant
-none,int8,q4`) has a row per port and format, each named by its `weights` field (`float32`,
-`bfloat16+int8`, ...): each is a line of its own.
+one `kvports bench --peers --threads 1,2 --json` run: one line per engine and weight format, and at
+each thread count llama-bench's two figures (pp, prompt tokens/s; tg, generated tokens/s), the row's
+ratio to the peer its format is held to, its roofline ratio and the leading tokens that agree with
+the float32 reference. Runs saved one per thread count (older JSON, rows without `threads`) are
+read as well, each at its own count.
 
-    python tools/peers_report.py docs/data/peers_smollm2_t1.json docs/data/peers_smollm2_t2.json \\
-        --plot docs/img/peers_smollm2.png
+    python tools/peers_report.py docs/data/peers_smollm2.json --plot docs/img/peers_smollm2.png --doc docs/BENCH.md
+
+--doc rewrites the table in place, between the document's BEGIN and END markers below.
 """
 
 from __future__ import annotations
@@ -21,18 +22,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, kvports importable or not
 
-# The committed runs, one per thread count (those that exist: a run at another count adds columns).
-RUNS = sorted((ROOT / "docs" / "data").glob("peers_smollm2_t*.json"))
+RUNS = [ROOT / "docs" / "data" / "peers_smollm2.json"]  # the committed run
 FIGURE = ROOT / "docs" / "img" / "peers_smollm2.png"
+BEGIN = "<!-- peers table: written by tools/peers_report.py --doc -->"
+END = "<!-- end of peers table -->"
 
 
 def read_runs(paths: list[Path]) -> list[dict[str, Any]]:
     return [json.loads(Path(path).read_text()) for path in paths]
 
 
-def threads(result: dict[str, Any]) -> int:
-    """The thread count every row of the run was given (the peers' count is the ports')."""
-    return int(result["settings"]["threads"]["peers"])
+def threads(result: dict[str, Any], row: dict[str, Any]) -> int:
+    """The thread count the row ran at: its own, else its run's (the peers' count is the ports')."""
+    count = row.get("threads")
+    return int(count if count is not None else result["settings"]["threads"].get("peers", 0))
 
 
 def engine(row: dict[str, Any]) -> str:
@@ -49,46 +52,61 @@ def lines(results: list[dict[str, Any]]) -> list[tuple[str, str, dict[int, dict[
     for result in results:
         for row in result["rows"]:
             if row["available"] and row["mode"] == "cached":
-                table.setdefault((engine(row), str(row["weights"])), {})[threads(result)] = row
+                table.setdefault((engine(row), str(row["weights"])), {})[threads(result, row)] = row
     return [(name, weights, by_threads) for (name, weights), by_threads in table.items()]
 
 
-def figure(value: float | None, spec: str) -> str:
-    return "-" if value is None else f"{value:{spec}}"
+def counts_of(results: list[dict[str, Any]]) -> list[int]:
+    return sorted({threads(result, row) for result in results for row in result["rows"]})
+
+
+def loads(results: list[dict[str, Any]]) -> str:
+    """The load averages before and after, of the run and of each process it ran."""
+    parts = []
+    for result in results:
+        machine = result["machine"]
+        parts.append(f"{machine['load_average'][0]} / {machine['load_average'][1]}")
+        parts += [
+            f"round {run['round']} at {run['threads']} thread(s): {run['load_average'][0]} / {run['load_average'][1]}"
+            for run in machine.get("runs", [])
+        ]
+    return "; ".join(parts)
+
+
+def figure(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
-    counts = sorted({threads(result) for result in results})
-    new_tokens = results[0]["settings"]["new_tokens"]
+    counts = counts_of(results)
+    settings = results[0]["settings"]
+    new_tokens, pp = settings["new_tokens"], settings.get("pp")
     reference = next(row["agree_reference"] for row in results[0]["rows"] if row["available"])
-    per_thread = [f"{n} thread{'s' * (n > 1)}" for n in counts]
-    header = (
-        ["engine", "weights"]
-        + [f"decode ms/token, {t}" for t in per_thread]
-        + [f"x llama.cpp F32, {t}" for t in per_thread]
-        + [f"prefill ms, {t}" for t in per_thread]
-        + [f"agree with {reference}, {t}" for t in per_thread]
-    )
-    out = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
-    table = lines(results)
-    # The float32 floor each row is held to: llama.cpp on the F32 file written from the same weights.
-    floor = next((by_threads for name, weights, by_threads in table if (name, weights) == ("llama.cpp", "F32")), {})
-    for name, weights, by_threads in table:
-        decode = {n: by_threads.get(n, {}).get("decode_ms_per_token") for n in counts}
-        cells = [name, weights]
-        cells += [figure(decode[n], ".1f") for n in counts]
-        cells += [
-            "-" if decode[n] is None or n not in floor else f"{decode[n] / floor[n]['decode_ms_per_token']:.2f}x"
-            for n in counts
-        ]
-        cells += [figure(by_threads.get(n, {}).get("ttft_ms"), ".0f") for n in counts]
-        cells += ["-" if n not in by_threads else f"{by_threads[n]['agree_steps']}/{new_tokens}" for n in counts]
+    columns = [
+        (f"pp{pp} tok/s", lambda row: figure(row.get("pp_tokens_per_s"), ",.0f")),
+        (f"tg{new_tokens} tok/s", lambda row: figure(row.get("tg_tokens_per_s"), ".1f")),
+        ("tg x peer", lambda row: figure(row.get("tg_vs_peer"), ".2f", "x")),
+        ("pp x peer", lambda row: figure(row.get("pp_vs_peer"), ".2f", "x")),
+        ("x roofline", lambda row: figure(row.get("roofline_ratio"), ".2f", "x")),
+        ("agree", lambda row: f"{row['agree_steps']}/{new_tokens}"),
+    ]
+    header = ["engine", "weights", "held to"] + [f"{name}, {n} thr" for n in counts for name, _ in columns]
+    out = ["| " + " | ".join(header) + " |", "|---|---|---|" + "---:|" * (len(header) - 3)]
+    for name, weights, by_threads in lines(results):
+        held = next((row.get("held_to") for row in by_threads.values() if row.get("held_to")), None) or "-"
+        cells = [name, weights, held]
+        for n in counts:
+            row = by_threads.get(n)
+            cells += ["-" if row is None else cell(row) for _, cell in columns]
         out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    out.append(f"Agree: the leading new tokens equal to {reference}'s. Load average before / after: {loads(results)}.")
     return "\n".join(out) + "\n"
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
-    """Decode ms per token, one bar per engine and weight format at each thread count."""
+    """llama-bench's two figures side by side, tg and pp tokens/s, one bar per engine and weight format at
+    each thread count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,34 +114,35 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
     from kvports.shared.files import write_atomic
 
-    counts = sorted({threads(result) for result in results})
+    counts = counts_of(results)
     table = lines(results)
-    height = 0.8 / len(counts)
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(table) + 2.2))
-    colors = ("#0072B2", "#D55E00", "#009E73", "#CC79A7")
-    loads = {threads(result): result["machine"]["load_average"] for result in results}
-    for index, n in enumerate(counts):
-        values = [by_threads.get(n, {}).get("decode_ms_per_token") for _, _, by_threads in table]
-        positions = [line + index * height for line in range(len(table))]
-        bars = ax.barh(
-            positions,
-            [v or 0 for v in values],
-            height,
-            color=colors[index % len(colors)],
-            label=f"{n} thread(s), load average {loads[n][0]} / {loads[n][1]} before / after",
-        )
-        ax.bar_label(bars, labels=[figure(v, ".1f") for v in values], padding=2, fontsize=7)
-    ax.set_yticks([line + height * (len(counts) - 1) / 2 for line in range(len(table))])
-    ax.set_yticklabels([f"{name}: {weights}" for name, weights, _ in table], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("decode ms per token (lower is faster)")
     settings = results[0]["settings"]
-    ax.set_title(
-        f"{settings['preset']}: cached decode, batch {settings['batch']}, prompt {settings['prompt_len']}, "
-        f"{settings['new_tokens']} new tokens",
-        fontsize=9,
+    height = 0.8 / len(counts)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.42 * len(table) + 2.4), sharey=True)
+    colors = ("#0072B2", "#D55E00", "#009E73", "#CC79A7")
+    panels = (
+        ("tg_tokens_per_s", f"tg{settings['new_tokens']}: generated tokens/s (higher is faster)", ".1f"),
+        ("pp_tokens_per_s", f"pp{settings.get('pp')}: prompt tokens/s (higher is faster)", ".0f"),
     )
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=8)  # below the axis, off the bars
+    for ax, (key, label, spec) in zip(axes, panels, strict=True):
+        for index, n in enumerate(counts):
+            values = [by_threads.get(n, {}).get(key) for _, _, by_threads in table]
+            positions = [line + index * height for line in range(len(table))]
+            bars = ax.barh(
+                positions, [v or 0 for v in values], height, color=colors[index % len(colors)], label=f"{n} thread(s)"
+            )
+            ax.bar_label(bars, labels=[figure(v, spec) for v in values], padding=2, fontsize=6)
+        ax.set_xlabel(label, fontsize=8)
+        ax.margins(x=0.15)
+    axes[0].set_yticks([line + height * (len(counts) - 1) / 2 for line in range(len(table))])
+    axes[0].set_yticklabels([f"{name}: {weights}" for name, weights, _ in table], fontsize=8)
+    axes[0].invert_yaxis()
+    fig.suptitle(
+        f"{settings['preset']}: batch {settings['batch']}, cached; load average before / after {loads(results)}",
+        fontsize=8,
+        wrap=True,
+    )
+    axes[0].legend(loc="upper center", bbox_to_anchor=(1.0, -0.1), fontsize=8, ncol=len(counts))
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
@@ -131,13 +150,29 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     write_atomic(path, buffer.getvalue())
 
 
+def write_doc(path: Path, table: str) -> None:
+    """The document with the text between BEGIN and END replaced by `table` (both markers must be there)."""
+    from kvports.shared.files import write_atomic
+
+    text = path.read_text()
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{path}: no {BEGIN} ... {END} section to rewrite")
+    write_atomic(path, (text[: start + len(BEGIN)] + "\n" + table + text[end:]).encode())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="*", type=Path, default=RUNS, help="bench --peers --json outputs")
+    parser.add_argument(
+        "runs", nargs="*", type=Path, default=RUNS, help="bench --peers --json outputs (default the committed run)"
+    )
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write the figure here too")
+    parser.add_argument("--doc", type=Path, default=None, metavar="MD", help="rewrite the table between its markers")
     args = parser.parse_args(argv)
     results = read_runs(args.runs)
     sys.stdout.write(markdown(results))
+    if args.doc is not None:
+        write_doc(args.doc, markdown(results))
     if args.plot is not None:
         plot(results, args.plot)
     return 0

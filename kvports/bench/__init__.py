@@ -22,10 +22,11 @@ One module per job:
 - `runners`: what is timed (the ports, the kvports/baselines, the torch.compile row) and the notes on each
 - `measure`: the clocks: one row's timings, bandwidth, the bytes a decode step reads
 - `rows`: every runner x mode, run and compared (speed-ups, tokens agreeing, rooflines)
-- `targets`: the development speed targets, checked at the settings they were set for
+- `targets`: the development speed targets, and each row's peer (the engine its weight format is held to)
 - `table`: the table printed on the terminal
 - `output`: JSON, CSV (to a file or stdout) or the table
 - `plots`: the PNGs, rewritten as each framework's rows finish
+- `rounds`: `--threads N1,N2` and `--rounds R`: a process per round and thread count, interleaved, merged
 - `command`: the subcommand, tying these together
 - `batching`: `--requests N` (and `kvports batch --bench`): continuous batching against one request at a time
 """

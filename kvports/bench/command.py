@@ -14,13 +14,13 @@ from typing import Any
 from kvports import registry
 from kvports.bench.formats import Formats, format_name, parse_formats
 from kvports.bench.measure import load_average, threads_info
-from kvports.bench.options import parse_choices, parse_sweep
+from kvports.bench.options import parse_choices, parse_sweep, parse_threads, resolve_counts, resolve_pp
 from kvports.bench.output import print_result
 from kvports.bench.plots import write_plots
 from kvports.bench.presets import bench_prompts, chat_prompt, load_bench_model
 from kvports.bench.rows import run_rows
 from kvports.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, PEER_RUNNERS, RUNNERS, Runner
-from kvports.bench.targets import targets
+from kvports.bench.targets import add_peer_ratios, targets
 from kvports.devices import prepare_tensor_parallel
 from kvports.progress import make_progress
 from kvports.run import NOT_INSTALLED, Draft, RunInputs, read_draft, usable_ports
@@ -29,7 +29,7 @@ from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig
 from kvports.shared.quantization import float_tensors
-from kvports.threads import check_threads, use_threads
+from kvports.threads import use_threads
 from kvports.validation import (
     Setup,
     check_bench_counts,
@@ -100,8 +100,12 @@ def run(args: argparse.Namespace) -> int:
         return run_serving(args)
     if args.requests is not None:
         return run_batching(args)
+    resolve_counts(args)
     check_bench_counts(args.batch, args.prompt_len, args.new_tokens, args.repeats, args.warmup)
-    check_threads(args.threads)
+    counts = parse_threads(args.threads)
+    if len(counts) > 1 or args.rounds > 1:
+        return run_interleaved(args, counts)
+    args.threads = counts[0]
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
     formats = parse_formats(args.dtype, args.quant)
@@ -125,8 +129,13 @@ def run(args: argparse.Namespace) -> int:
     def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
         sweep.extend(parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None))
         longest = max([args.new_tokens, *sweep])
+        resolve_pp(args, config)
         for listed in formats.dtypes:  # each format's model and run, one at a time
             check_bench_run(config, modes, longest, listed, args.batch, args.prompt_len, args.new_tokens)
+            if args.pp:
+                if args.pp + 1 > config.max_seq_len:
+                    raise UserError(f"--pp {args.pp} + 1 new token exceeds max_seq_len {config.max_seq_len}")
+                check_bench_run(config, modes, 1, listed, args.batch, args.pp, 1)
         for setup in setups:
             unable = check_rules(setup, COMMAND_LINE, [("the model", config)])
             if setup.tensor_parallel == 1:  # a split's own refusals only leave a port without split rows
@@ -157,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         check_ngram(args.ngram, args.prompt_len, args.new_tokens)
         check_needed(args.prompt_len, args.new_tokens, args.draft_tokens, [("the model", config)])
         draft_weights = read_draft(inputs, config, prompts, setups)  # read as the model is; each row casts it
-    roofline = args.roofline or preset == "gpt2-small"
+    pp_prompts = bench_prompts(config, args.batch, args.pp, 1) if args.pp else None  # [B, P']
+    roofline = args.roofline or preset == "gpt2-small" or args.peers  # the peers' rows are held to it too
     settings: dict[str, Any] = {
         "preset": preset,
         "config": json.loads(config.to_json()),
@@ -165,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "pp": args.pp or None,
         "dtype": dtype,
         "quant": quant,
         "formats": [format_name(*pair) for pair in port_formats],
@@ -204,7 +215,10 @@ def run(args: argparse.Namespace) -> int:
             draft_weights,
             unusable,
             plot_so_far,
+            pp_prompts,
         )
+    for row in rows:
+        row["threads"] = args.threads
     settings["versions"] = machine_info.pop("versions")
     settings["threads"] = {"--threads": "default" if args.threads is None else args.threads, **threads_info(args.peers)}
     machine = {
@@ -216,10 +230,24 @@ def run(args: argparse.Namespace) -> int:
         "bench_seconds": time.perf_counter() - start,
         "load_average": [load_before, load_average()],
     }
-    result: dict[str, Any] = {"settings": settings, "machine": machine, "rows": rows}
-    result["targets"] = targets(rows, settings)
-    plot_so_far(rows)  # once more, now with the rooflines
+    finish({"settings": settings, "machine": machine, "rows": rows}, args)
+    return 0
+
+
+def finish(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """The peers' ratios and the targets, the plots once more (now with the rooflines), then the output."""
+    add_peer_ratios(result["rows"])
+    result["targets"] = targets(result["rows"], result["settings"])
     if args.plot is not None:
-        result["plots"] = plots
+        args.plot.mkdir(exist_ok=True)
+        result["plots"] = [str(path) for path in write_plots(result, args.plot)]
     print_result(result, args)
+
+
+def run_interleaved(args: argparse.Namespace, counts: list[int | None]) -> int:
+    """--threads N1,N2,... or --rounds R: a process per round and count (kvports.bench.rounds), merged."""
+    from kvports.bench.rounds import run_interleaved as run_rounds
+
+    check_bench_outputs(args.plot, args.csv, args.json)
+    finish(run_rounds(args, counts), args)
     return 0

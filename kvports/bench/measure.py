@@ -109,6 +109,39 @@ def fit_slope(new_tokens: Sequence[int], seconds: Sequence[float]) -> float | No
     return float(slope)
 
 
+def summarize(repeats: list[dict[str, Any]], batch: int, new_tokens: int, prompt_tokens: int) -> dict[str, Any]:
+    """A row's figures from its repeats (one run's, or every round's together): each the median over
+    repeats. tg: generated tokens/s over decode steps 1..N-1 of the stream (llama-bench's tg: the prompt
+    excluded); pp: prompt tokens/s of a `prompt_tokens`-token prefill (llama-bench's pp), where timed."""
+
+    def median_of(key: str) -> float | None:
+        values = [r[key] for r in repeats if r.get(key) is not None]
+        return median(values) if values else None
+
+    total_s = median_of("total_s")
+    assert total_s is not None  # every repeat times a whole generation
+    pp_s = median_of("pp_s") if prompt_tokens else None
+    curves = [r["per_step_ms"] for r in repeats if r["per_step_ms"]]
+    return {
+        "ttft_ms": median_of("ttft_ms"),
+        "decode_ms_per_token": median_of("decode_ms_per_token"),
+        "decode_ms_p90": median_of("decode_ms_p90"),
+        "tokens_per_s": batch * new_tokens / total_s,
+        "tg_tokens_per_s": median_of("tg_tokens_per_s"),
+        "pp_tokens_per_s": None if pp_s is None else batch * prompt_tokens / pp_s,
+        "pp_tokens": prompt_tokens if pp_s is not None else None,
+        "total_s": total_s,
+        "total_ms_per_token": 1e3 * total_s / new_tokens,  # for JAX: the compiled loop's steady state
+        "per_step_ms": np.median(curves, axis=0).tolist() if curves else [],  # [N]
+    }
+
+
+def tg_tokens_per_s(step_ms: Sequence[float], batch: int) -> float | None:
+    """Generated tokens per second over decode steps 1..N-1 (step 0 holds the prefill)."""
+    decode_s = float(np.sum(step_ms[1:])) / 1e3
+    return batch * (len(step_ms) - 1) / decode_s if len(step_ms) > 1 and decode_s > 0 else None
+
+
 def measure_row(
     runner: Runner,
     module: Timed,
@@ -118,11 +151,15 @@ def measure_row(
     args: argparse.Namespace,
     sweep: list[int],
     tick: Callable[[str], None],
+    pp_prompts: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """Warm-up, then --repeats timed whole generations and streamed ones; medians, every repeat, the sweep."""
+    """Warm-up, then --repeats timed whole generations and streamed ones (and, given pp_prompts [B, P'],
+    a prefill of them: one new token); medians, every repeat, the sweep."""
     new_tokens = args.new_tokens
     label = f"{runner.label} {call.mode}"
     speculative = call.mode == "speculative"
+    if speculative:
+        pp_prompts = None  # the same prefill as cached
 
     def figures(step_ms: list[float]) -> dict[str, float | None]:
         return speculative_step_figures(step_ms, not runner.compiles) if speculative else step_figures(step_ms)
@@ -134,6 +171,8 @@ def measure_row(
         tick(f"{label} warm-up")
     for _ in range(args.warmup):
         time_stream(module, model, prompts, new_tokens, call)
+        if pp_prompts is not None:
+            time_generate(module, model, pp_prompts, 1, call)  # JAX compiles the long prompt's programs here
         tick(f"{label} warm-up")
     repeats: list[dict[str, Any]] = []
     tokens = None
@@ -144,31 +183,22 @@ def measure_row(
             {
                 "total_s": total_s,
                 **figures(step_ms),
-                "per_step_ms": step_ms,
+                "tg_tokens_per_s": None if speculative else tg_tokens_per_s(step_ms, prompts.shape[0]),
+                "pp_s": None if pp_prompts is None else time_generate(module, model, pp_prompts, 1, call)[1],
+                "per_step_ms": [] if speculative and runner.compiles else step_ms,
                 "stream_tokens_equal": bool(np.array_equal(stream_tokens, tokens)),
             }
         )
         tick(f"{label} {index + 1}/{args.repeats}")
-    total_s = median([r["total_s"] for r in repeats])
-
-    def median_of(key: str) -> float | None:
-        values = [r[key] for r in repeats if r[key] is not None]
-        return median(values) if values else None
-
-    per_step = None if speculative and runner.compiles else np.median([r["per_step_ms"] for r in repeats], axis=0)
+    pp_tokens = 0 if pp_prompts is None else pp_prompts.shape[1]
     row = {
-        "ttft_ms": median_of("ttft_ms"),
-        "decode_ms_per_token": median_of("decode_ms_per_token"),
-        "decode_ms_p90": median_of("decode_ms_p90"),
-        "tokens_per_s": prompts.shape[0] * new_tokens / total_s,
-        "total_s": total_s,
-        "total_ms_per_token": 1e3 * total_s / new_tokens,  # for JAX: the compiled loop's steady state
+        **summarize(repeats, prompts.shape[0], new_tokens, pp_tokens),
         "first_call_s": first_call_s,
-        "compile_s": max(0.0, first_call_s - total_s) if runner.compiles else None,
-        "per_step_ms": [] if per_step is None else per_step.tolist(),  # [N]
         "repeats": repeats,
         "tokens": tokens,
     }
+    row["compile_s"] = max(0.0, first_call_s - row["total_s"]) if runner.compiles else None
+    total_s = row["total_s"]
     if speculative:
         assert call.speculative is not None  # set by every speculative call
         row["speculative"] = call.speculative
@@ -194,15 +224,60 @@ def matvec_bandwidth(seconds: Sequence[float]) -> float:
     return rows * cols * 4 / median(seconds)
 
 
+# A peer's weight format as the port format that streams the same bytes (llama.cpp's F16 cache: 2 bytes).
+PEER_FORMATS = {
+    "Q4_0": ("bfloat16", "q4"),
+    "Q4_1": ("bfloat16", "q4"),
+    "F16": ("bfloat16", "none"),
+    "F32": ("float32", "none"),
+    "int8": ("float32", "int8"),
+}
+INT8_SCALE_BYTES = 4  # int8: one float32 scale per output row
+Q4_BLOCK_BYTES = 20 / 32  # q4 as GGUF's Q4_1 stores it: 16 bytes of nibbles, a float16 scale and min per 32
+
+
+def matrix_bytes(array: np.ndarray, quant: str, four_bit: bool, itemsize: int) -> float:
+    """The bytes a decode step streams of one weight matrix [out, in] in format `quant`: float at
+    itemsize; int8 a byte a weight and a scale per output row; q4 Q4_1's 20 bytes per 32 weights for
+    a matrix the file holds in 4 bits (the others go the int8 way, as the ports load them)."""
+    if quant == "none" or array.ndim != 2:
+        return float(array.size * itemsize)  # vectors (norms, biases) stay at the compute dtype
+    if quant == "q4" and four_bit:
+        return array.size * Q4_BLOCK_BYTES
+    return float(array.size + array.shape[0] * INT8_SCALE_BYTES)
+
+
+def format_of(weights: str) -> tuple[str, str]:
+    """A row's `weights` (a port's `bfloat16+int8`, a peer's `Q4_1`) as the (dtype, quant) whose bytes it streams."""
+    if weights in PEER_FORMATS:
+        return PEER_FORMATS[weights]
+    dtype, _, quant = weights.partition("+")
+    return dtype, quant or "none"
+
+
 def decode_bytes(
-    config: ModelConfig, tensors: dict[str, np.ndarray], batch: int, prompt_len: int, new_tokens: int, itemsize: int
+    config: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    itemsize: int,
+    quant: str = "none",
+    four_bit: frozenset[str] = frozenset(),
 ) -> float:
     """Bytes one decode step must read at the least, averaged over steps 1..N-1: every weight
-    once (the embedding tables only for their looked-up rows, unless the head reuses `emb`),
-    plus the keys and values of every earlier position."""
+    once in its format (`matrix_bytes`; `four_bit`: the matrices a q4 row holds in 4 bits; the
+    embedding tables only for their looked-up rows, at itemsize; a tied head reads `emb` whole, in
+    the format), plus the keys and values of every earlier position at itemsize."""
     gathered = {"emb.weight", "pos.weight"} - (set() if not config.tie_embeddings else {"emb.weight"})
-    weights = sum(array.size for name, array in tensors.items() if name not in gathered) * itemsize
+    weights = sum(
+        matrix_bytes(array, quant, name in four_bit, itemsize)
+        for name, array in tensors.items()
+        if name not in gathered
+    )
     weights += batch * config.d_model * itemsize * len(gathered & set(tensors))  # the rows looked up
+    if config.tie_embeddings and quant != "none" and "emb.weight" in tensors:
+        weights += batch * config.d_model * itemsize  # the lookup reads a float row beside the quantized head
     positions = np.arange(prompt_len + 1, prompt_len + new_tokens)  # context length at decode steps 1..N-1
     per_position = kv_cache_bytes(config, batch, 1, itemsize)  # k and v of one position, every layer
     return float(weights + per_position * positions.mean())

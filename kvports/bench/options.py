@@ -15,13 +15,17 @@ from kvports.flags import (
     add_model_argument,
     add_speculative_arguments,
     add_tensor_parallel_argument,
-    add_threads_argument,
     integer,
     parse_integer,
 )
 from kvports.shared.config import DTYPES, MAX_SIZE, QUANTS, ModelConfig
 from kvports.shared.errors import UserError, echo
+from kvports.threads import check_threads
 from kvports.validation import SEED_PROMPT, check_at_least
+
+NEW_TOKENS = 100
+PEERS_NEW_TOKENS = 128  # llama-bench's tg128
+PEERS_PROMPT = 512  # llama-bench's pp512
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +48,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="P",
         help=f"prompt tokens: the seed's prompt, repeated to length P (default {len(SEED_PROMPT)})",
     )
-    parser.add_argument("--new-tokens", type=integer, default=100, metavar="N", help="tokens to generate (default 100)")
+    parser.add_argument(
+        "--new-tokens",
+        "--tg",
+        dest="new_tokens",
+        type=integer,
+        default=None,
+        metavar="N",
+        help=f"tokens to generate; tg, generated tokens/s, is timed over them (default {NEW_TOKENS}; with --peers "
+        f"{PEERS_NEW_TOKENS}, llama-bench's tg{PEERS_NEW_TOKENS})",
+    )
+    parser.add_argument(
+        "--pp",
+        type=integer,
+        default=None,
+        metavar="P",
+        help=f"also time each row's prefill of a P-token prompt (the seed's prompt repeated), as prompt tokens/s "
+        f"(llama-bench's pp; default with --peers {PEERS_PROMPT}, or the longest prompt the model takes, else none; "
+        "0: none)",
+    )
     parser.add_argument(
         "--frameworks",
         default=",".join(FRAMEWORKS),
@@ -121,7 +143,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--targets", action="store_true", help="also print the development speed targets, met or missed"
     )
     add_speculative_arguments(parser)
-    add_threads_argument(parser)
+    parser.add_argument(
+        "--threads",
+        default=None,
+        metavar="N1,N2,...",
+        help="threads for every framework (torch, NumPy's BLAS, JAX's pool, the peers), at most 4 per CPU, or a "
+        "comma-separated list: each count (and each --rounds) runs in a process of its own, interleaved, and "
+        "every row is given at each count (default: each framework's own, a thread per CPU)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=integer,
+        default=1,
+        metavar="R",
+        help="run every row R times over, interleaved with the other rows and thread counts so the machine's "
+        "load falls on all alike; figures are medians over every round's repeats (default 1)",
+    )
     batching = parser.add_argument_group("continuous batching (docs/BATCHING.md)")
     batching.add_argument(
         "--requests",
@@ -176,8 +213,46 @@ def batching_inputs(
         dtypes[0],
         args.device,
         args.json,
-        args.threads,
+        single_threads(args.threads, "--requests runs the batching workloads at one thread count"),
     )
+
+
+def parse_threads(text: str | int | None) -> list[int | None]:
+    """--threads: None (each framework's own), or one count or a list, each checked as a single --threads."""
+    if text is None:
+        return [None]
+    values = []
+    for part in str(text).split(","):
+        value = parse_integer(part)
+        if value is None:
+            raise UserError(f"--threads value {echo(part.strip())} is not an integer")
+        values.append(check_threads(value))
+    return list(dict.fromkeys(values))
+
+
+def single_threads(text: str | int | None, why: str) -> int | None:
+    counts = parse_threads(text)
+    if len(counts) > 1:
+        raise UserError(f"{why}, not --threads {echo(text)}")
+    return counts[0]
+
+
+def resolve_counts(args: argparse.Namespace) -> None:
+    """--new-tokens at its default (llama-bench's tg128 beside the peers); --pp and --rounds checked."""
+    if args.new_tokens is None:
+        args.new_tokens = PEERS_NEW_TOKENS if args.peers else NEW_TOKENS
+    if args.pp is not None:
+        check_at_least("--pp", args.pp, 0)
+    check_at_least("--rounds", args.rounds, 1)
+    if args.rounds > MAX_SIZE:
+        raise UserError(f"--rounds {echo(args.rounds)} is above {MAX_SIZE}")
+
+
+def resolve_pp(args: argparse.Namespace, config: ModelConfig) -> None:
+    """--pp at its default, once the model is known: llama-bench's pp512 beside the peers (or the longest
+    prompt the model takes, if shorter), else none."""
+    if args.pp is None:
+        args.pp = min(PEERS_PROMPT, config.max_seq_len - 1) if args.peers else 0
 
 
 def parse_choices(text: str, allowed: Sequence[str], what: str, flag: str | None = None) -> list[str]:

@@ -17,6 +17,7 @@ from kvports.bench.measure import (
     MATVEC_SHAPE,
     RowCall,
     decode_bytes,
+    format_of,
     matvec_bandwidth,
     measure_row,
     peer_threads,
@@ -25,7 +26,7 @@ from kvports.bench.runners import Runner, import_runner, note
 from kvports.shared.config import ModelConfig, host_dtype, kv_cache_bytes
 from kvports.shared.contract import Port
 from kvports.shared.errors import UserError
-from kvports.shared.quantization import float_tensors, is_q4_part
+from kvports.shared.quantization import float_tensors, is_q4_part, q4_blocks
 from kvports.threads import settle_threads
 
 MEASURES = (
@@ -33,6 +34,8 @@ MEASURES = (
     "decode_ms_per_token",
     "decode_ms_p90",
     "tokens_per_s",
+    "pp_tokens_per_s",
+    "tg_tokens_per_s",
     "total_s",
     "compile_s",
     "kv_cache_bytes",
@@ -121,11 +124,13 @@ def run_rows(
     draft_weights: tuple[ModelConfig, dict[str, np.ndarray]] | None = None,
     unusable: dict[str, str] | None = None,
     on_runner_done: Callable[[list[dict[str, Any]]], None] | None = None,
+    pp_prompts: np.ndarray | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(rows, what the machine did: versions, bandwidths, the roofline's bytes per step).
     formats: the weight formats each port runs (the others run at the first); draft_weights: the
     speculative rows' draft (None: prompt lookup); unusable: runners (by label) that cannot run
-    (a rule, or no way to reach --device), and why; on_runner_done(rows so far) after each runner."""
+    (a rule, or no way to reach --device), and why; on_runner_done(rows so far) after each runner;
+    pp_prompts [B, P']: the prompt each row also prefills for its pp figure (None: none timed)."""
     unusable = unusable or {}
     B, P = prompts.shape
     N = args.new_tokens
@@ -220,7 +225,7 @@ def run_rows(
                     loaded.add_draft(str(args.draft), *draft_weights)
                 call = RowCall(mode, loaded, run.Draft(str(args.draft), args.draft_tokens, args.ngram))
             try:
-                row.update(measure_row(runner, module, model, call, prompts, args, sweep, tick))
+                row.update(measure_row(runner, module, model, call, prompts, args, sweep, tick, pp_prompts))
             except Exception as exc:
                 if runner.variant is None and not runner.baseline and not runner.peer:
                     raise  # a port that fails is a bug to see whole
@@ -236,13 +241,24 @@ def run_rows(
         gc.collect()  # gpt2-small: free one framework's copy of the weights before the next loads
         if on_runner_done is not None:
             on_runner_done(rows)
-    # A decode step's bytes at each dtype a row computes in (every quantized row is counted at its dtype).
+    # A decode step's bytes at each dtype a row computes in, and in each row's own weight format.
     row_dtypes = dict.fromkeys(row["dtype"] for row in rows)
     floats = float_tensors(tensors)
+    four_bit = frozenset(name for name in floats if q4_blocks(tensors, name) is not None)
     step_bytes = (
         {name: decode_bytes(config, floats, B, P, N, compute_itemsize(name)) for name in row_dtypes} if roofline else {}
     )
-    best = add_rooflines(rows, bandwidth, bandwidth_device, step_bytes)
+    format_bytes = (
+        {
+            weights: decode_bytes(
+                config, floats, B, P, N, compute_itemsize(format_of(weights)[0]), format_of(weights)[1], four_bit
+            )
+            for weights in dict.fromkeys(str(row["weights"]) for row in rows if row["available"])
+        }
+        if roofline
+        else {}
+    )
+    best = add_rooflines(rows, bandwidth, bandwidth_device, format_bytes)
     probed = 1
     if any(row.get("roofline_ratio") is not None and row["roofline_ratio"] < 1 for row in rows):
         # Faster than the bandwidth allows: the probe ran while something else held the memory bus. Once more,
@@ -252,7 +268,7 @@ def run_rows(
             again = module.matvec_seconds(*MATVEC_SHAPE, MATVEC_REPEATS, bandwidth_device[name])
             if matvec_bandwidth(again) > bandwidth[name]:
                 matvec[name], bandwidth[name] = again, matvec_bandwidth(again)
-        best = add_rooflines(rows, bandwidth, bandwidth_device, step_bytes)
+        best = add_rooflines(rows, bandwidth, bandwidth_device, format_bytes)
         probed = 2
     machine = {
         "bandwidth_gb_s": {f"{name} ({bandwidth_device[name]})": value / 1e9 for name, value in bandwidth.items()}
@@ -260,6 +276,7 @@ def run_rows(
         "roofline_bandwidth_gb_s": {device: value / 1e9 for device, value in best.items()} or None,
         "decode_bytes_per_step": step_bytes.get(formats.first[0]),
         "decode_bytes_per_step_by_dtype": step_bytes or None,
+        "decode_bytes_per_step_by_format": format_bytes or None,
         "matvec": {"shape": list(MATVEC_SHAPE), "dtype": "float32", "seconds": matvec} if matvec else None,
         "bandwidth_probes": probed if matvec else 0,
     }
@@ -275,7 +292,7 @@ def add_rooflines(
 ) -> dict[str, float]:
     """Each live row's roofline (ms) and its decode ms over it; the best bandwidth per device, returned.
     One roofline per device: the best streaming bandwidth any framework reached on it; step_bytes: a
-    decode step's bytes by the row's dtype (empty: no roofline)."""
+    decode step's bytes by the row's weight format (`weights`; empty: no roofline)."""
     best: dict[str, float] = {}
     for name, value in bandwidth.items():
         best[device_of[name]] = max(value, best.get(device_of[name], 0.0))
@@ -283,7 +300,7 @@ def add_rooflines(
         if row["available"]:
             # A decode step's bytes over the bandwidth; a speculative round reads the weights once for several
             # tokens, so its per-token time has no roofline of this kind.
-            row_bytes = step_bytes.get(row["dtype"])
+            row_bytes = step_bytes.get(str(row["weights"]))
             measured = row_bytes is not None and row["device"] in best and row["mode"] != "speculative"
             row["roofline_ms"] = 1e3 * row_bytes / best[row["device"]] if row_bytes is not None and measured else None
             row["roofline_ratio"] = (

@@ -70,6 +70,11 @@ def print_table(result: dict, show_targets: bool = False) -> None:
     unavailable = any(not row["available"] for row in rows)
     # The leading tokens each row shares with the float32 reference: beside the peers or other weight formats.
     peers = bool(s.get("peers")) or len(s.get("formats") or ()) > 1
+    several_threads = len(s.get("thread_counts") or ()) > 1
+    pp = bool(s.get("pp"))
+    held = any(row.get("tg_vs_peer") is not None for row in live)
+    columns[3:3] = ["threads"] * several_threads
+    columns += ["pp tok/s"] * pp + ["tg tok/s"] * (pp or held) + ["held to", "tg x peer", "pp x peer"] * held
     columns += (
         ["agree"] * peers
         + ["roofline"] * roofline
@@ -110,6 +115,16 @@ def print_table(result: dict, show_targets: bool = False) -> None:
             fmt(row["decode_speedup_vs_seed_concat"], ".2f", "x"),
             fmt(row["total_speedup_vs_naive"], ".1f", "x"),
         ]
+        cells[3:3] = [str(row.get("threads") or "default")] * several_threads
+        cells += [fmt(row.get("pp_tokens_per_s"), ",.0f")] * pp + [fmt(row.get("tg_tokens_per_s"), ",.1f")] * (
+            pp or held
+        )
+        if held:
+            cells += [
+                row.get("held_to") or "-",
+                fmt(row.get("tg_vs_peer"), ".2f", "x"),
+                fmt(row.get("pp_vs_peer"), ".2f", "x"),
+            ]
         cells += [f"{row['agree_steps']}/{s['new_tokens']}"] * peers
         cells += [fmt(row["roofline_ratio"], ".2f", "x") + " !" * bool(row.get("roofline_disturbed"))] * roofline
         cells += [fmt((row["sweep"] or {}).get("slope"), ".2f")] * swept
@@ -132,7 +147,14 @@ def print_table(result: dict, show_targets: bool = False) -> None:
             "expected to match)"
         )
         * (peers and bool(live))
-        + "; roofline: decode ms over the roofline's" * roofline
+        + (f"; pp: prompt tokens/s of a {s.get('pp')}-token prefill; tg: generated tokens/s over decode steps 1..N-1")
+        * pp
+        + (
+            "; held to: the peer the row's weight format is held to; tg x peer: the row's time per generated token "
+            "over the peer's (below 1: faster); pp x peer: its prompt tokens/s over the peer's (above 1: faster)"
+        )
+        * held
+        + "; roofline: decode ms over the roofline's (the bytes a step streams in the row's format)" * roofline
         + "; slope: fitted log-log exponent of total time against new tokens" * swept
         + (
             "; accepted: the draft's proposals the target kept; fwd/tok: target forwards per generated token; "
@@ -158,11 +180,15 @@ def print_table(result: dict, show_targets: bool = False) -> None:
     machine = result["machine"]
     if machine["bandwidth_gb_s"]:
         measured = ", ".join(f"{name} {value:.1f}" for name, value in machine["bandwidth_gb_s"].items())
-        by_dtype = machine.get("decode_bytes_per_step_by_dtype") or {s["dtype"]: machine["decode_bytes_per_step"]}
+        by_dtype = (
+            machine.get("decode_bytes_per_step_by_format")
+            or machine.get("decode_bytes_per_step_by_dtype")
+            or {s["dtype"]: machine["decode_bytes_per_step"]}
+        )
         read = ", ".join(f"{value / 1e6:.1f} MB at {name}" for name, value in by_dtype.items())
         console.print(
             f"streaming bandwidth, GB/s, float32 {MATVEC_SHAPE[0]}x{MATVEC_SHAPE[1]} matrix-vector product: "
-            f"{measured}. Roofline: {read} read per decode step (weights + KV cache so far, at the row's dtype) "
+            f"{measured}. Roofline: {read} read per decode step (weights in the row's format + KV cache so far) "
             "over the best bandwidth on the row's device.",
             highlight=False,
             markup=False,
@@ -173,10 +199,18 @@ def print_table(result: dict, show_targets: bool = False) -> None:
         highlight=False,
         markup=False,
     )
+    if machine.get("runs"):
+        each = "; ".join(
+            f"round {run['round']} at {run['threads'] or 'default'} thread(s) {run['load_average'][0]} / "
+            f"{run['load_average'][1]}"
+            for run in machine["runs"]
+        )
+        console.print(f"each run's load average before / after: {each}", highlight=False, markup=False)
     for target in result["targets"] if show_targets else []:
         verdict = "met" if target["met"] else "MISSED"
+        at = "" if target.get("threads") is None else f", {target['threads']} thread(s)"
         console.print(
-            f"target: {target['target']}: {target['value']:.2f} (target {target['threshold']}): {verdict}",
+            f"target: {target['target']}{at}: {target['value']:.2f} (target {target['threshold']}): {verdict}",
             highlight=False,
             markup=False,
         )

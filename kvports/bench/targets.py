@@ -5,6 +5,90 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvports.bench.measure import format_of
+
+PEERS = ("llama.cpp", "ctranslate2")
+# The peer each weight format is held to: the engine people would run instead, at the same bytes.
+HELD_TO = {"float32": ("llama.cpp", "F32"), "bfloat16": ("llama.cpp", "F16")}
+QUANT_HELD_TO = {"int8": ("ctranslate2", "int8"), "q4": ("llama.cpp", "Q4_1")}
+# (what, the formats' rows, peer, the ratio's figure, threshold, higher is better) per thread count.
+PEER_TARGETS = (
+    ("tg, x the time per token of", ("float32",), ("torch", "jax", "numpy"), "tg", 1.0, False),
+    ("tg, x the time per token of", ("bfloat16",), ("torch", "jax"), "tg", 1.15, False),
+    ("(the best int8 row) tg, x the time per token of", ("+int8",), None, "tg", 1.0, False),
+    ("(the best 4-bit row) tg, x the time per token of", ("+q4",), None, "tg", 1.0, False),
+    ("pp, x the prompt tokens/s of", ("float32",), ("torch", "jax", "numpy"), "pp", 0.8, True),
+)
+
+
+def held_to(row: dict[str, Any]) -> tuple[str, str] | None:
+    """(peer framework, its weights) a row is held to: float32 to llama.cpp F32, bfloat16 to F16, int8 to
+    CTranslate2 int8, 4 bits to llama.cpp Q4_1; None for a peer's own row and float64."""
+    if row["framework"] in PEERS or row["weights"] is None:
+        return None
+    dtype, quant = format_of(row["weights"])
+    return QUANT_HELD_TO.get(quant) or HELD_TO.get(dtype)
+
+
+def add_peer_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each live row's `held_to` peer (at the same thread count, cached, one device) and its ratios to it:
+    `tg_vs_peer`, the row's time per generated token over the peer's (below 1: faster), and `pp_vs_peer`,
+    its prompt tokens/s over the peer's (above 1: faster). None where the peer did not run."""
+    peers = {
+        (row["framework"], row["weights"], row.get("threads")): row
+        for row in rows
+        if row["available"] and row["framework"] in PEERS
+    }
+    for row in rows:
+        if not row["available"]:
+            continue
+        peer = held_to(row)
+        found = None if peer is None else peers.get((*peer, row.get("threads")))
+        row["held_to"] = None if peer is None else " ".join(peer)
+        peer_figures = found or {}
+        row["tg_vs_peer"] = ratio(peer_figures.get("tg_tokens_per_s"), row["tg_tokens_per_s"])
+        row["pp_vs_peer"] = ratio(row["pp_tokens_per_s"], peer_figures.get("pp_tokens_per_s"))
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if not numerator or not denominator else numerator / denominator
+
+
+def peer_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The targets against the peers, at each thread count: every port's float32 tg at or below llama.cpp
+    F32's time per token, torch's and JAX's bfloat16 within 1.15x of F16, the best int8 row at or below
+    CTranslate2 int8, the best 4-bit row at or below Q4_1, every port's float32 pp at least 0.8x F32's."""
+    live = [
+        row
+        for row in rows
+        if row["available"]
+        and row["mode"] == "cached"
+        and row["variant"] is None
+        and row.get("tensor_parallel", 1) == 1
+        and row.get("held_to")
+    ]
+    found = []
+    for threads in dict.fromkeys(row.get("threads") for row in live):
+        at = [row for row in live if row.get("threads") == threads]
+        for what, formats, ports, figure, threshold, higher in PEER_TARGETS:
+            key = f"{figure}_vs_peer"
+            chosen = [row for row in at if row["weights"] in formats or row["weights"].endswith(formats)]
+            chosen = [row for row in chosen if row[key] is not None and (ports is None or row["framework"] in ports)]
+            if ports is None and chosen:  # the best row of the formats
+                chosen = [min(chosen, key=lambda r: r[key])]
+            for row in chosen:
+                value = row[key]
+                found.append(
+                    {
+                        "target": f"{row['framework']} {row['weights']} {what} {row['held_to']}",
+                        "threads": threads,
+                        "value": value,
+                        "threshold": threshold,
+                        "met": bool(value >= threshold if higher else value <= threshold),
+                    }
+                )
+    return found
+
 
 def targets(rows: list[dict[str, Any]], settings: dict[str, Any]) -> list[dict[str, Any]]:
     """The development targets, at the settings they were set for (seed preset, batch 1; 500 new
@@ -14,7 +98,7 @@ def targets(rows: list[dict[str, Any]], settings: dict[str, Any]) -> list[dict[s
     for row in rows:  # a port's first row per mode: at the first format, on one device
         if row["available"]:
             live.setdefault((row["framework"], row["variant"], row["mode"]), row)
-    found = []
+    found = peer_targets(rows)
 
     def get(framework: str, mode: str, key: str) -> Any:
         row = live.get((framework, None, mode))
