@@ -319,7 +319,7 @@ def bench_server(
 
 def serving_inputs(args: argparse.Namespace, changed: list[str]) -> ServingBench:
     """`kvports bench --serve ...`'s flags, checked: a GGUF file with a chat template, the ports asked for."""
-    from kvports.bench.options import parse_choices
+    from kvports.bench.options import parse_choices, single_threads
     from kvports.bench.runners import FRAMEWORKS
     from kvports.formats.chat import gguf_template
 
@@ -334,7 +334,8 @@ def serving_inputs(args: argparse.Namespace, changed: list[str]) -> ServingBench
         raise UserError(
             f"--serve serves the ports ({','.join(PORTS)}); --frameworks {echo(args.frameworks)} names none"
         )
-    return ServingBench(frameworks, args.weights, args.dtype, args.threads, args.peers, args.json, args.plot)
+    threads = single_threads(args.threads, "--serve runs its servers at one thread count")
+    return ServingBench(frameworks, args.weights, args.dtype, threads, args.peers, args.json, args.plot)
 
 
 def run_serving(bench: ServingBench) -> int:

@@ -20,6 +20,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
         ([], "--serve sends chat requests: give --model NAME or --weights FILE.gguf"),
         (["--weights", "{model}", "--batch", "2"], "--serve runs its own request set, which takes no --batch"),
         (["--weights", "{model}", "--frameworks", "transformers"], "--serve serves the ports (torch,jax,numpy)"),
+        (["--weights", "{model}", "--threads", "1,2"], "--serve runs its servers at one thread count, not --threads"),
     ],
 )
 def test_bench_serve_refuses_what_it_does_not_run_in_one_line(capsys, chat_model, argv, message):
