@@ -211,3 +211,17 @@ def test_a_streamed_chats_logprobs_are_the_whole_ones_in_pieces(server):
         [top.token for top in entry.top_logprobs] for entry in whole
     ]
     assert len(whole) >= 1 and all(len(entry.top_logprobs) == 2 for entry in whole)
+
+
+def test_a_sampled_requests_logprobs_are_the_models_before_temperature(server, chat_model, capsys):
+    """The log-softmax of the raw logits, as OpenAI and vLLM report them: not the tempered
+    distribution the token was drawn from. `generate --logprobs` reports the same."""
+    prompt = [9, 120, 33, 7]
+    answer = client(server).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=1.7, seed=3, logprobs=1
+    )
+    sampling = ("--temperature", "1.7", "--seed", "3")
+    expected = generate_logprobs(capsys, server, chat_model, 1, "--prompt", ",".join(map(str, prompt)), *sampling)
+    logprobs = answer.choices[0].logprobs
+    assert logprobs.tokens == [step["text"] for step in expected]
+    assert logprobs.token_logprobs == pytest.approx([step["logprob"] for step in expected], rel=1e-9)
