@@ -225,3 +225,15 @@ def test_a_sampled_requests_logprobs_are_the_models_before_temperature(server, c
     logprobs = answer.choices[0].logprobs
     assert logprobs.tokens == [step["text"] for step in expected]
     assert logprobs.token_logprobs == pytest.approx([step["logprob"] for step in expected], rel=1e-9)
+
+
+def test_a_streamed_completions_logprobs_continue_their_text_offsets(server):
+    settings = dict(model=MODEL, prompt=[5, 17, 40, 99, 3], max_tokens=8, temperature=0, logprobs=1)
+    whole = client(server).completions.create(**settings).choices[0].logprobs
+    tokens, offsets = [], []
+    for chunk in client(server).completions.create(stream=True, **settings):
+        for choice in chunk.choices:
+            tokens += choice.logprobs.tokens
+            offsets += choice.logprobs.text_offset
+    assert tokens == whole.tokens and offsets == whole.text_offset
+    assert len(whole.tokens) > 1 and offsets[-1] > 0  # chunks after the first carry on from its text
