@@ -137,6 +137,17 @@ def sample_rows(
     return jnp.where(finite, tokens, PAD)
 
 
+def token_logprobs(logits: jax.Array, tokens: jax.Array, top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What the server reports of each row's step, from the model's own distribution (log-softmax
+    of the raw logits [B, V], before temperature, top-k and top-p; float32 at least): the chosen
+    tokens' [B] log-probabilities [B], and the `top` likeliest ids and their log-probabilities
+    [B, top], likeliest first (ties: the lower id first)."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)  # [B, V]
+    chosen = jnp.take_along_axis(logprobs, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]  # [B]: PAD rows end anyway
+    top_logprobs, top_ids = lax.top_k(logprobs, top)  # [B, top] each
+    return chosen, top_ids, top_logprobs  # [B], [B, top], [B, top]
+
+
 def paged_step(
     model: TinyModel,
     pool: BlockPool,
@@ -147,17 +158,20 @@ def paged_step(
     top_k: jax.Array,
     top_p: jax.Array,
     uniform: jax.Array,
-) -> tuple[jax.Array, BlockPool]:
+    logprobs: int | None = None,
+) -> tuple[jax.Array, BlockPool, tuple[jax.Array, jax.Array, jax.Array] | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
-    sampling settings and draw [B]. Each row's next token [B] (PAD where its logits were not
-    finite), and the pool with this step's keys and values written in (the one passed in is
-    donated: use the returned one)."""
+    sampling settings and draw [B]; logprobs: how many likeliest tokens to report (None: no
+    log-probabilities, nothing computed). Each row's next token [B] (PAD where its logits were not
+    finite), the pool with this step's keys and values written in (the one passed in is donated:
+    use the returned one), and token_logprobs' three arrays (or None)."""
     model.eval()
     # Always an array, zeros included: one structure of inputs, so one compiled program per shape.
     pad = jnp.sum(tokens == PAD, axis=1, dtype=jnp.int32)  # [B]
     logits, pool = _paged_forward(*split_model(model), pool, tokens, start, block_tables, pad)  # [B, V]
-    return _sample_rows(logits, temperature, top_k, top_p, uniform), pool  # [B]
+    next_tokens = _sample_rows(logits, temperature, top_k, top_p, uniform)  # [B]
+    return next_tokens, pool, None if logprobs is None else _token_logprobs(logits, next_tokens, logprobs)
 
 
 # What paged_step compiles: one program per (rows, T) shape; the pool is donated.
@@ -180,6 +194,8 @@ def _paged_forward(
 
 # One program per number of rows, whatever the rows' sampling values.
 _sample_rows = jax.jit(sample_rows)
+# One program per number of rows and count of likeliest tokens.
+_token_logprobs = jax.jit(token_logprobs, static_argnames="top")
 
 
 def static_shapes(

@@ -257,11 +257,14 @@ def paged_step(
     start: np.ndarray,
     block_tables: np.ndarray,
     sampling: RowSampling,
-) -> tuple[np.ndarray, Any]:
+    logprobs: int | None = None,
+) -> tuple[np.ndarray, Any, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
     `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), sampling: each
-    row's temperature, top-k, top-p and draw [B]. The next token of every row [B] (PAD where its
-    logits were not finite), and the pool to pass to the next step (the one passed in is donated)."""
+    row's temperature, top-k, top-p and draw [B]; logprobs: how many likeliest tokens to report, or
+    None. The next token of every row [B] (PAD where its logits were not finite), the pool to pass
+    to the next step (the one passed in is donated), and, when asked, the chosen tokens' log-probabilities [B]
+    and the likeliest ids and their log-probabilities [B, K]."""
     B = tokens.shape[0]
     tokens, start, block_tables, sampling = paged.static_shapes(
         pool.max_batch, pool.max_blocks, tokens, start, block_tables, sampling
@@ -271,8 +274,18 @@ def paged_step(
     def on_device(array: np.ndarray) -> jax.Array:
         return jax.device_put(np.asarray(array, dtype=np.int32 if array.dtype.kind == "i" else None), device)
 
-    settings = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.uniform)
-    next_tokens, pool = paged.paged_step(
-        model, pool, on_device(tokens), on_device(start), on_device(block_tables), *map(on_device, settings)
+    next_tokens, pool, steps = paged.paged_step(
+        model,
+        pool,
+        on_device(tokens),
+        on_device(start),
+        on_device(block_tables),
+        on_device(sampling.temperature),
+        on_device(sampling.top_k),
+        on_device(sampling.top_p),
+        on_device(sampling.uniform),
+        logprobs=logprobs,
     )
-    return np.asarray(next_tokens, dtype=np.int64)[:B], pool  # [B]: sliced on the host, or each size compiles a slice
+    # Sliced on the host, or each size compiles a slice.
+    on_host = None if steps is None else (np.asarray(steps[0])[:B], np.asarray(steps[1])[:B], np.asarray(steps[2])[:B])
+    return np.asarray(next_tokens, dtype=np.int64)[:B], pool, on_host  # [B], the pool, ([B], [B, K], [B, K]) or None

@@ -39,6 +39,11 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e
 
 
+def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    shifted = x - x.max(axis=axis, keepdims=True)  # the largest is 0: exp cannot overflow
+    return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+
+
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     # One matrix product over every row, as torch's: x [B, T, in] @ weight.T would run B products of
     # [T, in], each reading the whole weight, and a decode step's T is 1.

@@ -130,6 +130,17 @@ def sample_rows(
     return np.where(finite, tokens, PAD)
 
 
+def token_logprobs(logits: np.ndarray, tokens: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the server reports of each row's step, from the model's own distribution (log-softmax
+    of the raw logits [B, V], before temperature, top-k and top-p; float32 at least): the chosen
+    tokens' [B] log-probabilities [B], and the `top` likeliest ids and their log-probabilities
+    [B, top], likeliest first (ties: the lower id first)."""
+    logprobs = F.log_softmax(logits.astype(np.promote_types(logits.dtype, np.float32)), axis=-1)  # [B, V]
+    chosen = np.take_along_axis(logprobs, np.maximum(tokens, 0)[:, None], axis=-1)[:, 0]  # [B]: PAD rows end anyway
+    top_ids = np.argsort(-logprobs, axis=-1, kind="stable")[:, :top]  # [B, top]
+    return chosen, top_ids, np.take_along_axis(logprobs, top_ids, axis=-1)  # [B], [B, top], [B, top]
+
+
 # No inference_mode decorator: NumPy records no autograd graph to switch off.
 def paged_step(
     model: TinyModel,
@@ -141,11 +152,14 @@ def paged_step(
     top_k: np.ndarray,
     top_p: np.ndarray,
     uniform: np.ndarray,
-) -> tuple[np.ndarray, BlockPool]:
+    logprobs: int | None = None,
+) -> tuple[np.ndarray, BlockPool, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
-    sampling settings and draw [B]. Each row's next token [B] (PAD where its logits were not
-    finite), and the pool with this step's keys and values written in."""
+    sampling settings and draw [B]; logprobs: how many likeliest tokens to report (None: no
+    log-probabilities, nothing computed). Each row's next token [B] (PAD where its logits were not
+    finite), the pool with this step's keys and values written in, and token_logprobs' three
+    arrays (or None)."""
     model.eval()
     B, T = tokens.shape
     pad = (tokens == PAD).sum(axis=1)  # [B]
@@ -153,4 +167,5 @@ def paged_step(
     cache = paged_cache(pool, block_tables, start, pad, T, model.config.sliding_window)
     logits, _ = model(np.maximum(tokens, 0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: its logits choose the next token [B].
-    return sample_rows(logits[:, -1], temperature, top_k, top_p, uniform), pool
+    next_tokens = sample_rows(logits[:, -1], temperature, top_k, top_p, uniform)  # [B]
+    return next_tokens, pool, None if logprobs is None else token_logprobs(logits[:, -1], next_tokens, logprobs)

@@ -131,13 +131,24 @@ def paged_step(
     start: np.ndarray,
     block_tables: np.ndarray,
     sampling: RowSampling,
-) -> tuple[np.ndarray, Any]:
+    logprobs: int | None = None,
+) -> tuple[np.ndarray, Any, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
     `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), sampling: each
-    row's temperature, top-k, top-p and draw [B]. The next token of every row [B] (PAD where its
-    logits were not finite), and the pool to pass to the next step (paged.py)."""
-    settings = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.uniform)
-    next_tokens, pool = paged.paged_step(
-        model, pool, np.asarray(tokens), np.asarray(start), np.asarray(block_tables), *map(np.asarray, settings)
+    row's temperature, top-k, top-p and draw [B]; logprobs: how many likeliest tokens to report, or
+    None. The next token of every row [B] (PAD where its logits were not finite), the pool to pass
+    to the next step (paged.py), and, when asked, the chosen tokens' log-probabilities [B]
+    and the likeliest ids and their log-probabilities [B, K]."""
+    next_tokens, pool, steps = paged.paged_step(
+        model,
+        pool,
+        np.asarray(tokens),
+        np.asarray(start),
+        np.asarray(block_tables),
+        np.asarray(sampling.temperature),
+        np.asarray(sampling.top_k),
+        np.asarray(sampling.top_p),
+        np.asarray(sampling.uniform),
+        logprobs=logprobs,
     )
-    return next_tokens, pool  # [B]
+    return next_tokens, pool, steps  # [B], the pool, ([B], [B, K], [B, K]) or None

@@ -155,12 +155,15 @@ class Port(Timed, Protocol):
         start: np.ndarray,
         block_tables: np.ndarray,
         sampling: RowSampling,
-    ) -> tuple[np.ndarray, Any]:
+        logprobs: int | None = None,
+    ) -> tuple[np.ndarray, Any, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         """One step of a running batch over the pool: `tokens [B, T]` (PAD on the left of shorter rows) after
         each row's `start [B]` tokens in the pool, `block_tables [B, M]` (-1 past a row's blocks), each row's
         temperature, top-k, top-p and draw (`RowSampling`, arrays `[B]`: one compiled program serves any
         values). Each row's next token `[B]` (greedy at temperature 0; PAD where its logits held an inf or a
-        NaN) and the pool for the next step (JAX donates the one passed in)."""
+        NaN), the pool for the next step (JAX donates the one passed in), and with `logprobs` K (not None)
+        the chosen tokens' log-probabilities `[B]` and the K likeliest ids and their log-probabilities
+        `[B, K]` (log-softmax of the raw logits, before temperature, top-k and top-p), else None."""
         ...
 
 

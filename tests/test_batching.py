@@ -574,6 +574,6 @@ def test_a_step_donates_the_block_pool(weights):
     pool = jax_port.init_block_pool(model, num_blocks=8, block_size=4, max_batch=2, max_blocks=4)
     tokens, start, tables = np.array([[5, 9, 2]]), np.array([0]), np.array([[0]])
     greedy = RowSampling.of([GenerationConfig(1)], np.zeros(1))
-    _, new_pool = jax_port.paged_step(model, pool, tokens, start, tables, greedy)
+    _, new_pool, _ = jax_port.paged_step(model, pool, tokens, start, tables, greedy)
     assert pool.keys.is_deleted() and pool.values.is_deleted()  # XLA wrote the blocks in place
     assert not new_pool.keys.is_deleted()

@@ -137,6 +137,19 @@ def sample_rows(
     return tokens.masked_fill(~finite, PAD)
 
 
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the server reports of each row's step, from the model's own distribution (log-softmax
+    of the raw logits [B, V], before temperature, top-k and top-p; float32 at least): the chosen
+    tokens' [B] log-probabilities [B], and the `top` likeliest ids and their log-probabilities
+    [B, top], likeliest first (ties: the lower id first)."""
+    logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1)  # [B, V]
+    chosen = logprobs.gather(-1, tokens.clamp(min=0)[:, None])[:, 0]  # [B]: PAD rows end anyway
+    top_ids = torch.sort(logprobs, dim=-1, descending=True, stable=True).indices[:, :top]  # [B, top]
+    return chosen, top_ids, logprobs.gather(-1, top_ids)  # [B], [B, top], [B, top]
+
+
 @torch.inference_mode()
 def paged_step(
     model: TinyModel,
@@ -148,11 +161,14 @@ def paged_step(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     uniform: torch.Tensor,
-) -> tuple[torch.Tensor, BlockPool]:
+    logprobs: int | None = None,
+) -> tuple[torch.Tensor, BlockPool, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
-    sampling settings and draw [B]. Each row's next token [B] (PAD where its logits were not
-    finite), and the pool with this step's keys and values written in."""
+    sampling settings and draw [B]; logprobs: how many likeliest tokens to report (None: no
+    log-probabilities, nothing computed). Each row's next token [B] (PAD where its logits were not
+    finite), the pool with this step's keys and values written in, and token_logprobs' three
+    arrays (or None)."""
     model.eval()
     B, T = tokens.shape
     pad = (tokens == PAD).sum(dim=1)  # [B]
@@ -160,4 +176,5 @@ def paged_step(
     cache = paged_cache(pool, block_tables, start, pad, T, model.config.sliding_window)
     logits, _ = model(tokens.clamp(min=0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: its logits choose the next token [B].
-    return sample_rows(logits[:, -1], temperature, top_k, top_p, uniform), pool
+    next_tokens = sample_rows(logits[:, -1], temperature, top_k, top_p, uniform)  # [B]
+    return next_tokens, pool, None if logprobs is None else token_logprobs(logits[:, -1], next_tokens, logprobs)

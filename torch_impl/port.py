@@ -209,19 +209,31 @@ def paged_step(
     start: np.ndarray,
     block_tables: np.ndarray,
     sampling: RowSampling,
-) -> tuple[np.ndarray, Any]:
+    logprobs: int | None = None,
+) -> tuple[np.ndarray, Any, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
     `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), sampling: each
-    row's temperature, top-k, top-p and draw [B]. The next token of every row [B] (PAD where its
-    logits were not finite), and the pool to pass to the next step (paged.py)."""
+    row's temperature, top-k, top-p and draw [B]; logprobs: how many likeliest tokens to report, or
+    None. The next token of every row [B] (PAD where its logits were not finite), the pool to pass
+    to the next step (paged.py), and, when asked, the chosen tokens' log-probabilities [B]
+    and the likeliest ids and their log-probabilities [B, K]."""
     device = model.emb.weight.device
 
     def on_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(array)).to(device)
 
     with _on_device(device):
-        settings = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.uniform)
-        next_tokens, pool = paged.paged_step(
-            model, pool, on_device(tokens), on_device(start), on_device(block_tables), *map(on_device, settings)
+        next_tokens, pool, steps = paged.paged_step(
+            model,
+            pool,
+            on_device(tokens),
+            on_device(start),
+            on_device(block_tables),
+            on_device(sampling.temperature),
+            on_device(sampling.top_k),
+            on_device(sampling.top_p),
+            on_device(sampling.uniform),
+            logprobs=logprobs,
         )
-    return next_tokens.cpu().numpy(), pool  # [B]
+    on_host = None if steps is None else (steps[0].cpu().numpy(), steps[1].cpu().numpy(), steps[2].cpu().numpy())
+    return next_tokens.cpu().numpy(), pool, on_host  # [B], the pool, ([B], [B, K], [B, K]) or None

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvports.batching.blocks import BlockManager, blocks_for
 from kvports.batching.requests import Request
-from kvports.batching.scheduler import Scheduler, Sequence, Step
+from kvports.batching.scheduler import Scheduler, Sequence, Step, TokenLogprobs
 from kvports.shared.checks import check_count
 from kvports.shared.config import MAX_SIZE, ModelConfig, host_dtype
 from kvports.shared.contract import Port
@@ -124,6 +124,18 @@ def check_step(step: Step, next_tokens: np.ndarray, dtype: str) -> None:
             raise NonFiniteLogits(len(sequence.generated), f"request {sequence.request.id!r}", dtype)
 
 
+def keep_logprobs(step: Step, next_tokens: np.ndarray, steps: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    """Each row that asked keeps its new token's log-probability and its own count of the step's
+    likeliest tokens (the step computed the most any row asked for)."""
+    chosen, top_ids, top_logprobs = steps  # [B], [B, K], [B, K]
+    for row, (sequence, token) in enumerate(zip(step.sequences, next_tokens, strict=True)):
+        count = sequence.request.logprobs
+        if count is None or int(token) == PAD:  # PAD: the row ends with an error, no token
+            continue
+        top = tuple((int(i), float(p)) for i, p in zip(top_ids[row, :count], top_logprobs[row, :count], strict=True))
+        sequence.logprobs.append(TokenLogprobs(int(token), float(chosen[row]), top))
+
+
 class Engine:
     def __init__(
         self,
@@ -183,8 +195,12 @@ class Engine:
                     blocks_for(self.settings.longest(self.config), self.blocks.block_size),
                 )
             started = self.clock()
-            next_tokens, self.pool = self.port.paged_step(
-                self.model, self.pool, step.tokens, step.start, step.block_tables, step.sampling
+            # The most likeliest tokens a row asks for; None (nothing computed) when no row asks.
+            top = max(
+                (row.request.logprobs for row in step.sequences if row.request.logprobs is not None), default=None
+            )
+            next_tokens, self.pool, steps = self.port.paged_step(
+                self.model, self.pool, step.tokens, step.start, step.block_tables, step.sampling, top
             )
             if not self.end_nonfinite_rows:
                 check_step(step, next_tokens, self.dtype)
@@ -194,6 +210,8 @@ class Engine:
             raise
         self.stats.count(step, self.clock() - started)
         self.stats.preemptions = self.scheduler.preemptions
+        if steps is not None:
+            keep_logprobs(step, next_tokens, steps)
         failed = self.end_failed_rows(step, next_tokens)
         if failed:
             good = [row for row, sequence in enumerate(step.sequences) if sequence not in failed]

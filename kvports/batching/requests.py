@@ -35,6 +35,9 @@ class Request:
     prompt: tuple[int, ...]
     generation: GenerationConfig
     text: str | None = field(default=None, compare=False)  # the line's text prompt, if it had one
+    # The server's (its body checked it): each new token's log-probability and this many likeliest
+    # tokens' at its step; None: none. Batch files do not take it.
+    logprobs: int | None = None
 
     @property
     def max_length(self) -> int:

@@ -34,6 +34,16 @@ NO_BLOCK = -1  # a block table's padding past a row's last block: gathered, then
 MIN_FILL = 0.8
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model (log-softmax of its step's raw logits) and
+    the step's likeliest tokens, likeliest first, as many as its request asked for."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token, logprob) each
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -55,6 +65,7 @@ class Sequence:
     finish_reason: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per generated token, if its request asked
 
     def __post_init__(self) -> None:
         self.tokens = list(self.request.prompt)

@@ -28,6 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from kvports.batching.requests import Request
+from kvports.batching.scheduler import TokenLogprobs
+from kvports.formats.hf.text import decode
 from kvports.server.detokenize import Detokenizer
 from kvports.server.loop import Choice, EngineLoop, Job, QueueFull
 from kvports.server.metrics import Metrics
@@ -148,7 +150,7 @@ def create_app(state: ServerState) -> Any:
 
         request_id = secrets.token_hex(8)
         choices = [
-            Choice(index, Request(f"{request_id}-{index}", checked.prompt, generation))
+            Choice(index, Request(f"{request_id}-{index}", checked.prompt, generation, logprobs=checked.logprobs))
             for index, generation in enumerate(checked.generations)
         ]
         return Job(choices, asyncio.get_running_loop())
@@ -182,6 +184,9 @@ class Answer:
         n = len(checked.generations)
         self.text = [Detokenizer(state.tokenizer, checked.stop, stop_ids) for _ in range(n)]
         self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # one per token, if asked
+        self.offsets = [0] * n  # a completion's text_offset: the characters of its tokens' texts so far
+        self.spelled: dict[int, str] = {}  # token id -> its text
         self.finish: list[str | None] = [None] * n
         self.error: str | None = None
         self.done = False
@@ -203,11 +208,13 @@ class Answer:
             kind, index, value = event
             detokenizer = self.text[index]
             if kind == "tokens":
+                ids, logprobs = value
                 if self.finish[index] is not None or detokenizer.stopped:
                     continue
                 taken = detokenizer.tokens
-                piece = detokenizer.add(value)
-                self.tokens[index].extend(value[: detokenizer.tokens - taken])  # up to a stop string's last token
+                piece = detokenizer.add(ids)
+                self.tokens[index].extend(ids[: detokenizer.tokens - taken])  # up to a stop string's last token
+                self.logprobs[index].extend(logprobs[: detokenizer.tokens - taken])
                 if detokenizer.stopped:
                     self.state.loop.stop_choice(self.job, index)
                     self.finish[index] = "stop"
@@ -267,7 +274,7 @@ class Answer:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice["logprobs"] = None
+        choice["logprobs"] = self.logprobs_of(index, 0, len(self.tokens[index]))
         choice["finish_reason"] = self.finish[index]
         if self.checked.return_token_ids:
             choice["token_ids"] = self.tokens[index]
@@ -279,16 +286,16 @@ class Answer:
         try:
             if self.checked.chat:
                 for index in range(len(self.finish)):
-                    yield self.sse(self.chunk(index, {"role": "assistant", "content": ""}, None, []))
+                    yield self.sse(self.chunk(index, {"role": "assistant", "content": ""}, None, [], None))
             sent = [0] * len(self.finish)
             async for index, piece, reason in self.events():
                 new = self.tokens[index][sent[index] :]
+                logprobs = self.logprobs_of(index, sent[index], len(self.tokens[index]))
                 sent[index] = len(self.tokens[index])
                 delta = {"content": piece} if self.checked.chat else piece
                 if piece or reason is not None or new:
-                    yield self.sse(
-                        self.chunk(index, delta if piece else ({} if self.checked.chat else ""), reason, new)
-                    )
+                    empty = {} if self.checked.chat else ""
+                    yield self.sse(self.chunk(index, delta if piece else empty, reason, new, logprobs))
             if self.error is not None:
                 yield self.sse(self.failure().body())
             elif self.done and self.checked.include_usage:
@@ -311,13 +318,15 @@ class Answer:
     def kind(self) -> str:
         return "chat.completion.chunk" if self.checked.chat else "text_completion"
 
-    def chunk(self, index: int, delta: Any, reason: str | None, token_ids: list[int]) -> dict[str, Any]:
+    def chunk(
+        self, index: int, delta: Any, reason: str | None, token_ids: list[int], logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         if self.checked.chat:
             choice["delta"] = delta
         else:
             choice["text"] = delta
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = reason
         if self.checked.return_token_ids:
             choice["token_ids"] = token_ids
@@ -329,3 +338,48 @@ class Answer:
     @staticmethod
     def sse(data: dict[str, Any]) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    # ---------------------------------------------------------------- log-probabilities
+
+    def logprobs_of(self, index: int, start: int, end: int) -> dict[str, Any] | None:
+        """Choice `index`'s tokens start..end in the OpenAI wire format, as vLLM writes it (None unless
+        asked): a chat's {"content": [{token, logprob, bytes, top_logprobs}]}, a completion's legacy
+        {tokens, token_logprobs, top_logprobs (token -> logprob), text_offset}. A log-probability
+        that underflowed to -inf is written -9999.0, as vLLM does: JSON has no infinity."""
+        if self.checked.logprobs is None:
+            return None
+        steps = self.logprobs[index][start:end]
+        if self.checked.chat:
+            return {
+                "content": [{**self.spell(step.token, step.logprob), "top_logprobs": self.top(step)} for step in steps]
+            }
+        tokens = [self.text_of(step.token) for step in steps]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [finite(step.logprob) for step in steps],
+            "top_logprobs": [{self.text_of(i): finite(p) for i, p in step.top} for step in steps],
+            "text_offset": offsets,
+        }
+
+    def top(self, step: TokenLogprobs) -> list[dict[str, Any]]:
+        return [self.spell(token, logprob) for token, logprob in step.top]
+
+    def spell(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.text_of(token)
+        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8", "replace"))}
+
+    def text_of(self, token: int) -> str:
+        """A token's own text (special tokens spelled out, as `generate --logprobs` shows them), or,
+        without a tokenizer, "token_id:ID" (vLLM's spelling)."""
+        if token not in self.spelled:
+            tokenizer = self.state.tokenizer
+            self.spelled[token] = f"token_id:{token}" if tokenizer is None else decode(tokenizer, [token])
+        return self.spelled[token]
+
+
+def finite(logprob: float) -> float:
+    return max(logprob, -9999.0)

@@ -43,7 +43,8 @@ class Choice:
 @dataclass(eq=False)
 class Job:
     """One HTTP request: its choices and the queue their events arrive on, in the server's event loop.
-    Events: ("tokens", index, ids), ("finish", index, reason), ("error", index, message)."""
+    Events: ("tokens", index, (ids, logprobs)), ("finish", index, reason), ("error", index, message);
+    logprobs: each id's TokenLogprobs if the request asked for them, else empty."""
 
     choices: list[Choice]
     loop: asyncio.AbstractEventLoop
@@ -174,6 +175,7 @@ class EngineLoop:
             sequence = choice.sequence
             assert sequence is not None
             new = sequence.generated[choice.sent :]
+            logprobs = sequence.logprobs[choice.sent : choice.sent + len(new)]  # [] unless it asked
             if new:
                 if choice.sent == 0:
                     self.metrics.ttft.observe(now - job.arrival)
@@ -182,7 +184,7 @@ class EngineLoop:
                 choice.sent += len(new)
                 choice.last_token_time = now
                 self.metrics.generation_tokens.inc(len(new))
-                job.emit("tokens", choice.index, list(new))
+                job.emit("tokens", choice.index, (list(new), logprobs))
             if sequence.status is Status.FINISHED:
                 reason = sequence.finish_reason or "error"
                 if reason == "error":

@@ -24,6 +24,8 @@ MAX_N = 8  # choices per request
 MAX_STOP = 4  # stop strings, as OpenAI allows
 MAX_STOP_CHARACTERS = 256  # of one stop string
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions' max_tokens when none is given, as OpenAI's
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs: likeliest tokens per step, as OpenAI's legacy API
+MAX_TOP_LOGPROBS = 20  # /v1/chat/completions' top_logprobs, as OpenAI's
 
 # Fields the server takes; a field it does not implement is accepted only at its no-op value.
 COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options")
@@ -31,16 +33,14 @@ NO_OPS: dict[str, tuple[object, ...]] = {
     "frequency_penalty": (0, 0.0, None),
     "presence_penalty": (0, 0.0, None),
     "logit_bias": (None, {}),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "user": (),  # any string: it names the caller, it changes nothing
     "echo": (None, False),
     "suffix": (None,),
     "best_of": (None, 1),
 }
 EXTENSIONS = ("return_token_ids",)  # vLLM's: each choice carries its token ids
-CHAT_FIELDS = (*COMMON, "messages", "max_completion_tokens", *NO_OPS, *EXTENSIONS)
-COMPLETION_FIELDS = (*COMMON, "prompt", *NO_OPS, *EXTENSIONS)
+CHAT_FIELDS = (*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs", *NO_OPS, *EXTENSIONS)
+COMPLETION_FIELDS = (*COMMON, "prompt", "logprobs", *NO_OPS, *EXTENSIONS)
 
 
 class ApiError(Exception):
@@ -88,6 +88,7 @@ class Completion:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    logprobs: int | None  # likeliest tokens to report at each step beside the chosen one's; None: no logprobs
 
 
 # ---------------------------------------------------------------- the body
@@ -292,6 +293,19 @@ def chat_prompt(body: dict[str, Any], chat: Chat | None) -> list[int]:
 # ---------------------------------------------------------------- the request
 
 
+def requested_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many likeliest tokens each step reports, or None for no log-probabilities: a chat's
+    `logprobs: true` and `top_logprobs` (0 to 20), a completion's `logprobs` (0 to 5)."""
+    if not chat:
+        return integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, None)
+    top = integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, None)
+    if not boolean(body, "logprobs"):
+        if top is not None:
+            raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+        return None
+    return 0 if top is None else top
+
+
 def check_request(
     body: dict[str, Any], limits: Limits, chat: bool, encode: Encode | None, render: Chat | None
 ) -> Completion:
@@ -301,6 +315,7 @@ def check_request(
     stream = boolean(body, "stream")
     usage = include_usage(body, stream)
     return_ids = boolean(body, "return_token_ids")
+    logprobs = requested_logprobs(body, chat)
     stop = stop_strings(body)
     n = integer(body, "n", 1, MAX_N, 1)
     temperature = number(body, "temperature", 0.0, 2.0, 1.0)
@@ -347,4 +362,4 @@ def check_request(
             generation.validate(limits.vocab_size)
         except UserError as exc:  # what the ports' shared checks refuse past the bounds above
             raise bad(None, str(exc)) from None
-    return Completion(chat, tuple(prompt), generations, stop, stream, usage, return_ids)
+    return Completion(chat, tuple(prompt), generations, stop, stream, usage, return_ids, logprobs)

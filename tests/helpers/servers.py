@@ -131,6 +131,6 @@ class OverflowingPort:
         return getattr(self.port, name)
 
     def paged_step(self, model: Any, pool: Any, tokens: np.ndarray, *rest: Any) -> Any:
-        next_tokens, pool = self.port.paged_step(model, pool, tokens, *rest)
+        next_tokens, pool, steps = self.port.paged_step(model, pool, tokens, *rest)
         next_tokens = np.where((tokens == self.marker).any(axis=1), PAD, next_tokens)  # [B]
-        return next_tokens, pool
+        return next_tokens, pool, steps

@@ -52,3 +52,40 @@ def test_a_servers_engine_ends_an_overflowing_row_alone():
     assert finished["a"].finish_reason == "error"  # its prompt holds the marker the port overflows on
     assert sequences["b"].tokens == alone(port, model, "b")
     assert engine.blocks.num_free == engine.blocks.num_blocks and engine.blocks.by_hash == {}
+
+
+class CountingPort:
+    """A port that records the count of likeliest tokens each step is asked for."""
+
+    def __init__(self, port):
+        self.port, self.asked = port, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.port, name)
+
+    def paged_step(self, *args):
+        self.asked.append(args[6])
+        return self.port.paged_step(*args)
+
+
+def test_a_row_gets_its_own_count_of_logprobs_and_steps_without_one_compute_none():
+    counting = None
+
+    def wrap(port):
+        nonlocal counting
+        counting = CountingPort(port)
+        return counting
+
+    engine, port, model = engine_and_model(wrap)
+    plain = engine.add(Request("a", tuple(PROMPTS["a"]), GenerationConfig(8)))
+    engine.run()
+    asking = engine.add(Request("b", tuple(PROMPTS["b"]), GenerationConfig(8), logprobs=3))
+    fewer = engine.add(Request("c", tuple(PROMPTS["c"]), GenerationConfig(8), logprobs=1))
+    engine.run()
+    assert set(counting.asked[: len(plain.generated)]) == {None} and plain.logprobs == []
+    # The most a row of the step asks for: both rows at first, then whichever runs on.
+    assert counting.asked[len(plain.generated)] == 3 and set(counting.asked[len(plain.generated) :]) <= {1, 3}
+    for sequence, count in ((asking, 3), (fewer, 1)):
+        assert [step.token for step in sequence.logprobs] == sequence.generated
+        assert all(len(step.top) == count for step in sequence.logprobs)
+        assert all(step.top[0][0] == step.token for step in sequence.logprobs)  # greedy: the likeliest

@@ -143,3 +143,97 @@ def test_a_stop_string_ends_the_text_before_it(server, chat_model):
     cut = client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
     assert cut.choices[0].text == full[: full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+
+
+def generate_logprobs(capsys, server, chat_model, top: int, *prompt_args: object) -> list[dict]:
+    """`kvports generate --logprobs TOP --json`'s one row: each new token's id, text, log-probability
+    and its step's TOP likeliest."""
+    argv = ["generate", "--framework", server.engine.port.NAME, "--mode", "cached", "--weights", chat_model]
+    code, out, err = run_cli(
+        capsys, *argv, *prompt_args, "--new-tokens", "6", "--dtype", "float64", "--logprobs", top, "--json"
+    )
+    assert code == 0, err
+    return json.loads(out)["logprobs"][0]
+
+
+def test_a_chats_logprobs_are_the_ones_kvports_generate_reports(server, chat_model, capsys, tmp_path):
+    """Greedy: the log-softmax of the raw logits, the chosen token's and the top 3, as `generate
+    --logprobs 3` computes them alone."""
+    messages = chat(4)
+    answer = client(server).chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"return_token_ids": True},
+    )
+    chat_file = tmp_path / "chat.json"
+    chat_file.write_text(json.dumps(messages))
+    expected = generate_logprobs(capsys, server, chat_model, 3, "--chat-file", chat_file)
+    choice = answer.choices[0]
+    content = choice.logprobs.content
+    assert [step["token"] for step in expected] == choice.model_extra["token_ids"]
+    assert [entry.token for entry in content] == [step["text"] for step in expected]
+    assert [entry.logprob for entry in content] == pytest.approx([step["logprob"] for step in expected], rel=1e-9)
+    for entry, step in zip(content, expected, strict=True):
+        assert entry.bytes == list(entry.token.encode())
+        assert [top.token for top in entry.top_logprobs] == [top["text"] for top in step["top"]]
+        assert [top.logprob for top in entry.top_logprobs] == pytest.approx([top["logprob"] for top in step["top"]])
+
+
+def test_a_completions_legacy_logprobs_are_the_ones_kvports_generate_reports(server, chat_model, capsys):
+    prompt = [5, 17, 40, 99, 3]
+    answer = client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    expected = generate_logprobs(capsys, server, chat_model, 2, "--prompt", ",".join(map(str, prompt)))
+    logprobs = answer.choices[0].logprobs
+    assert logprobs.tokens == [step["text"] for step in expected]
+    assert logprobs.token_logprobs == pytest.approx([step["logprob"] for step in expected], rel=1e-9)
+    assert logprobs.top_logprobs == [
+        pytest.approx({top["text"]: top["logprob"] for top in step["top"]}, rel=1e-9) for step in expected
+    ]
+    lengths = [len(token) for token in logprobs.tokens]
+    assert logprobs.text_offset == [sum(lengths[:index]) for index in range(len(lengths))]
+
+
+def test_a_streamed_chats_logprobs_are_the_whole_ones_in_pieces(server):
+    settings = dict(model=MODEL, messages=chat(2), max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client(server).chat.completions.create(**settings).choices[0].logprobs.content
+    pieces = []
+    for chunk in client(server).chat.completions.create(stream=True, **settings):
+        for choice in chunk.choices:
+            pieces += choice.logprobs.content if choice.logprobs is not None else []
+    # The same tokens; the values to rounding (the second request's prompt comes from the prefix cache).
+    assert [(entry.token, entry.bytes) for entry in pieces] == [(entry.token, entry.bytes) for entry in whole]
+    assert [entry.logprob for entry in pieces] == pytest.approx([entry.logprob for entry in whole], rel=1e-9)
+    assert [[top.token for top in entry.top_logprobs] for entry in pieces] == [
+        [top.token for top in entry.top_logprobs] for entry in whole
+    ]
+    assert len(whole) >= 1 and all(len(entry.top_logprobs) == 2 for entry in whole)
+
+
+def test_a_sampled_requests_logprobs_are_the_models_before_temperature(server, chat_model, capsys):
+    """The log-softmax of the raw logits, as OpenAI and vLLM report them: not the tempered
+    distribution the token was drawn from. `generate --logprobs` reports the same."""
+    prompt = [9, 120, 33, 7]
+    answer = client(server).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=1.7, seed=3, logprobs=1
+    )
+    sampling = ("--temperature", "1.7", "--seed", "3")
+    expected = generate_logprobs(capsys, server, chat_model, 1, "--prompt", ",".join(map(str, prompt)), *sampling)
+    logprobs = answer.choices[0].logprobs
+    assert logprobs.tokens == [step["text"] for step in expected]
+    assert logprobs.token_logprobs == pytest.approx([step["logprob"] for step in expected], rel=1e-9)
+
+
+def test_a_streamed_completions_logprobs_continue_their_text_offsets(server):
+    settings = dict(model=MODEL, prompt=[5, 17, 40, 99, 3], max_tokens=8, temperature=0, logprobs=1)
+    whole = client(server).completions.create(**settings).choices[0].logprobs
+    tokens, offsets = [], []
+    for chunk in client(server).completions.create(stream=True, **settings):
+        for choice in chunk.choices:
+            tokens += choice.logprobs.tokens
+            offsets += choice.logprobs.text_offset
+    assert tokens == whole.tokens and offsets == whole.text_offset
+    assert len(whole.tokens) > 1 and offsets[-1] > 0  # chunks after the first carry on from its text
