@@ -21,8 +21,10 @@ ids, positions and cache slots in int32.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -168,3 +170,16 @@ def read_lines(source: str, flag: str, cap: int = MAX_PROMPT_FILE_BYTES) -> list
     if not kept:
         raise UserError(f"{where} has no line to run")
     return kept
+
+
+def release_freed_memory() -> None:
+    """Hands the heap a load has freed back to the system. Loading copies the file's arrays into
+    the framework's own memory and layout, then frees the first copies; glibc keeps freed blocks of
+    a few MB in its heap (its mmap threshold rises after the first large free), so without this a
+    loaded torch model held its weights' size again in freed memory (SmolLM2: 1.09 GB -> 0.68 GB)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # another C library (musl has no malloc_trim): nothing to hand back
+        pass

@@ -41,7 +41,7 @@ from kvports.devices import (
     prepare_tensor_parallel,
 )
 from kvports.formats.weights import DEFAULT_WEIGHTS, open_weights
-from kvports.limits import check_bytes, check_run
+from kvports.limits import check_bytes, check_run, release_freed_memory
 from kvports.shared.checks import COMMAND_LINE, Names, check_choice, check_generation, python_value
 from kvports.shared.config import DTYPES, ModelConfig, host_dtype
 from kvports.shared.contract import OnToken, Port, Timed
@@ -328,6 +328,7 @@ def load_model(
     `device`: where this framework runs (`devices.placement`: NumPy on the CPU)."""
     port = port_for(framework, device, tensor_parallel, names, port)
     model = port.load_model(config, tensors, dtype, device, quant=quant, tensor_parallel=tensor_parallel)
+    release_freed_memory()
     return LoadedModel(port, model, config, framework, dtype, device, quant=quant, tensor_parallel=tensor_parallel)
 
 
