@@ -113,6 +113,19 @@ def as_host(logits: jax.Array) -> np.ndarray:
     return np.asarray(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)))
 
 
+def shapes_only(config: ModelConfig, dtype: jnp.dtype) -> TinyModel:
+    """The model with its parameters' shapes and dtypes but no values: nnx.eval_shape traces the
+    constructor instead of drawing every initial weight (one compile and run per shape, about 5 s
+    of SmolLM2's load). Dropout's random stream gets a concrete key: eval mode never draws from it."""
+    model = nnx.eval_shape(lambda: TinyModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    for _, variable in nnx.iter_graph(model):
+        if isinstance(variable, nnx.RngKey):
+            variable.set_value(jax.random.key(0))
+        elif isinstance(variable, nnx.RngCount):
+            variable.set_value(jnp.zeros((), jnp.uint32))
+    return model
+
+
 @exact
 def load_model(
     config: ModelConfig,
@@ -131,7 +144,7 @@ def load_model(
 
         config, tensors, placement = parallel.split_model(config, tensors, target.platform, tensor_parallel)
     with jax.default_device(target):
-        model = TinyModel(config, dtype=JAX_DTYPES[dtype], rngs=nnx.Rngs(0))  # every parameter is overwritten below
+        model = shapes_only(config, JAX_DTYPES[dtype])  # every parameter is set from the file below
     if tensor_parallel > 1:
         model = parallel.regroup_fused(model, tensor_parallel)  # the fused products read their shard-major kernels
     slots = _parameter_slots(model)
