@@ -109,6 +109,19 @@ def test_a_quantized_model_gives_the_same_logits_in_every_port_that_offers_it(tm
         assert_logits_close(logits0, logits, 1e-4 * np.abs(logits0).max(), agreement, label)
 
 
+def test_torch_int8_rows_of_a_prompt_equal_the_kernel_row_by_row():
+    """At float32 several rows (a prompt) go through the dequantized weight, one row through the
+    int8 kernel: the two routes give the same product."""
+    torch = pytest.importorskip("torch")
+    from kvports.torch_impl.fast.quant import Int8Linear
+
+    rng = np.random.default_rng(0)
+    linear = Int8Linear(rng.standard_normal((48, 32)).astype(np.float32), None)
+    x = torch.from_numpy(rng.standard_normal((2, 5, 32)).astype(np.float32))  # [B, T, in]
+    rows = torch.stack([torch.cat([linear(x[b, t : t + 1]) for t in range(5)]) for b in range(2)])  # [B, T, out]
+    np.testing.assert_allclose(linear(x).numpy(), rows.numpy(), rtol=1e-5, atol=1e-5)
+
+
 def test_float64_is_unaffected(port):
     config = TINY_FAMILIES["llama"]  # RMSNorm: the norm that now accumulates in float32 or wider
     tensors = random_weights(config)
