@@ -122,6 +122,22 @@ def test_torch_int8_rows_of_a_prompt_equal_the_kernel_row_by_row():
     np.testing.assert_allclose(linear(x).numpy(), rows.numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_torch_q4_at_float32_equals_the_kernels_product():
+    """float32 goes through the 4-bit weight dequantized from our own nibbles; the kernel reads its
+    packed copy: the same weight, rows padded to the kernel's 16 included (40 rows here)."""
+    torch = pytest.importorskip("torch")
+    from kvports.torch_impl.fast.quant import Int4Linear
+
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 16, (40, 64)).astype(np.uint8)  # [out, in]
+    scales = (0.1 * rng.random((40, 2))).astype(np.float32)  # [out, in / 32]
+    mins = -rng.random((40, 2)).astype(np.float32)
+    linear = Int4Linear(codes, scales, mins, None)
+    x = torch.from_numpy(rng.standard_normal((2, 3, 64)).astype(np.float32))  # [B, T, in]
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(6, 64), linear.packed, 32, linear.scales_and_zeros)
+    np.testing.assert_allclose(linear(x).numpy().reshape(6, 40), kernel[:, :40].numpy(), rtol=1e-5, atol=1e-5)
+
+
 def test_float64_is_unaffected(port):
     config = TINY_FAMILIES["llama"]  # RMSNorm: the norm that now accumulates in float32 or wider
     tensors = random_weights(config)
