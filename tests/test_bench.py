@@ -9,6 +9,12 @@ import importlib
 import importlib.util
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -783,3 +789,43 @@ def test_a_thread_list_gives_every_row_at_each_count_from_processes_of_their_own
     best = machine["roofline_bandwidth_gb_s"]["cpu"] * 1e9
     step = machine["decode_bytes_per_step_by_format"]["float32"]
     assert rows[0]["roofline_ms"] == pytest.approx(1e3 * step / best)
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux's /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)": state, ppid, ...
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads parents from Linux's /proc")
+def test_a_terminated_thread_list_leaves_no_child_running():
+    """SIGTERM to `kvports bench --threads 1,2` ends the child process it waits on, as Ctrl-C does."""
+    argv = ["bench", "--frameworks", "numpy", "--modes", "cached", "--new-tokens", "500", "--repeats", "50"]
+    bench = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from kvports import cli; sys.exit(cli.main(sys.argv[1:]))", *argv]
+        + ["--threads", "1,2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := children_of(bench.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert children, "the bench started no child within 60 s"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=30) == 143
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{child}").exists() for child in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(Path(f"/proc/{child}").exists() for child in children)
+    finally:
+        bench.kill()
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)

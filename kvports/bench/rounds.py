@@ -17,6 +17,7 @@ from typing import Any
 from kvports.bench.measure import load_average, summarize
 from kvports.bench.rows import add_rooflines
 from kvports.shared.errors import UserError
+from kvports.shared.files import terminated_as_exit
 
 CHILD = "import sys; from kvports import cli; sys.exit(cli.main(sys.argv[1:]))"
 NOT_PASSED = {"model", "threads", "rounds", "json", "csv", "plot", "targets", "run", "command"}
@@ -43,7 +44,10 @@ def child_argv(args: argparse.Namespace, threads: int | None) -> list[str]:
 
 
 def run_child(argv: list[str]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True)
+    # SIGTERM made an exception, so that subprocess.run kills the child as it does on Ctrl-C: a
+    # terminated bench left its child running, minutes of both cores.
+    with terminated_as_exit():
+        done = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True)
     if done.returncode != 0:
         lines = done.stderr.decode(errors="replace").strip().splitlines() or [f"exit status {done.returncode}"]
         error = next((line for line in lines if line.startswith("error: ")), None)
