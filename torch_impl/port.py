@@ -4,7 +4,7 @@ The same names in every port (the contract: docs/PORTS.md); only the framework c
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,17 +64,17 @@ def as_host(logits: torch.Tensor) -> np.ndarray:
     return logits.to(torch.promote_types(logits.dtype, torch.float32)).cpu().numpy()
 
 
-@contextlib.contextmanager
-def skipped_init() -> Iterator[None]:
-    """torch.nn.init's draws made no-ops while the model is built on the meta device: they would
-    fill nothing there, and drawing on meta tensors imports torch's compiler (torch._dynamo), about
-    2 s of every command's start."""
+def shapes_only(config: ModelConfig) -> TinyModel:
+    """The model with its parameters' shapes and dtypes but no values (on the meta device): every
+    tensor is set from the file. torch.nn.init's draws are no-ops meanwhile: they would fill nothing
+    there, and a draw on a meta tensor imports torch's compiler (torch._dynamo), about 2 s of a load."""
     names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
     saved = {name: getattr(torch.nn.init, name) for name in names}
     for name in names:
         setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
     try:
-        yield
+        with torch.device("meta"):
+            return TinyModel(config)
     finally:
         for name, draw in saved.items():
             setattr(torch.nn.init, name, draw)
@@ -95,8 +95,7 @@ def load_model(
         calls = PortCalls(load_model, generate, generate_speculative, forward_chunks)  # what each rank runs
         return load_parallel(config, tensors, dtype, device, tensor_parallel, calls)
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
-    with torch.device("meta"), skipped_init():
-        model = TinyModel(config)  # no values at all: every tensor comes from the file
+    model = shapes_only(config)  # every tensor is set from the file below
     # Copied into torch's own allocations: the file's arrays sit at arbitrary offsets, and MKL's
     # small matrix products run about twice as slow on memory not aligned to 64 bytes.
     state = {name: torch.tensor(array) for name, array in float_tensors(tensors).items()}
