@@ -57,7 +57,9 @@ class Module:
 
     def to(self: M, dtype: DTypeLike) -> M:
         for _, owner, attr in self.named_parameters():
-            setattr(owner, attr, getattr(owner, attr).astype(dtype))  # a copy: the model owns its weights
+            # A copy only to another dtype: the loaders hand over arrays the model may own (fresh ones,
+            # or a private copy-on-write map of the load cache, which a write never reaches).
+            setattr(owner, attr, getattr(owner, attr).astype(dtype, copy=False))
         return self
 
     def train(self: M, mode: bool = True) -> M:

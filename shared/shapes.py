@@ -64,6 +64,19 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return dict(iter_expected(config))
 
 
+ALIGNMENT = 64  # bytes: MKL's small matrix products run about twice as slow on memory not aligned so
+
+
+def stored_transposed(shape: tuple[int, ...]) -> bool:
+    """Whether a CPU port keeps matrix `shape` (out, in) in memory as its transpose [in, out]: at
+    batch 1 the BLAS matrix-vector product (OpenBLAS under NumPy, MKL under torch) streams a matrix
+    with at least as many outputs as inputs ~1.1-2x faster so (SmolLM2's qkv, gate/up and tied head),
+    and one with more inputs than outputs (a down projection) ~1.05-1.1x faster as its (out, in) rows
+    (tools/profile_numpy.py, tools/profile_decode.py). The ports' fast/ layouts and the load cache's
+    file follow this one rule, so a cached model is used as it is mapped, without a copy."""
+    return len(shape) == 2 and shape[0] >= shape[1]
+
+
 def parameter_count(config: ModelConfig) -> int:
     """The model's numbers, counted without listing its tensors."""
     before, after = outer_shapes(config)

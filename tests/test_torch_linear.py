@@ -1,6 +1,7 @@
-"""The torch port's linear(): on the CPU, float32 weights of GPT-2 small's size stored [out, in] go
-to oneDNN, bfloat16 weights to oneDNN reordered once, float32 weights the loader stored [in, out]
-to MKL. The route must not change what is computed."""
+"""The torch port's linear(): on the CPU, bfloat16 weights go to oneDNN reordered once, float32
+weights to MKL in the layout the loader chose by shared.shapes.stored_transposed ([in, out] for a
+matrix with at least as many outputs as inputs, [out, in] rows for a down projection). The route
+must not change what is computed."""
 
 from __future__ import annotations
 
@@ -23,29 +24,17 @@ STREAMED_CONFIG = ModelConfig(vocab_size=1100, d_model=256, n_heads=4, n_layers=
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 7])
-def test_linear_over_a_large_weight_equals_f_linear(rows):
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(1024, 256, generator=generator)  # 2**18 elements: the oneDNN route
-    bias, x = torch.randn(1024, generator=generator), torch.randn(2, rows, 256, generator=generator)
-    with torch.inference_mode():
-        routed = onednn.linear(x, weight, bias)  # [2, rows, 1024]
-    expected = torch.nn.functional.linear(x, weight, bias)
-    torch.testing.assert_close(routed, expected, rtol=1e-5, atol=1e-5)
-
-
-@needs_onednn
-def test_linear_takes_onednn_only_for_large_float32_weights_without_autograd(monkeypatch):
+def test_linear_takes_onednn_only_for_bfloat16_without_autograd(monkeypatch):
     calls = []
     onednn_linear = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(onednn, "_onednn_linear", lambda *args: calls.append(args[1].shape) or onednn_linear(*args))
-    large, small = torch.ones(1024, 256), torch.ones(384, 128)
+    monkeypatch.setattr(onednn, "_onednn_linear", lambda *args: calls.append(args[0].dtype) or onednn_linear(*args))
+    weight = torch.ones(1024, 256)
     with torch.inference_mode():
-        onednn.linear(torch.ones(1, 256), large)
-        onednn.linear(torch.ones(1, 128), small)  # below the threshold: F.linear
-        onednn.linear(torch.ones(1, 256, dtype=torch.float64), large.double())  # float64: F.linear
-    onednn.linear(torch.ones(1, 256), large)  # autograd on: F.linear
-    assert calls == [large.shape]
+        onednn.linear(torch.ones(1, 256, dtype=torch.bfloat16), weight.bfloat16())
+        onednn.linear(torch.ones(1, 256), weight)  # float32: MKL through F.linear
+        onednn.linear(torch.ones(1, 256, dtype=torch.float64), weight.double())  # float64: F.linear
+    onednn.linear(torch.ones(1, 256, dtype=torch.bfloat16), weight.bfloat16())  # autograd on: F.linear
+    assert calls == [torch.bfloat16]
 
 
 @needs_onednn
@@ -71,13 +60,15 @@ def test_bfloat16_packed_weight_follows_an_in_place_change():
     torch.testing.assert_close(after.float(), 2 * before.float())
 
 
-def test_float32_weights_load_laid_out_in_out_with_the_same_values():
+@pytest.mark.parametrize("name, transposed", [("blocks.0.qkv.weight", True), ("blocks.0.ffn.2.weight", False)])
+def test_float32_weights_load_in_the_shared_layout_with_the_same_values(name, transposed):
+    """qkv (768 x 256) is laid out [in, out]; the down projection (256 x 1024) keeps its [out, in] rows."""
     torch_port = port_or_skip("torch")
     tensors = random_weights(STREAMED_CONFIG)
     model = torch_port.load_model(STREAMED_CONFIG, tensors)
-    weight = model.blocks[0].qkv.weight  # [out, in]
-    assert weight.t().is_contiguous()
-    torch.testing.assert_close(weight.detach(), torch.from_numpy(tensors["blocks.0.qkv.weight"]), rtol=0, atol=0)
+    weight = model.get_parameter(name)  # [out, in]
+    assert (weight.t().is_contiguous(), weight.is_contiguous()) == (transposed, not transposed)
+    torch.testing.assert_close(weight.detach(), torch.from_numpy(tensors[name]), rtol=0, atol=0)
 
 
 def test_a_tied_head_takes_the_same_route_over_the_embeddings_own_weight():

@@ -14,6 +14,7 @@ from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, RowSampling, as_generation
 from kvports.shared.quantization import float_tensors
+from kvports.shared.shapes import ALIGNMENT
 from kvports.torch_impl import bandwidth, paged, speculative
 from kvports.torch_impl.fast.onednn import use_onednn
 from kvports.torch_impl.fast.quant import quantize_model
@@ -80,6 +81,15 @@ def shapes_only(config: ModelConfig) -> TinyModel:
             setattr(torch.nn.init, name, draw)
 
 
+def as_tensor(array: np.ndarray) -> torch.Tensor:
+    """The loader's array as a tensor: its own memory where that is writable and 64-byte aligned (a
+    fresh array, or the load cache's private copy-on-write map), else a copy into torch's allocator,
+    which aligns it."""
+    if array.flags.writeable and array.ctypes.data % ALIGNMENT == 0:
+        return torch.from_numpy(array)
+    return torch.tensor(array)
+
+
 def load_model(
     config: ModelConfig,
     tensors: dict[str, np.ndarray],
@@ -96,9 +106,7 @@ def load_model(
         return load_parallel(config, tensors, dtype, device, tensor_parallel, calls)
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     model = shapes_only(config)  # every tensor is set from the file below
-    # Copied into torch's own allocations: the file's arrays sit at arbitrary offsets, and MKL's
-    # small matrix products run about twice as slow on memory not aligned to 64 bytes.
-    state = {name: torch.tensor(array) for name, array in float_tensors(tensors).items()}
+    state = {name: as_tensor(array) for name, array in float_tensors(tensors).items()}
     model.load_state_dict(state, strict=True, assign=True)
     if quant != "none":
         model = quantize_model(model, tensors, quant)  # the Linear layers swapped (fast/quant.py)

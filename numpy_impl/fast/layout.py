@@ -5,7 +5,8 @@ x @ weight.T at one row is one OpenBLAS gemv, and which gemv streams the weight 
 its shape (measured at batch 1, 1 thread, 30 weights per shape; tools/profile_numpy.py): with at
 least as many outputs as inputs, weight.T contiguous ("F": ~1.3-2x on SmolLM2's qkv and gate/up,
 ~1.8x on its tied head, 49152 x 576); with more inputs than outputs (the down projection) the
-(out, in) rows ("C": ~1.05-1.1x).
+(out, in) rows ("C": ~1.05-1.1x). The rule is shared.shapes.stored_transposed: the load cache
+writes its matrices in the same order, so a model loaded from it copies nothing here.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from typing import Literal, TypeVar
 import numpy as np
 
 from kvports.numpy_impl import nn
+from kvports.shared.shapes import stored_transposed
 
 M = TypeVar("M", bound=nn.Module)
 
 
 def memory_order(weight: np.ndarray) -> Literal["C", "F"]:
     """ "F" (weight.T contiguous) or "C" (the (out, in) rows), by the matrix's shape."""
-    return "F" if weight.ndim == 2 and weight.shape[0] >= weight.shape[1] else "C"
+    return "F" if stored_transposed(weight.shape) else "C"
 
 
 def lay_out(model: M) -> M:

@@ -5,6 +5,8 @@ an entry that fails a check is rebuilt, with a warning, never trusted and never 
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +15,9 @@ from kvports.formats.gguf import cache, reader
 from kvports.formats.gguf.tokenizer import gguf_text, gguf_tokenizer
 from kvports.formats.weights import GGUFWeights
 from kvports.run import open_model
+from kvports.shared.shapes import stored_transposed
 from tests.helpers.gguf_files import write_gguf
+from tests.helpers.ports import port_or_skip
 
 
 @pytest.fixture
@@ -64,6 +68,76 @@ def test_a_second_load_reads_the_kept_tokenizer_and_template(home, gguf, monkeyp
     assert gguf_text(gguf).template == template and "im_start" in template
 
 
+def entry_folder(home):
+    (folder,) = [path for path in (home / cache.FOLDER).iterdir() if path.name != "digests"]
+    return folder
+
+
+def checked_entry(home, gguf):
+    """The file's entry, written and then checked in full once (its stamp recorded): the tensors
+    file's mtime set back ten seconds, so the stamp cannot fall within the clock's tick of it."""
+    load(gguf)
+    path = entry_folder(home) / cache.TENSORS
+    old = time.time_ns() - 10 * 10**9
+    os.utime(path, ns=(old, old))
+    load(gguf)  # the stamp no longer matches: every byte checked, then stamped again
+    return path
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_a_model_loaded_from_the_entry_uses_the_mapped_tensors_as_they_lie(home, gguf, framework):
+    """Nothing copied: each weight is the mapped file's memory, 64-byte aligned, in the layout the
+    ports stream fastest (`stored_transposed`), and a write to it never reaches the file."""
+    port = port_or_skip(framework)
+    load(gguf)
+    with open_model(gguf) as file:
+        tensors = file.read("float32")
+        mapped = file.cached.mapped
+        model = port.load_model(file.config, tensors)
+    for name in ("blocks.0.qkv.weight", "blocks.0.ffn.2.weight", "emb.weight"):
+        weight = np.asarray(model.get_parameter(name).detach()) if framework == "torch" else owner_value(model, name)
+        assert np.shares_memory(weight, mapped) and weight.ctypes.data % 64 == 0, name
+        assert weight.flags.f_contiguous == stored_transposed(weight.shape), name
+    before = (entry_folder(home) / cache.TENSORS).read_bytes()
+    tensors["emb.weight"][0, 0] += 1.0
+    assert (entry_folder(home) / cache.TENSORS).read_bytes() == before
+
+
+def owner_value(model, name):
+    """A NumPy model's parameter by its state_dict name."""
+    return {key: getattr(owner, attr) for key, owner, attr in model.named_parameters()}[name]
+
+
+def test_a_checked_entry_is_loaded_without_a_pass_over_its_bytes(home, gguf, monkeypatch):
+    checked_entry(home, gguf)
+    expected = fresh(gguf)
+
+    def refuse(array):
+        raise AssertionError("the checked entry was summed again")
+
+    monkeypatch.setattr(cache, "checksum", refuse)
+    kind, tensors = load(gguf)
+    assert kind is cache.CachedGGUFWeights
+    assert all(np.array_equal(tensors[name], expected[name]) for name in expected)
+
+
+def test_a_byte_changed_under_a_restored_mtime_is_still_caught(home, gguf, capsys):
+    """The stamp holds the inode's ctime, which no one can set back."""
+    path = checked_entry(home, gguf)
+    status = path.stat()
+    time.sleep(0.05)  # past a coarse clock's tick: the change gets a ctime of its own
+    with open(path, "r+b") as handle:
+        handle.seek(-5, os.SEEK_END)
+        byte = handle.read(1)
+        handle.seek(-5, os.SEEK_END)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
+    _, tensors = load(gguf)
+    assert "checksum does not match" in capsys.readouterr().err
+    expected = fresh(gguf)
+    assert all(np.array_equal(tensors[name], expected[name]) for name in expected)
+
+
 def flip_a_tensor_byte(folder):
     path = folder / cache.TENSORS
     data = bytearray(path.read_bytes())
@@ -83,11 +157,28 @@ def edit_the_text(folder):
     path.write_text(json.dumps(saved))
 
 
-@pytest.mark.parametrize("damage", [flip_a_tensor_byte, truncate_the_tensors, edit_the_text])
+def store_by_an_older_rule(folder):
+    """The tensors as an entry written before the layout rule holds them: each as the model has it,
+    at whatever offset the library's writer gives it, without the layout in its metadata."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    path = folder / cache.TENSORS
+    with safe_open(str(path), framework="numpy") as handle:
+        metadata = handle.metadata()
+        transposed = set(json.loads(metadata.pop("transposed")))
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    del metadata["layout"]
+    save_file(
+        {name: np.ascontiguousarray(a.T if name in transposed else a) for name, a in tensors.items()}, path, metadata
+    )
+
+
+@pytest.mark.parametrize("damage", [flip_a_tensor_byte, truncate_the_tensors, edit_the_text, store_by_an_older_rule])
 def test_a_damaged_entry_is_rebuilt_with_a_warning(home, gguf, capsys, damage):
     load(gguf)
     template = gguf_text(gguf).template
-    (folder,) = [path for path in (home / cache.FOLDER).iterdir() if path.name != "digests"]
+    folder = entry_folder(home)
     damage(folder)
     cache.text_of.cache_clear()
     _, tensors = load(gguf)

@@ -3,10 +3,11 @@ model.py's nn.Linear and F.linear stay the lesson; this is what port.load_model 
 
 Torch only: a matrix-vector product streams its weight from memory, and how fast depends on the
 kernel and on the weight's layout (measured at 1 and 2 threads, tools/profile_decode.py):
-- float32: MKL's sgemm streams a weight stored [in, out] (`x @ w.T` with w.T contiguous) ~1.2-2x
-  faster than one stored [out, in]; `transpose_weights` lays a loaded model's weights out so,
-  and F.linear then takes that route by itself. A large weight still stored [out, in] goes to
-  oneDNN's linear (the op torch.compile emits for a CPU linear), faster there than MKL.
+- float32: F.linear is MKL's sgemm, which streams a weight with at least as many outputs as inputs
+  ~1.1-1.3x faster stored [in, out] (`x @ w.T` with w.T contiguous), and a down projection ~1.1x
+  faster stored [out, in]: `transpose_weights` lays a loaded model's weights out by that rule
+  (shared.shapes.stored_transposed, which NumPy's layout and the load cache follow too).
+  oneDNN's linear on a plain float32 weight ran 1.1-1.4x slower than either at every SmolLM2 shape.
 - bfloat16: F.linear at one row is a slow fallback, and oneDNN's linear reorders a plain weight
   at every call; reordered once into oneDNN's own blocked layout (`packed`) it runs ~2-4x faster.
 The tied head is the largest matrix of a small model (SmolLM2's 49152 x 576): it gets a Linear of
@@ -19,11 +20,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kvports.shared.shapes import stored_transposed
 from kvports.torch_impl.fast import untie_head
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _onednn_linear = torch.ops.mkldnn._linear_pointwise if ONEDNN else None
-STREAMED = 1 << 18  # weight elements (1 MiB in float32) from which oneDNN measured faster, 1 to 1024 rows
 PACKED_ROWS = 1  # the row count oneDNN picks its blocked layout for: a decode step's; more rows run as well
 
 
@@ -42,22 +43,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear: x [..., in], weight [out, in] -> [..., out]."""
     # Not under torch.compile: inductor lowers F.linear itself (and cannot lower this op unfrozen).
     eager_cpu = x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-    if _onednn_linear is not None and eager_cpu:
-        if x.dtype == torch.bfloat16:
-            return _onednn_linear(x, packed(weight), bias, "none", [], "")  # [..., out]: no fused activation
-        if x.dtype == torch.float32 and weight.numel() >= STREAMED and weight.is_contiguous():
-            return _onednn_linear(x, weight, bias, "none", [], "")  # [..., out]
-    return F.linear(x, weight, bias)  # [..., out]; a transposed weight: MKL's sgemm, no transpose
+    if _onednn_linear is not None and eager_cpu and x.dtype == torch.bfloat16:
+        return _onednn_linear(x, packed(weight), bias, "none", [], "")  # [..., out]: no fused activation
+    return F.linear(x, weight, bias)  # [..., out]; float32: MKL's sgemm, in either layout without a copy
 
 
 def transpose_weights(model: nn.Module) -> nn.Module:
-    """Each Linear's float32 weight stored [in, out]: the same [out, in] tensor, a transposed view,
-    whose product MKL streams faster. A head over the embedding's weight transposes it too: the
-    lookup then reads a strided row, one token's cost."""
+    """Each Linear's float32 weight in the layout MKL streams faster (`stored_transposed`): the same
+    [out, in] tensor, laid out [in, out] or kept as its rows; a copy only where the loaded layout is
+    the other one (none from the load cache, which stores them so). A head over the embedding's
+    weight is laid out with it: the lookup then reads a strided row, one token's cost."""
     for module in model.modules():
         weight = module.weight if isinstance(module, nn.Linear) else None
         if weight is not None and weight.dtype == torch.float32 and weight.is_cpu:
-            weight.data = weight.data.t().contiguous().t()  # [out, in], laid out [in, out]; twice is once
+            if stored_transposed(tuple(weight.shape)):
+                weight.data = weight.data.t().contiguous().t()  # [out, in], laid out [in, out]
+            else:
+                weight.data = weight.data.contiguous()  # [out, in] rows
     return model
 
 

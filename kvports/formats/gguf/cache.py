@@ -3,12 +3,21 @@ tokenizer.json), the chat template, the config and the dequantized float32 tenso
 memory-mapped on later loads), under $KVPORTS_HOME/derived/<the file's SHA-256>-<kvports' version>/.
 
 Parsing the file's metadata (tens of thousands of strings) and dequantizing every tensor takes
-seconds each time; mapping the entry takes a fraction of one. The file's SHA-256 is computed once
-per version of the file (its path, size, mtime and inode; a digest record keyed by them, with its
-own checksum). Every entry is written atomically and checked on use: the text by its SHA-256, the
-tensors by the safetensors library's header checks, their names and shapes against the config, and
-a checksum of each tensor's bytes as it is read. An entry that fails any check is removed and built
-again from the GGUF file, never trusted and never a traceback. KVPORTS_LOAD_CACHE=0 turns it off.
+seconds each time; mapping the entry takes a fraction of one. The tensors are stored as the ports
+use them, so a later load copies nothing: each matrix in the layout `shared.shapes.stored_transposed`
+names (a transposed one stored as its [in, out] transpose), every tensor at a 64-byte aligned
+offset, mapped copy-on-write (a model may own its weights; a write never reaches the file).
+
+The file's SHA-256 is computed once per version of the file (its path, size, mtime and inode; a
+digest record keyed by them, with its own checksum). Every entry is written atomically and checked
+on use: the text by its SHA-256; the tensors by the safetensors library's header checks and their
+names, shapes and layout against the config; their bytes by a checksum of each tensor and a
+finiteness check, on the first load after the entry was written or changed. A stamp of the file
+(size, mtime, ctime, inode) recorded after a full check spares the loads after it that pass over
+every byte, as the digest record spares hashing the GGUF file; a file whose mtime is not older than
+its stamp (changed within the clock's tick) is checked in full again, as git treats racy entries.
+An entry that fails any check is removed and built again from the GGUF file, never trusted and
+never a traceback. KVPORTS_LOAD_CACHE=0 turns it off.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -32,7 +42,7 @@ from kvports.formats.weights import Closing, cast_checked, check_entries, check_
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.files import temp_beside, write_atomic
-from kvports.shared.shapes import iter_expected
+from kvports.shared.shapes import ALIGNMENT, iter_expected, stored_transposed
 from kvports.version import __version__
 
 if TYPE_CHECKING:
@@ -40,7 +50,8 @@ if TYPE_CHECKING:
 
 SWITCH = "KVPORTS_LOAD_CACHE"  # "0": every load parses and dequantizes the GGUF file again
 FOLDER = "derived"
-TENSORS, TEXT = "tensors.safetensors", "text.json"
+TENSORS, TEXT, CHECKED = "tensors.safetensors", "text.json", "checked.json"
+LAYOUT = "stored_transposed"  # how the matrices are stored: a file made by another rule is rebuilt
 MAX_TEXT = 64 << 20  # bytes of a text entry (a tokenizer.json of 260,000 tokens is ~20 MB)
 MAX_HEADER = 100 << 20  # the safetensors format's own bound
 TEXT_FIELDS = ("tokenizer", "template", "special", "context", "template_error")  # Text's, in order
@@ -176,21 +187,82 @@ class Entry:
             return None
 
     def save_tensors(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], has_q4: bool) -> None:
-        """The float32 tensors, each with the checksum `checksum` gives, in one safetensors file."""
-        from safetensors.numpy import save_file
-
-        ours = {name: np.ascontiguousarray(tensors[name], dtype=np.float32) for name, _ in iter_expected(config)}
+        """The float32 tensors, each as the ports lay it out and with the checksum `checksum` gives,
+        in one safetensors file, and its stamp: its bytes are the ones just checked and summed."""
+        ours = {name: stored(tensors[name]) for name, _ in iter_expected(config)}
+        transposed = [name for name, _ in iter_expected(config) if stored_transposed(np.shape(tensors[name]))]
         metadata = {
             "config": config.to_json(),
             "source_sha256": self.digest,
             "version": __version__,
             "has_q4": "1" if has_q4 else "0",
+            "layout": LAYOUT,
+            "transposed": json.dumps(transposed),
             "checksums": json.dumps({name: checksum(array) for name, array in ours.items()}),
         }
         with contextlib.suppress(OSError, UserError):
             self.folder.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                (self.folder / CHECKED).unlink()  # no stamp outlives the file it was made for
             with temp_beside(self.folder / TENSORS) as tmp:
-                save_file(ours, tmp, metadata=metadata)
+                write_aligned(tmp, ours, metadata)
+            self.save_checked()
+
+    def stamp(self) -> dict[str, int]:
+        status = os.stat(self.folder / TENSORS)
+        return {
+            "size": status.st_size,
+            "mtime_ns": status.st_mtime_ns,
+            "ctime_ns": status.st_ctime_ns,
+            "inode": status.st_ino,
+        }
+
+    def save_checked(self) -> None:
+        """The tensors file's stamp, recorded once its every byte is known sound."""
+        with contextlib.suppress(OSError):
+            fields = self.stamp()
+            self.save(CHECKED, json.dumps({**fields, "seal": sealed(fields)}).encode())
+
+    def checked(self) -> bool:
+        """Whether the tensors file is the one a full check passed: its stamp matches the record's,
+        and it was last written before the record was (not within one tick of the clock)."""
+        record = self.folder / CHECKED
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            if record.stat().st_size < 4096:
+                saved = json.loads(record.read_text())
+                stamp = self.stamp()
+                fields = {key: saved[key] for key in stamp}
+                if saved["seal"] == sealed(fields) and fields == stamp:
+                    return stamp["mtime_ns"] < record.stat().st_mtime_ns
+        return False
+
+
+def stored(array: np.ndarray) -> np.ndarray:
+    """A tensor as the cache file stores it, C-contiguous float32: a matrix the ports keep
+    transposed (`stored_transposed`) as its transpose [in, out], anything else as it is."""
+    array = np.asarray(array, dtype=np.float32)
+    return np.ascontiguousarray(array.T if stored_transposed(array.shape) else array)
+
+
+def write_aligned(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
+    """A safetensors file (an 8-byte header length, the JSON header, the tensors' bytes back to
+    back, as the format's specification lays it out) with the header padded by spaces, as the
+    specification allows, so the data starts at a multiple of ALIGNMENT bytes: then every tensor
+    whose size is a multiple of it (all of a real model's) is mapped aligned. Written here because the
+    library's writer places the data wherever its header ends. Flushed to disk before it is renamed."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, array in tensors.items():
+        header[name] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGNMENT)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(text)) + text)
+        for array in tensors.values():
+            handle.write(memoryview(array).cast("B"))  # C-contiguous float32 (`stored`)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def checksum(array: np.ndarray) -> str:
@@ -202,8 +274,8 @@ def checksum(array: np.ndarray) -> str:
 
 class CachedTensors(Closing):
     """The kept safetensors file, mapped: the library checks its header (offsets in order, in bounds,
-    covering the data), then each tensor is a read-only view of the mapped file, its checksum
-    checked when read."""
+    covering the data), then each tensor is a view of the mapped file (copy-on-write), in the
+    ports' layout, its checksum checked when read unless the file is the one a full check passed."""
 
     def __init__(self, path: Path, entry: Entry):
         from safetensors import SafetensorError, safe_open
@@ -215,27 +287,42 @@ class CachedTensors(Closing):
             raise Corrupt(str(exc)) from None
         if metadata.get("source_sha256") != entry.digest or metadata.get("version") != __version__:
             raise Corrupt("made from another file or version")
+        if metadata.get("layout") != LAYOUT:
+            raise Corrupt("its tensors are laid out by another rule")
         self.config = ModelConfig.from_json(metadata["config"])
         self.has_q4 = metadata.get("has_q4") == "1"
         self.checksums: dict[str, str] = json.loads(metadata["checksums"])
+        self.transposed = set(json.loads(metadata["transposed"]))
         with open(path, "rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             if length > MAX_HEADER:
                 raise Corrupt("header too large")
             header = json.loads(handle.read(length))
         header.pop("__metadata__", None)
-        entries = {name: (value["dtype"], tuple(value["shape"])) for name, value in header.items()}
+        entries = {name: (value["dtype"], self.used_shape(name, value["shape"])) for name, value in header.items()}
         if check_entries(entries, self.config, str(path)) != "float32" or set(self.checksums) != set(entries):
             raise Corrupt("its tensors are not the config's float32 tensors")
-        self.mapped = np.memmap(path, dtype=np.uint8, mode="r")  # [bytes]
+        if any((name in self.transposed) != stored_transposed(shape) for name, (_, shape) in entries.items()):
+            raise Corrupt("its tensors are laid out by another rule")
+        self.checked = entry.checked()  # before mapping: a file replaced since is checked in full
+        self.mapped = np.memmap(path, dtype=np.uint8, mode="c")  # [bytes], private: writes stay in memory
+        # A read of one byte a page maps every page now (from the page cache, ~5 ms for SmolLM2's 540 MB),
+        # as llama.cpp's MAP_POPULATE does: the model is resident when loaded, its first step faults nothing.
+        int(self.mapped[:: mmap.PAGESIZE].sum(dtype=np.uint64))
         self.base, self.header = 8 + length, header
 
     def read(self, name: str) -> np.ndarray:
+        """Tensor `name` in the model's shape ([out, in] for a matrix, laid out as `stored` keeps it)."""
         start, end = self.header[name]["data_offsets"]
         array = self.mapped[self.base + start : self.base + end].view(np.float32).reshape(self.header[name]["shape"])
-        if checksum(array) != self.checksums[name]:
+        if not self.checked and checksum(array) != self.checksums[name]:
             raise Corrupt(f"tensor {name}'s checksum does not match")
-        return np.asarray(array)  # a read-only view of the mapped file
+        array = np.asarray(array)  # a view of the mapped file
+        return array.T if name in self.transposed else array
+
+    def used_shape(self, name: str, shape: list[int]) -> tuple[int, ...]:
+        """A stored tensor's shape as the model has it: `stored` keeps a transposed matrix [in, out]."""
+        return tuple(shape[::-1]) if name in self.transposed else tuple(shape)
 
     def close(self) -> None:
         self.mapped = None  # type: ignore[assignment]  # the map closes with its last view
@@ -274,12 +361,15 @@ class CachedGGUFWeights(Closing):
             tensors = {}
             for name, _ in iter_expected(self.config):
                 array = self.cached.read(name)  # [out, in] or [D]: a view of the mapped entry
-                check_finite(name, array, self.source)
+                if not self.cached.checked:
+                    check_finite(name, array, self.source)
                 tensors[name] = cast_checked(name, array, dtype, self.source)
         except Corrupt as exc:
             self.entry.discard(TENSORS, str(exc))
             with GGUFWeights(Path(self.source), self.entry) as file:  # read again, and kept again
                 return file.read(dtype, quant)
+        if not self.cached.checked:
+            self.entry.save_checked()  # every byte summed and finite: the next load may skip it
         if quant == "q4":  # the file's own 4-bit blocks: from the GGUF file, which only they need
             with GGUFWeights(Path(self.source)) as file:
                 tensors.update(file.q4_tensors())
