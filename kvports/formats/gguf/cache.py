@@ -260,7 +260,7 @@ def write_aligned(path: str, tensors: Mapping[str, np.ndarray], metadata: Mappin
     with open(path, "wb") as handle:
         handle.write(struct.pack("<Q", len(text)) + text)
         for array in tensors.values():
-            handle.write(memoryview(array).cast("B"))  # C-contiguous float32 (`stored`)
+            handle.write(array.data)  # C-contiguous float32 (`stored`): its buffer as it lies
         handle.flush()
         os.fsync(handle.fileno())
 
