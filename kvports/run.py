@@ -418,6 +418,23 @@ def check_and_prepare(
     return batch
 
 
+SHORTEST_SHAPE = 64  # prompt columns: the smallest compiled prefill a session's calls share
+
+
+def session_shape(loaded: LoadedModel, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
+    """Checked prompts [B, P] for one call of a session on a loaded model whose calls differ in length
+    (a chat's turns): for a port that compiles each shape (`registry.COMPILES`), left-padded with PAD
+    to the next power of two (at least SHORTEST_SHAPE) that still fits the context with `new_tokens`,
+    so the turns share a few compiled programs instead of compiling two for each; as they are for
+    the others. The padding is a ragged batch's: the ports' masks and positions skip it."""
+    B, P = prompts.shape
+    if loaded.framework not in registry.COMPILES:
+        return prompts
+    width = max(SHORTEST_SHAPE, 1 << (P - 1).bit_length())
+    width = max(P, min(width, loaded.config.max_seq_len - new_tokens))
+    return np.concatenate([np.full((B, width - P), PAD, dtype=prompts.dtype), prompts], axis=1)  # [B, width]
+
+
 def read_draft(
     inputs: RunInputs, config: ModelConfig, prompts: np.ndarray, setups: Sequence[Setup]
 ) -> tuple[ModelConfig, Tensors] | None:

@@ -145,6 +145,7 @@ class Chat:
         if ids is None:
             return
         batch = layer.check_and_prepare(self.loaded, self.inputs, [ids])  # [1, P]
+        batch = layer.session_shape(self.loaded, batch, self.inputs.generation.max_new_tokens)  # [1, P']
         decoder = DecodeStream(skip_special_tokens=True)
         made: list[int] = []
         text: list[str] = []

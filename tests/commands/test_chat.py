@@ -12,6 +12,7 @@ import sys
 import time
 import warnings
 
+import numpy as np
 import pytest
 
 from kvports import run
@@ -80,6 +81,49 @@ def test_a_message_the_context_cannot_hold_is_refused_and_the_chat_goes_on(capsy
     code, out, err = chat(capsys, monkeypatch, chat_model, ["x" * 80, "hi"])
     assert code == 0, err
     assert "say less, or lower --new-tokens" in err and err.count("tokens/s") == 1
+
+
+def test_a_jax_chats_turns_share_one_compiled_shape_and_answer_as_numpy(capsys, monkeypatch, chat_model):
+    """Each turn's prompt is longer than the last; left-padded to one shape (`run.session_shape`,
+    here the context less the new tokens) the second turn compiles nothing new."""
+    jax_port = pytest.importorskip("kvports.jax_impl.port")
+    from tests.test_jax_compilation import counting_traces
+
+    answers, traces = [], []
+    for lines in (["hi"], ["hi", "yes"]):
+        jax_port.clear_compiled()
+        with counting_traces() as counted:
+            code, out, err = chat(capsys, monkeypatch, chat_model, lines, "--framework", "jax")
+        assert code == 0, err
+        answers.append(out)
+        traces.append(len(counted))
+    assert traces[1] == traces[0]
+    code, expected, err = chat(capsys, monkeypatch, chat_model, ["hi", "yes"], "--framework", "numpy")
+    assert answers[1] == expected
+
+
+@pytest.mark.parametrize(
+    "framework, P, new_tokens, context, width",
+    [
+        ("jax", 30, 10, 8192, 64),  # at least SHORTEST_SHAPE
+        ("jax", 65, 10, 8192, 128),  # the next power of two
+        ("jax", 128, 10, 8192, 128),  # already one
+        ("jax", 100, 10, 120, 110),  # no further than the context holds with the new tokens
+        ("jax", 115, 10, 120, 115),  # never narrower than the prompt (it was checked to fit)
+        ("numpy", 30, 10, 8192, 30),  # a port that does not compile per shape: as it is
+        ("torch", 30, 10, 8192, 30),
+    ],
+)
+def test_a_sessions_prompt_is_padded_on_the_left_to_a_shared_shape(framework, P, new_tokens, context, width):
+    from types import SimpleNamespace
+
+    from kvports.shared.generation import PAD
+
+    loaded = SimpleNamespace(framework=framework, config=SimpleNamespace(max_seq_len=context))
+    prompts = np.arange(1, P + 1, dtype=np.int64)[None, :]  # [1, P]
+    shaped = run.session_shape(loaded, prompts, new_tokens)  # type: ignore[arg-type]
+    assert shaped.shape == (1, width)
+    assert (shaped[:, : width - P] == PAD).all() and np.array_equal(shaped[:, width - P :], prompts)
 
 
 def test_a_model_without_a_tokenizer_is_one_error_line(capsys, monkeypatch):
