@@ -1,9 +1,11 @@
 """Where torch's cached decode step on SmolLM2 spends its time, per mode: each mode's model
 (dtype and quant) loaded once in one process, decode steps timed in interleaved rounds (a shared
 machine moves every figure; the medians of the rounds are what to compare), and, with
---torch-profile, torch.profiler's per-op table of each mode (which kernel each product takes).
+--torch-profile, torch.profiler's per-op table of each mode (which kernel each product takes); with
+--modules, each kind of module's wall time a step, taken by forward hooks (no profiler overhead on
+the ops inside: what a product costs in its place in the step, beside what it costs alone).
 
-    OMP_NUM_THREADS=1 python tools/profile_decode.py [--modes float32:none,bfloat16:q4] [--rounds 5]
+    OMP_NUM_THREADS=1 python tools/profile_decode.py [--modes float32:none,bfloat16:q4] [--rounds 5] [--modules]
 
 docs/BENCH.md reports its figures. Timings only: nothing here is asserted.
 """
@@ -42,12 +44,41 @@ def decode_steps(model: object, steps: int) -> list[float]:
     return seconds
 
 
+def module_times(model: object, steps: int) -> dict[str, float]:
+    """Seconds a decode step spends in each kind of module (a block's qkv, ffn.0, ln1, ...; the head), by hooks."""
+    from collections import defaultdict
+
+    spent: dict[str, float] = defaultdict(float)
+    started: dict[str, float] = {}
+    handles = []
+    for name, module in model.named_modules():  # type: ignore[attr-defined]
+        parts = name.split(".")
+        if not name or parts[0] == "blocks" and len(parts) == 2 or name == "blocks":
+            continue
+        kind = ".".join(parts[2:]) if parts[0] == "blocks" else name  # blocks.7.ffn.0 -> ffn.0
+
+        def before(module: object, inputs: object, name: str = name) -> None:
+            started[name] = time.perf_counter()
+
+        def after(module: object, inputs: object, output: object, name: str = name, kind: str = kind) -> None:
+            spent[kind] += time.perf_counter() - started[name]
+
+        handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+    try:
+        decode_steps(model, steps)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {kind: seconds / (steps + 1) for kind, seconds in spent.items()}  # the prompt's forward counted too
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default=MODES, help=f"comma-separated dtype:quant (default {MODES})")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per round (default 16)")
     parser.add_argument("--torch-profile", action="store_true", help="also torch.profiler's table for each mode")
+    parser.add_argument("--modules", action="store_true", help="also each kind of module's ms a step, by hooks")
     args = parser.parse_args(argv)
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -72,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{':'.join(mode):16s} {1e3 * np.median(values):7.2f}   rounds {' '.join(f'{1e3 * v:.1f}' for v in values)}"
         )
+    if args.modules:
+        for mode, model in models.items():
+            print(f"\n{':'.join(mode)}, ms a step by module (forward hooks; a module's time includes its children's)")
+            for kind, seconds in sorted(module_times(model, args.steps).items(), key=lambda item: -item[1]):
+                print(f"  {kind:14s} {1e3 * seconds:7.2f}")
     if args.torch_profile:
         for mode, model in models.items():
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiled:
