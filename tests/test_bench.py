@@ -791,6 +791,40 @@ def test_a_thread_list_gives_every_row_at_each_count_from_processes_of_their_own
     assert rows[0]["roofline_ms"] == pytest.approx(1e3 * step / best)
 
 
+def test_each_framework_runs_alone_in_its_process_and_is_held_to_the_reference_across_them(capsys, monkeypatch):
+    """--threads 1,2 --rounds 2 with torch and NumPy: a process per round, count and framework, in that order;
+    each row's tokens still compared with torch's (the reference), whose rows ran in another process."""
+    from kvports.bench import rounds
+
+    groups: list[str] = []
+    real = rounds.run_child
+
+    def spy(argv):
+        groups.append(argv[argv.index("--group") + 1])
+        result = real(argv)
+        if groups[-1] == "numpy":
+            for row in result["rows"]:
+                row["tokens"][0][-1] += 1  # NumPy's last token made to differ: caught only against torch's
+        return result
+
+    monkeypatch.setattr(rounds, "run_child", spy)
+    argv = ["bench", "--frameworks", "torch,numpy", "--modes", "cached", "--new-tokens", "3", "--repeats", "1"]
+    code, out, _ = run_cli(capsys, *argv, "--threads", "1,2", "--rounds", "2", "--json")
+    rows = json.loads(out)["rows"]
+    assert code == 0 and groups == ["torch", "numpy"] * 4
+    found = [(row["framework"], row["threads"], row["tokens_agree"], row["agree_steps"]) for row in rows]
+    assert found == [("torch", 1, True, 3), ("numpy", 1, False, 2), ("torch", 2, True, 3), ("numpy", 2, False, 2)]
+    assert not any("tokens" in row for row in rows)
+
+
+def test_a_group_child_measures_only_that_groups_rows(capsys):
+    argv = ["bench", "--frameworks", "torch,numpy", "--modes", "cached", "--new-tokens", "2", "--repeats", "1"]
+    code, out, _ = run_cli(capsys, *argv, "--group", "numpy", "--json")
+    rows = json.loads(out)["rows"]
+    assert code == 0 and [row["framework"] for row in rows] == ["numpy"]
+    assert len(rows[0]["tokens"][0]) > 2  # kept, as lists, for the parent to compare across its processes
+
+
 def children_of(pid: int) -> list[int]:
     """The processes whose parent is `pid` (Linux's /proc)."""
     found = []

@@ -19,7 +19,7 @@ from kvports.bench.output import print_result
 from kvports.bench.plots import write_plots
 from kvports.bench.presets import bench_prompts, chat_prompt, load_bench_model
 from kvports.bench.rows import run_rows
-from kvports.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, PEER_RUNNERS, RUNNERS, Runner
+from kvports.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, PEER_RUNNERS, RUNNERS, Runner, group_of
 from kvports.bench.targets import add_peer_ratios, targets
 from kvports.devices import prepare_tensor_parallel
 from kvports.progress import make_progress
@@ -118,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         runners.append(COMPILED_RUNNER)
     if args.peers:
         runners.extend(PEER_RUNNERS)
+    if args.group is not None:  # one group's rows in a process of its own (bench.rounds' child)
+        runners = [runner for runner in runners if group_of(runner) == args.group]
     timed = [runner for runner in runners if set(runner.modes) & set(modes) and not runner.peer]  # peers: CPU
     # A port without a single --dtype or --quant value's precision refuses it, as generate does.
     port_names = [framework for framework in frameworks if framework in registry.PORTS]

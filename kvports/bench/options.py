@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvports.batching.engine import BatchSettings
 from kvports.bench.presets import PRESETS
-from kvports.bench.runners import DEFAULT_MODES, FRAMEWORKS, MODES
+from kvports.bench.runners import DEFAULT_MODES, FRAMEWORKS, GROUPS, MODES
 from kvports.bench.throughput import WORKLOADS, BatchingBench
 from kvports.devices import add_device_argument
 from kvports.flags import (
@@ -158,6 +158,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="R",
         help="run every row R times over, interleaved with the other rows and thread counts so the machine's "
         "load falls on all alike; figures are medians over every round's repeats (default 1)",
+    )
+    parser.add_argument(  # set by bench.rounds on its children: one framework's rows, or the peers', alone
+        "--group", default=None, choices=GROUPS, help=argparse.SUPPRESS
     )
     batching = parser.add_argument_group("continuous batching (docs/BATCHING.md)")
     batching.add_argument(

@@ -1,9 +1,12 @@
-"""`kvports bench --threads 1,2` and `--rounds R`: each (round, thread count) runs in a process of its
-own, so that every framework starts with that count (JAX sizes its pool once, when it starts), in the
-order round 1 at each count, round 2 at each count, ...: the machine's load falls on every row and
-count alike. Their JSON is merged into one result: a row per thread count, its figures the medians
-over every round's repeats, each round's load and bandwidth kept, and the roofline taken at the best
-bandwidth any round measured on the row's device."""
+"""`kvports bench --threads 1,2` and `--rounds R`: each (round, thread count, group) runs in a process of
+its own, a group being one framework's rows or the peers' (`runners.group_of`): every framework starts
+with that count (JAX sizes its pool once, when it starts) and runs alone, as it does for a user (a
+framework measured in a process after another's rows ran slower there). The order is round 1 at each
+count, each group in turn, then round 2, ...: the machine's load falls on every row and count alike.
+Their JSON is merged into one result: a row per thread count, its figures the medians over every
+round's repeats, its tokens compared with the reference row's across the processes, each process's
+load and bandwidth kept, and the roofline taken at the best bandwidth any round measured on the row's
+device."""
 
 from __future__ import annotations
 
@@ -14,23 +17,35 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 from kvports.bench.measure import load_average, summarize
-from kvports.bench.rows import add_rooflines
+from kvports.bench.rows import add_comparisons, add_rooflines
+from kvports.bench.runners import FRAMEWORKS, PEERS
 from kvports.shared.errors import UserError
 from kvports.shared.files import terminated_as_exit
 
 CHILD = "import sys; from kvports import cli; sys.exit(cli.main(sys.argv[1:]))"
-NOT_PASSED = {"model", "threads", "rounds", "json", "csv", "plot", "targets", "run", "command"}
+NOT_PASSED = {"model", "threads", "rounds", "json", "csv", "plot", "targets", "run", "command", "group"}
 
 
-def child_argv(args: argparse.Namespace, threads: int | None) -> list[str]:
-    """`kvports bench` flags that reproduce `args` for one thread count and one round, as JSON on stdout:
-    every flag not at its default (the parser's own actions name them), --model already read as --weights."""
+def groups(args: argparse.Namespace) -> list[str]:
+    """The processes one round at one thread count runs: each framework asked for, then the peers."""
+    from kvports.bench.options import parse_choices
+
+    return [*parse_choices(args.frameworks, FRAMEWORKS, "frameworks"), *([PEERS] if args.peers else [])]
+
+
+def child_argv(args: argparse.Namespace, threads: int | None, group: str | None = None) -> list[str]:
+    """`kvports bench` flags that reproduce `args` for one thread count, one round and one group, as JSON on
+    stdout: every flag not at its default (the parser's own actions name them), --model already read as
+    --weights."""
     from kvports.bench.options import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     argv = ["bench", "--json", "--rounds", "1"] + ([] if threads is None else ["--threads", str(threads)])
+    argv += [] if group is None else ["--group", group]
     for action in parser._actions:
         if not action.option_strings or action.dest in NOT_PASSED or action.dest not in vars(args):
             continue
@@ -123,13 +138,57 @@ def merge(
     return {"settings": settings, "machine": machine, "rows": rows}
 
 
+def combined(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One round at one thread count, from its groups' processes: their rows in turn, the first's settings
+    (every library's versions), the bandwidths each probed, its load from the first's start to the last's end."""
+    first, last = results[0], results[-1]
+    bandwidth: dict[str, float] = {}
+    roofline: dict[str, float] = {}
+    versions: dict[str, str] = {}
+    for result in results:
+        bandwidth.update(result["machine"].get("bandwidth_gb_s") or {})
+        versions.update(result["settings"].get("versions") or {})
+        for device, value in (result["machine"].get("roofline_bandwidth_gb_s") or {}).items():
+            roofline[device] = max(roofline.get(device, 0.0), value)
+    machine = {
+        **first["machine"],
+        "bandwidth_gb_s": bandwidth or None,
+        "roofline_bandwidth_gb_s": roofline or None,
+        "load_average": [first["machine"]["load_average"][0], last["machine"]["load_average"][-1]],
+        "bench_seconds": sum(result["machine"]["bench_seconds"] for result in results),
+    }
+    rows = [row for result in results for row in result["rows"]]
+    return {"settings": {**first["settings"], "versions": versions}, "machine": machine, "rows": rows}
+
+
+def compare_tokens(result: dict[str, Any]) -> None:
+    """Each thread count's rows held to its reference row's tokens (`rows.add_comparisons`), now that the rows
+    of every group's process are side by side; the tokens are dropped then, as a single run drops them."""
+    prompt_len = result["settings"]["prompt_len"]
+    for n in result["settings"]["thread_counts"]:
+        rows = [row for row in result["rows"] if row["threads"] == n]
+        for row in rows:
+            if "tokens" in row:
+                row["tokens"] = np.asarray(row["tokens"])  # [B, P + N]
+        add_comparisons(rows, prompt_len)
+
+
 def run_interleaved(args: argparse.Namespace, counts: list[int | None]) -> dict[str, Any]:
-    """Every round at every thread count, each in its own process, merged (targets and plots: the caller's)."""
+    """Every round at every thread count, each group in its own process, merged (targets and plots: the caller's)."""
     start, load_before = time.perf_counter(), load_average()
     runs = []
     for round_ in range(1, args.rounds + 1):
         for threads in counts:
-            if sys.stderr.isatty():  # where a person watches: which run is under way (never before an error line)
-                print(f"round {round_}/{args.rounds}, threads {threads or 'default'} ...", file=sys.stderr, flush=True)
-            runs.append((threads, round_, run_child(child_argv(args, threads))))
-    return merge(runs, load_before, time.perf_counter() - start)
+            results = []
+            for group in groups(args):
+                if sys.stderr.isatty():  # where a person watches: which run is under way (never before an error line)
+                    print(
+                        f"round {round_}/{args.rounds}, threads {threads or 'default'}, {group} ...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                results.append(run_child(child_argv(args, threads, group)))
+            runs.append((threads, round_, combined(results)))
+    result = merge(runs, load_before, time.perf_counter() - start)
+    compare_tokens(result)
+    return result

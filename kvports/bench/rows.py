@@ -280,7 +280,7 @@ def run_rows(
         "matvec": {"shape": list(MATVEC_SHAPE), "dtype": "float32", "seconds": matvec} if matvec else None,
         "bandwidth_probes": probed if matvec else 0,
     }
-    add_comparisons(rows, P)
+    add_comparisons(rows, P, keep_tokens=getattr(args, "group", None) is not None)
     return rows, {"versions": versions, **machine}
 
 
@@ -342,9 +342,10 @@ def agree_steps(tokens: np.ndarray, reference: np.ndarray, prompt_len: int) -> i
     return int(same.size if same.all() else np.argmin(same))
 
 
-def add_comparisons(rows: list[dict[str, Any]], prompt_len: int) -> None:
+def add_comparisons(rows: list[dict[str, Any]], prompt_len: int, keep_tokens: bool = False) -> None:
     """Speed-ups the targets name: decode per token against seed-concat, total against the same port's naive,
-    and a speculative row's total against the same port's cached."""
+    and a speculative row's total against the same port's cached; each row's tokens against the reference's,
+    then the tokens dropped (keep_tokens: kept as lists, for bench.rounds to compare across its processes)."""
     live = [row for row in rows if row["available"]]
     if not live:
         return
@@ -395,4 +396,7 @@ def add_comparisons(rows: list[dict[str, Any]], prompt_len: int) -> None:
             f"{agree_reference['framework']} {agree_reference['mode']} {agree_reference['weights']}"
         )
     for row in live:
-        del row["tokens"]
+        if keep_tokens:
+            row["tokens"] = np.asarray(row["tokens"]).tolist()
+        else:
+            del row["tokens"]

@@ -61,6 +61,8 @@ COMPILED_RUNNER = Runner(
     "torch", "kvports.baselines.torch_compile", ("cached",), variant="torch.compile", compiles=True
 )
 FRAMEWORKS = tuple(runner.framework for runner in RUNNERS)
+PEERS = "peers"
+GROUPS = (*FRAMEWORKS, PEERS)  # what bench.rounds runs in a process of its own: a framework's rows, or the peers'
 PEER_RUNNERS = (
     # The GGUF file's own quantization (its row's variant is the file's weight format), then F16 and F32
     # files kvports writes from the same weights.
@@ -162,3 +164,10 @@ def import_runner(runner: Runner) -> tuple[Timed | None, str | None]:
         if exc.name is None or importlib.util.find_spec(exc.name.split(".")[0]) is not None:
             raise
         return None, f"not installed ({exc})"
+
+
+def group_of(runner: Runner) -> str:
+    """The process a runner's rows share under bench.rounds: its framework's (the compiled row is torch's), or
+    the peers'. Each framework alone in a process, as it runs for a user: one left in a process after
+    another's rows was measured slower there (JAX's prefill at 0.6x of its own, after torch's six formats)."""
+    return PEERS if runner.peer else runner.framework
