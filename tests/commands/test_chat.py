@@ -8,6 +8,7 @@ import io
 import json
 import os
 import select
+import signal
 import sys
 import time
 import warnings
@@ -180,6 +181,9 @@ def test_three_turns_on_a_terminal_with_ctrl_c_stopping_an_answer(tmp_path):
         warnings.simplefilter("ignore", RuntimeWarning)
         pid, fd = pty.fork()
     if pid == 0:  # the child: the chat, on the terminal's far side
+        # Ctrl-C as a terminal's foreground job takes it, whatever the suite's own start left: a shell without
+        # job control starts a background job (`make test &`) with SIGINT ignored, kept so through exec.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execv(sys.executable, argv)
     terminal = Terminal(fd)
     try:

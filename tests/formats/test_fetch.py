@@ -119,11 +119,16 @@ def test_model_path_names_the_fetch_command_when_absent(home):
 
 # --- interrupted, and odd homes --------------------------------------------------------------------
 
+# The child takes Ctrl-C as a terminal's foreground job does, whatever the suite's own start left it: a
+# shell without job control starts a background job (`make test &`) with SIGINT ignored, and Python
+# then keeps it ignored in every process below it.
 INTERRUPTED_FETCH = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
 from kvports import hub
 from kvports.cli import main
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def slow(requirement, folder):
     (folder / "partial.whl").write_bytes(b"PK" + bytes(4096))  # half a download
