@@ -189,8 +189,8 @@ class Entry:
     def save_tensors(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], has_q4: bool) -> None:
         """The float32 tensors, each as the ports lay it out and with the checksum `checksum` gives,
         in one safetensors file, and its stamp: its bytes are the ones just checked and summed."""
-        ours = {name: stored(tensors[name]) for name, _ in iter_expected(config)}
-        transposed = [name for name, _ in iter_expected(config) if stored_transposed(np.shape(tensors[name]))]
+        ours = {name: np.asarray(tensors[name], dtype=np.float32) for name, _ in iter_expected(config)}
+        transposed = [name for name, array in ours.items() if stored_transposed(array.shape)]
         metadata = {
             "config": config.to_json(),
             "source_sha256": self.digest,
@@ -198,6 +198,7 @@ class Entry:
             "has_q4": "1" if has_q4 else "0",
             "layout": LAYOUT,
             "transposed": json.dumps(transposed),
+            # A sum of words, whatever their order: a matrix's is its stored transpose's.
             "checksums": json.dumps({name: checksum(array) for name, array in ours.items()}),
         }
         with contextlib.suppress(OSError, UserError):
@@ -205,7 +206,7 @@ class Entry:
             with contextlib.suppress(OSError):
                 (self.folder / CHECKED).unlink()  # no stamp outlives the file it was made for
             with temp_beside(self.folder / TENSORS) as tmp:
-                write_aligned(tmp, ours, metadata)
+                write_aligned(tmp, ours, set(transposed), metadata)
             self.save_checked()
 
     def stamp(self) -> dict[str, int]:
@@ -237,30 +238,28 @@ class Entry:
         return False
 
 
-def stored(array: np.ndarray) -> np.ndarray:
-    """A tensor as the cache file stores it, C-contiguous float32: a matrix the ports keep
-    transposed (`stored_transposed`) as its transpose [in, out], anything else as it is."""
-    array = np.asarray(array, dtype=np.float32)
-    return np.ascontiguousarray(array.T if stored_transposed(array.shape) else array)
-
-
-def write_aligned(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
+def write_aligned(
+    path: str, tensors: Mapping[str, np.ndarray], transposed: set[str], metadata: Mapping[str, str]
+) -> None:
     """A safetensors file (an 8-byte header length, the JSON header, the tensors' bytes back to
-    back, as the format's specification lays it out) with the header padded by spaces, as the
-    specification allows, so the data starts at a multiple of ALIGNMENT bytes: then every tensor
-    whose size is a multiple of it (all of a real model's) is mapped aligned. Written here because the
-    library's writer places the data wherever its header ends. Flushed to disk before it is renamed."""
+    back, as the format's specification lays it out), each tensor in `transposed` stored as its
+    transpose [in, out], the header padded by spaces, as the specification allows, so the data
+    starts at a multiple of ALIGNMENT bytes: then every tensor whose size is a multiple of it (all
+    of a real model's) is mapped aligned. Written here because the library's writer places the data
+    wherever its header ends. One tensor's stored copy at a time; flushed to disk before the rename."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
     for name, array in tensors.items():
-        header[name] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        shape = list(array.shape[::-1] if name in transposed else array.shape)
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + array.nbytes]}
         offset += array.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % ALIGNMENT)
     with open(path, "wb") as handle:
         handle.write(struct.pack("<Q", len(text)) + text)
-        for array in tensors.values():
-            handle.write(array.data)  # C-contiguous float32 (`stored`): its buffer as it lies
+        for name, array in tensors.items():
+            stored = np.ascontiguousarray(array.T if name in transposed else array, dtype=np.float32)
+            handle.write(stored.data)  # [in, out] or as it is, C-contiguous
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -312,7 +311,7 @@ class CachedTensors(Closing):
         self.base, self.header = 8 + length, header
 
     def read(self, name: str) -> np.ndarray:
-        """Tensor `name` in the model's shape ([out, in] for a matrix, laid out as `stored` keeps it)."""
+        """Tensor `name` in the model's shape ([out, in] for a matrix, laid out as `write_aligned` stored it)."""
         start, end = self.header[name]["data_offsets"]
         array = self.mapped[self.base + start : self.base + end].view(np.float32).reshape(self.header[name]["shape"])
         if not self.checked and checksum(array) != self.checksums[name]:
@@ -321,7 +320,7 @@ class CachedTensors(Closing):
         return array.T if name in self.transposed else array
 
     def used_shape(self, name: str, shape: list[int]) -> tuple[int, ...]:
-        """A stored tensor's shape as the model has it: `stored` keeps a transposed matrix [in, out]."""
+        """A stored tensor's shape as the model has it: `write_aligned` stores a transposed matrix [in, out]."""
         return tuple(shape[::-1]) if name in self.transposed else tuple(shape)
 
     def close(self) -> None:
