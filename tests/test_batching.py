@@ -549,7 +549,7 @@ def test_batch_bench_runs_both_workloads_and_both_ways_agree(capsys):
 
 def test_one_compiled_program_serves_every_decode_step(weights):
     jax_port = port_or_skip("jax")
-    from tests.test_jax_compilation import counting_traces
+    from tests.helpers.compiles import counting_traces
 
     jax_port.clear_compiled()
     model = jax_port.load_model(CONFIG, weights, "float32")

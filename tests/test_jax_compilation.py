@@ -3,33 +3,16 @@ counted from outside, by JAX's own monitoring events (one per trace of a jitted 
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
+
+from tests.helpers.compiles import counting_traces
 
 jax = pytest.importorskip("jax")
 jax_port = pytest.importorskip("kvports.jax_impl.port")
 jax_model = pytest.importorskip("kvports.jax_impl.model")
 jax_generate = pytest.importorskip("kvports.jax_impl.generate")
 jax_sampling = pytest.importorskip("kvports.jax_impl.sampling")
-
-TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
-
-
-@contextlib.contextmanager
-def counting_traces():
-    traces = []
-
-    def listener(event, duration, **kwargs):
-        if event == TRACE_EVENT:
-            traces.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield traces
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture

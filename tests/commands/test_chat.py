@@ -88,7 +88,7 @@ def test_a_jax_chats_turns_share_one_compiled_shape_and_answer_as_numpy(capsys, 
     """Each turn's prompt is longer than the last; left-padded to one shape (`run.session_shape`,
     here the context less the new tokens) the second turn compiles nothing new."""
     jax_port = pytest.importorskip("kvports.jax_impl.port")
-    from tests.test_jax_compilation import counting_traces
+    from tests.helpers.compiles import counting_traces
 
     answers, traces = [], []
     for lines in (["hi"], ["hi", "yes"]):
