@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -262,6 +263,27 @@ def test_a_compiled_row_that_fails_says_why_and_the_bench_goes_on(capsys, monkey
     assert rows[None]["available"] and rows[None]["total_s"] > 0
     assert not rows["torch.compile"]["available"]
     assert rows["torch.compile"]["reason"] == "RuntimeError: inductor could not lower it"
+
+
+@pytest.mark.parametrize("on_gpu, expected", [(False, (True, True, "CPP,ATEN")), (True, None)])  # None: the defaults
+def test_the_compiled_row_compiles_on_the_cpu_with_frozen_weights_and_inductors_own_gemm(monkeypatch, on_gpu, expected):
+    """Inductor's settings hold while the row generates (each new shape compiles then), and only then."""
+    port_or_skip("torch")
+    torch_compile = importlib.import_module("kvports.baselines.torch_compile")
+    from torch._inductor import config
+
+    defaults = (config.freezing, config.max_autotune, config.max_autotune_gemm_backends)
+    seen = []
+
+    def records(model, prompt, *args):
+        seen.append((config.freezing, config.max_autotune, config.max_autotune_gemm_backends))
+        return prompt, None
+
+    monkeypatch.setattr(torch_compile, "generate_compiled", records)
+    model = types.SimpleNamespace(emb=types.SimpleNamespace(weight=types.SimpleNamespace(is_cuda=on_gpu, device="cpu")))
+    torch_compile.generate(model, np.array([[1, 2]]), 1)
+    assert seen == [expected or defaults]
+    assert (config.freezing, config.max_autotune, config.max_autotune_gemm_backends) == defaults  # restored
 
 
 def test_requests_runs_the_batching_workloads_for_the_ports_among_the_frameworks(capsys):
@@ -731,6 +753,17 @@ def test_each_row_is_held_to_its_formats_peer_at_its_own_thread_count():
         ("ctranslate2 int8", 2.0, 1.0),  # its peer at 2 threads, not at 1
     ]
     assert held[5] == (None, None, None) and held[6][0] is None  # float64, and a peer's own row: held to none
+
+
+def test_a_port_is_judged_by_its_best_row_of_a_format_its_compiled_row_included():
+    compiled = {**peer_row("torch", "float32", 1, 30.0, 300.0), "variant": "torch.compile"}
+    rows = [peer_row("torch", "float32", 1, 20.0, 400.0), compiled, peer_row("llama.cpp", "F32", 1, 25.0, 500.0)]
+    add_peer_ratios(rows)
+    found = {t["target"]: (t["value"], t["met"]) for t in peer_targets(rows)}
+    assert found == {
+        "torch float32 (torch.compile) tg, x the time per token of llama.cpp F32": (25 / 30, True),  # faster steps
+        "torch float32 pp, x the prompt tokens/s of llama.cpp F32": (0.8, True),  # eager's prefill is the faster
+    }
 
 
 def test_the_peer_targets_are_met_at_or_below_the_peers_time_and_at_0_8_of_its_prompt_speed():

@@ -10,6 +10,8 @@ from kvports.bench.measure import format_of
 PEERS = ("llama.cpp", "ctranslate2")
 # The peer each weight format is held to: the engine people would run instead, at the same bytes.
 HELD_TO = {"float32": ("llama.cpp", "F32"), "bfloat16": ("llama.cpp", "F16")}
+# The rows a port is judged by: its own, and torch's compiled row.
+COUNTED_VARIANTS = (None, "torch.compile")
 QUANT_HELD_TO = {"int8": ("ctranslate2", "int8"), "q4": ("llama.cpp", "Q4_1")}
 # (what, the formats' rows, peer, the ratio's figure, threshold, higher is better) per thread count.
 PEER_TARGETS = (
@@ -57,13 +59,15 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 def peer_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The targets against the peers, at each thread count: every port's float32 tg at or below llama.cpp
     F32's time per token, torch's and JAX's bfloat16 within 1.15x of F16, the best int8 row at or below
-    CTranslate2 int8, the best 4-bit row at or below Q4_1, every port's float32 pp at least 0.8x F32's."""
+    CTranslate2 int8, the best 4-bit row at or below Q4_1, every port's float32 pp at least 0.8x F32's.
+    A port is judged by its best row of a format: torch's compiled row (`--compile`) is torch, run as
+    its experts would; the target's name says which row it was."""
     live = [
         row
         for row in rows
         if row["available"]
         and row["mode"] == "cached"
-        and row["variant"] is None
+        and row["variant"] in COUNTED_VARIANTS
         and row.get("tensor_parallel", 1) == 1
         and row.get("held_to")
     ]
@@ -74,13 +78,16 @@ def peer_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             key = f"{figure}_vs_peer"
             chosen = [row for row in at if row["weights"] in formats or row["weights"].endswith(formats)]
             chosen = [row for row in chosen if row[key] is not None and (ports is None or row["framework"] in ports)]
-            if ports is None and chosen:  # the best row of the formats
-                chosen = [min(chosen, key=lambda r: r[key])]
+            groups: dict[object, list[dict[str, Any]]] = {}  # the rows one target line judges by their best
             for row in chosen:
+                groups.setdefault(None if ports is None else (row["framework"], row["weights"]), []).append(row)
+            for group in groups.values():
+                row = max(group, key=lambda r: r[key]) if higher else min(group, key=lambda r: r[key])
                 value = row[key]
+                variant = f" ({row['variant']})" if row["variant"] else ""
                 found.append(
                     {
-                        "target": f"{row['framework']} {row['weights']} {what} {row['held_to']}",
+                        "target": f"{row['framework']} {row['weights']}{variant} {what} {row['held_to']}",
                         "threads": threads,
                         "value": value,
                         "threshold": threshold,
