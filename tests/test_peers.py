@@ -149,3 +149,22 @@ def test_the_peers_report_gives_one_line_per_engine_and_weight_format_of_one_run
     expected = [["torch", "float32", "llama.cpp F32"], ["torch", "float32+int8", "ctranslate2 int8"]]
     assert code == 0 and [line[:3] for line in cells] == [*expected, ["numpy", "float32", "llama.cpp F32"]]
     assert table[0].split(" | ")[3:5] == ["pp511 tok/s, 1 thr", "tg2 tok/s, 1 thr"]  # the seed model's longest prompt
+
+
+def test_the_peers_report_lists_each_peer_target_met_or_missed_at_each_thread_count():
+    from tools import peers_report
+
+    tg = "numpy float32 tg, x the time per token of llama.cpp F32"
+    targets = [
+        {"target": tg, "threads": 1, "value": 1.0012, "threshold": 1.0, "met": False},
+        {"target": tg, "threads": 2, "value": 0.9, "threshold": 1.0, "met": True},
+        {"target": "torch float32+q4 (the best 4-bit row) tg", "threads": 2, "value": 1.5, "met": False},
+        {"target": "seed-size decode, x faster than seed-concat", "value": 3.0, "threshold": 2.0, "met": True},
+    ]
+    assert peers_report.targets_table([{"targets": targets}], [1, 2])[1:] == [
+        "| target | 1 thr | 2 thr |",
+        "|---|---|---|",
+        f"| {tg} | 1.001x, missed | 0.900x, met |",  # a miss by a thousandth still reads as a miss
+        "| torch float32+q4 (the best 4-bit row) tg | - | 1.500x, missed |",  # a best row at one count only
+    ]
+    assert peers_report.targets_table([{"targets": targets[3:]}], [1]) == []  # no peer ran: no table

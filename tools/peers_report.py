@@ -101,7 +101,28 @@ def markdown(results: list[dict[str, Any]]) -> str:
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
     out.append(f"Agree: the leading new tokens equal to {reference}'s. Load average before / after: {loads(results)}.")
+    out += targets_table(results, counts)
     return "\n".join(out) + "\n"
+
+
+def targets_table(results: list[dict[str, Any]], counts: list[int]) -> list[str]:
+    """The run's peer targets (`bench.targets`), met or missed, a line each with its figure at each thread
+    count; nothing where no peer ran."""
+    found: dict[str, dict[int, dict[str, Any]]] = {}
+    for result in results:
+        for target in result.get("targets", []):
+            if target.get("threads") is not None:
+                found.setdefault(target["target"], {})[int(target["threads"])] = target
+    if not found:
+        return []
+    out = ["", "| target | " + " | ".join(f"{n} thr" for n in counts) + " |", "|---|" + "---|" * len(counts)]
+    for name, by_threads in found.items():
+        cells = [
+            "-" if n not in by_threads else f"{by_threads[n]['value']:.3f}x, {'met' if by_threads[n]['met'] else 'missed'}"
+            for n in counts
+        ]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:

@@ -122,7 +122,10 @@ NOTES = {
     ("jax", "speculative"): "draft-and-verify rounds in one compiled lax.while_loop: its tokens reach the host only "
     "when it returns, so only total time per token is measured; vs cached compares total times",
 }
-COMPILED_NOTE = "torch.compile of the reference model's forward; compile_s = first call minus steady state"
+COMPILED_NOTE = (
+    "torch.compile of the reference model's forward (on the CPU with inductor's freezing and max-autotune over its "
+    "own C++ GEMM); compile_s = first call minus steady state"
+)
 CTRANSLATE2_NOTE = (
     "CTranslate2's Generator.generate_tokens on kvports' Hugging Face export of the same weights, converted by "
     "TransformersConverter, intra_threads = the bench's thread count; int8 is quantized as it loads"
