@@ -228,7 +228,7 @@ def _start_cached(
     N = decoding.generation.max_new_tokens
     cache = init_cache(model.config, B, P + N, model.emb.embedding.dtype)
     if prefill:
-        logits, cache = model(jnp.maximum(prompt, 0), cache, decoding.pad)  # [B, P, V]
+        logits, cache = model(jnp.maximum(prompt, 0), cache, decoding.pad, logits_to_keep=1)  # [B, 1, V]
     else:
         for i in range(P):
             logits, cache = model(jnp.maximum(prompt[:, i : i + 1], 0), cache, decoding.pad)  # [B, 1, V]

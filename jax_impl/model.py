@@ -11,7 +11,7 @@ every dtype below is pinned, so no array's dtype depends on it.
 
 Shapes: B batch, T tokens in this call, P prompt, N new tokens, S cache slots, S' keys a
 query attends over, D d_model, H query heads, Hkv key/value heads, G = H / Hkv, Dh head
-dim, V vocabulary, L layers.
+dim, V vocabulary, L layers, K positions whose logits are kept.
 """
 
 from __future__ import annotations
@@ -276,9 +276,14 @@ class TinyModel(nnx.Module):
             )
 
     def __call__(
-        self, tokens: jax.Array, cache: Optional[KVCache] = None, pad: Optional[jax.Array] = None
+        self,
+        tokens: jax.Array,
+        cache: Optional[KVCache] = None,
+        pad: Optional[jax.Array] = None,
+        logits_to_keep: int = 0,
     ) -> Tuple[jax.Array, Optional[KVCache]]:
-        """tokens [B, T] -> logits [B, T, V]; pad [B]: each row's left padding (None: no row is padded)."""
+        """tokens [B, T] -> logits [B, T, V]; pad [B]: each row's left padding (None: no row is padded);
+        logits_to_keep K > 0: the last K positions' logits only, [B, K, V] (a prefill needs its last)."""
         config = self.config
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
@@ -298,6 +303,8 @@ class TinyModel(nnx.Module):
             x, cache = block(x, rope, mask, cache, layer)  # [B, T, D]
         if cache is not None:
             cache = cache.advance(positions)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]  # [B, K, D]: the head (V x D a position) is a model's largest product
         x = self.ln(x)  # [B, T, D]
         if config.tie_embeddings:
             return F.linear(x, self.emb.embedding[...]), cache  # [B, T, V]: the head is the embedding, read as a matrix

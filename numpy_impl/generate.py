@@ -159,7 +159,7 @@ def generate_cached(
     decoding, tokens = start_generation(prompt, generation, model.emb.weight.dtype)
     cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
     if prefill:
-        logits, cache = model(np.maximum(prompt, 0), cache, decoding.pad)  # [B, P, V]
+        logits, cache = model(np.maximum(prompt, 0), cache, decoding.pad, logits_to_keep=1)  # [B, 1, V]
     else:
         for i in range(P):
             logits, cache = model(np.maximum(prompt[:, i : i + 1], 0), cache, decoding.pad)  # [B, 1, V]

@@ -9,7 +9,7 @@ to float64, so every array made here takes the model's dtype.
 
 Shapes: B batch, T tokens in this call, P prompt, N new tokens, S cache slots, S' keys a
 query attends over, D d_model, H query heads, Hkv key/value heads, G = H / Hkv, Dh head
-dim, V vocabulary, L layers.
+dim, V vocabulary, L layers, K positions whose logits are kept.
 """
 
 from __future__ import annotations
@@ -243,9 +243,14 @@ class TinyModel(nn.Module):
             self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     def forward(
-        self, tokens: np.ndarray, cache: Optional[KVCache] = None, pad: Optional[np.ndarray] = None
+        self,
+        tokens: np.ndarray,
+        cache: Optional[KVCache] = None,
+        pad: Optional[np.ndarray] = None,
+        logits_to_keep: int = 0,
     ) -> Tuple[np.ndarray, Optional[KVCache]]:
-        """tokens [B, T] -> logits [B, T, V]; pad [B]: each row's left padding (None: no row is padded)."""
+        """tokens [B, T] -> logits [B, T, V]; pad [B]: each row's left padding (None: no row is padded);
+        logits_to_keep K > 0: the last K positions' logits only, [B, K, V] (a prefill needs its last)."""
         config = self.config
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
@@ -265,6 +270,8 @@ class TinyModel(nn.Module):
             x = block(x, rope, mask, cache, layer)  # [B, T, D]
         if cache is not None:
             cache = cache.advance(positions)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]  # [B, K, D]: the head (V x D a position) is a model's largest product
         x = self.ln(x)  # [B, T, D]
         if config.tie_embeddings:
             return F.linear(x, self.emb.weight), cache  # [B, T, V]: the head is the embedding, read as a matrix

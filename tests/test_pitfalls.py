@@ -56,16 +56,27 @@ def test_position_offset_from_cache_length_is_required(port, seed_weights, monke
     assert naive[0, 6:].tolist() != cached[0, 6:].tolist()
 
 
+class ForwardCalls(list):
+    logits: list[tuple[int, ...]]
+
+    def __init__(self):
+        super().__init__()
+        self.logits = []
+
+
 @contextlib.contextmanager
 def counting_forwards(port, model, monkeypatch):
-    """Count the model's forward calls from outside (JAX: the calls traced into its compiled program)."""
-    calls = []
+    """Count the model's forward calls from outside (JAX: the calls traced into its compiled program):
+    each call's tokens shape, its logits' shape in `calls.logits`."""
+    calls = ForwardCalls()
     model_class = type(model)
     forward = model_class.__call__
 
     def counted(self, *args, **kwargs):
         calls.append(args[0].shape)
-        return forward(self, *args, **kwargs)
+        logits, cache = forward(self, *args, **kwargs)
+        calls.logits.append(tuple(logits.shape))
+        return logits, cache
 
     monkeypatch.setattr(model_class, "__call__", counted)
     with retraced(port):
@@ -86,6 +97,17 @@ def test_prefill_is_one_forward_and_token_by_token_costs_more(port, seed_weights
     assert calls[:prompt_len] == [(1, 1)] * prompt_len  # the prompt one token per forward
     assert token_by_token.tolist() == prefilled.tolist()  # same cache, same tokens...
     assert len(calls) - prefill_calls == prompt_len - 1  # ...from P forwards instead of one
+
+
+def test_the_prefill_runs_the_head_over_its_last_position_only(port, seed_weights, monkeypatch):
+    """The first new token needs the prompt's last logits alone: the head (V x D a position, a real
+    model's largest product) runs once, not once per prompt token; the decode steps are unchanged."""
+    config, tensors = seed_weights
+    model = port.load_model(config, tensors, "float32")
+    with counting_forwards(port, model, monkeypatch) as calls:
+        port.generate(model, SEED_PROMPT, NEW_TOKENS, "cached")
+    assert calls[0] == SEED_PROMPT.shape and calls.logits[0] == (1, 1, config.vocab_size)
+    assert set(calls.logits[1:]) == {(1, 1, config.vocab_size)}  # (the tokens: the golden tests')
 
 
 def test_generation_runs_with_dropout_off_even_from_train_mode(port, seed_weights):

@@ -118,7 +118,9 @@ def targets_table(results: list[dict[str, Any]], counts: list[int]) -> list[str]
     out = ["", "| target | " + " | ".join(f"{n} thr" for n in counts) + " |", "|---|" + "---|" * len(counts)]
     for name, by_threads in found.items():
         cells = [
-            "-" if n not in by_threads else f"{by_threads[n]['value']:.3f}x, {'met' if by_threads[n]['met'] else 'missed'}"
+            "-"
+            if n not in by_threads
+            else f"{by_threads[n]['value']:.3f}x, {'met' if by_threads[n]['met'] else 'missed'}"
             for n in counts
         ]
         out.append(f"| {name} | " + " | ".join(cells) + " |")

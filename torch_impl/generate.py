@@ -164,7 +164,7 @@ def generate_cached(
     decoding, tokens = start_generation(prompt, generation, model.emb.weight.dtype)
     cache = init_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
     if prefill:
-        logits, cache = model(prompt.clamp(min=0), cache, decoding.pad)  # [B, P, V]
+        logits, cache = model(prompt.clamp(min=0), cache, decoding.pad, logits_to_keep=1)  # [B, 1, V]
     else:
         for i in range(P):
             logits, cache = model(prompt[:, i : i + 1].clamp(min=0), cache, decoding.pad)  # [B, 1, V]
