@@ -272,7 +272,7 @@ class TinyModel(nn.Module):
             cache = cache.advance(positions)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # [B, K, D]: the head (V x D a position) is a model's largest product
-        x = self.ln(x)  # [B, T, D]
+        x = self.ln(x)  # [B, T, D] ([B, K, D] where logits_to_keep is set)
         if config.tie_embeddings:
             return F.linear(x, self.emb.weight), cache  # [B, T, V]: the head is the embedding, read as a matrix
         return self.head(x), cache  # [B, T, V]
