@@ -1,4 +1,4 @@
-"""`kvports bench`: its JSON schema, CSV, plots, errors and the two kvports/baselines, a disturbed
+"""`kvports bench`: its JSON schema, CSV, plots, errors and the two baselines, a disturbed
 bandwidth probe measured again, and the batching bench's machine figures and progress bar. Never
 timings: only that every time is a positive number and every size is the one the config implies."""
 
@@ -25,14 +25,16 @@ from kvports.bench import command
 from kvports.bench.measure import Q4_BLOCK_BYTES, decode_bytes, fit_slope, format_of, matrix_bytes, summarize
 from kvports.bench.presets import PRESETS
 from kvports.bench.rounds import merge_rows
-from kvports.bench.runners import DEFAULT_MODES, RUNNERS
+from kvports.bench.formats import format_name, parse_formats
+from kvports.bench.rows import parallel_runs
+from kvports.bench.runners import COMPILED_RUNNER, DEFAULT_MODES, RUNNERS
 from kvports.bench.targets import add_peer_ratios, peer_targets
 from kvports.formats.weights import gpt2_init_weights, load_weights
 from kvports.shared.config import ModelConfig, kv_cache_bytes
 from kvports.validation import PRECISIONS, missing_precision
 from tests.helpers.commands import assert_one_error_line, run_cli
 from tests.helpers.gguf_files import write_gguf
-from tests.helpers.models import GOLDEN, SEED_PROMPT, TINY_FAMILIES
+from tests.helpers.models import GOLDEN, SEED_PROMPT, TINY_FAMILIES, random_weights
 from tests.helpers.ports import hide_port, port_or_skip
 
 NEW_TOKENS = 4
@@ -55,7 +57,7 @@ def baseline_or_skip(name: str):
     try:
         return importlib.import_module(f"kvports.baselines.{name}")
     except ImportError as exc:
-        pytest.skip(f"kvports/baselines.{name} needs a missing package ({exc})")
+        pytest.skip(f"kvports.baselines.{name} needs a missing package ({exc})")
 
 
 QUICK = ("torch", "numpy", "seed-concat")  # no compile, no heavy import: the quick run takes seconds
@@ -284,6 +286,28 @@ def test_the_compiled_row_compiles_on_the_cpu_with_frozen_weights_and_inductors_
     torch_compile.generate(model, np.array([[1, 2]]), 1)
     assert seen == [expected or defaults]
     assert (config.freezing, config.max_autotune, config.max_autotune_gemm_backends) == defaults  # restored
+
+
+def test_the_compiled_row_runs_every_format_torch_runs_unsplit_and_a_baseline_one():
+    runners = [RUNNERS[0], COMPILED_RUNNER, RUNNERS[3]]  # torch, its compiled row, seed-concat
+    runs = parallel_runs(runners, (1, 2), parse_formats("float32,bfloat16", "none,int8"))
+    formats = [(runner.label, n, format_name(*pair)) for runner, n, pair in runs]
+    torch_formats = ["float32", "float32+int8", "bfloat16", "bfloat16+int8"]
+    assert [(label, n, weights) for label, n, weights in formats if label == "torch (torch.compile)"] == [
+        ("torch (torch.compile)", 1, weights) for weights in torch_formats
+    ]
+    assert [weights for label, n, weights in formats if label == "torch" and n == 1] == torch_formats
+    assert [(n, weights) for label, n, weights in formats if n == 2] == [(2, "float32"), (2, "bfloat16")]
+    assert [weights for label, n, weights in formats if label == "seed-concat"] == ["float32"]
+
+
+def test_the_compiled_row_at_a_quantized_format_compiles_the_ports_quantized_model():
+    port_or_skip("torch")
+    torch_compile = importlib.import_module("kvports.baselines.torch_compile")
+    config = TINY_FAMILIES["llama"]
+    model = torch_compile.load_model(config, random_weights(config), "bfloat16", quant="int8")
+    kinds = {type(module).__name__ for module in model.modules()}
+    assert "Int8Linear" in kinds and "Linear" not in kinds
 
 
 def test_requests_runs_the_batching_workloads_for_the_ports_among_the_frameworks(capsys):

@@ -45,9 +45,15 @@ def versions() -> dict[str, str]:
 
 
 def load_model(
-    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32", device: str = "cpu"
+    config: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    dtype: str = "float32",
+    device: str = "cpu",
+    quant: str = "none",
 ) -> TinyModel:
-    model = torch_port.load_model(config, tensors, dtype, device)
+    # The port's own model at the row's format: a quantized one's Linear layers are fast/quant.py's, whose
+    # packed kernels inductor lowers (with max-autotune, its own weight-only int8 GEMM beside ATen's).
+    model = torch_port.load_model(config, tensors, dtype, device, quant=quant)
     # CUDA graphs need static shapes and a GPU; on the CPU the default mode fuses what it can.
     model.compile(mode="reduce-overhead" if model.emb.weight.is_cuda else None)
     return model

@@ -1,5 +1,5 @@
 """`kvports bench`: every port x {naive, cached} (and, with a draft, speculative) beside two
-kvports/baselines, timed step by step.
+baselines, timed step by step.
 
 Each row runs two kinds of call, both after --warmup untimed runs, --repeats times:
 - `generate()`, the whole generation as a user calls it: total time and tokens/s.
@@ -19,7 +19,7 @@ measured in the same run by a large float32 matrix-vector product.
 One module per job:
 - `arguments`: the command's flags and their checks
 - `presets`: the model and prompts timed (the seed's, or GPT-2 small as published with random weights)
-- `runners`: what is timed (the ports, the kvports/baselines, the torch.compile row) and the notes on each
+- `runners`: what is timed (the ports, the baselines, the torch.compile row) and the notes on each
 - `measure`: the clocks: one row's timings, bandwidth, the bytes a decode step reads
 - `rows`: every runner x mode, run and compared (speed-ups, tokens agreeing, rooflines)
 - `targets`: the development speed targets, and each row's peer (the engine its weight format is held to)

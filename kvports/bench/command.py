@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
     formats = parse_formats(args.dtype, args.quant)
-    dtype, quant = formats.first  # the kvports/baselines', the peers' and the reference's
+    dtype, quant = formats.first  # the baselines', the peers' and the reference's
     check_bench_outputs(args.plot, args.csv, args.json)
     if "speculative" in modes and args.draft is None:
         raise UserError("--modes speculative needs --draft FILE (a smaller model) or --draft ngram")

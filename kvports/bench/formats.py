@@ -7,8 +7,9 @@ A flag given one value is checked as `generate` checks it: a port without it is 
 same one line. A flag given a list skips, silently, the pairs a port does not offer, and every
 pair that puts a quantization over float64. q4 keeps a GGUF file's own 4-bit blocks: when a port
 will run a q4 row, a file without any is refused in `--quant q4`'s line, listed or not (a row the
-file cannot give is not a format to skip quietly). The kvports/baselines, the compiled row and the peers run
-once, at the first format (the lists are taken in DTYPES' and QUANTS' order: float32 first)."""
+file cannot give is not a format to skip quietly). torch's compiled row runs every format torch runs;
+the baselines and the peers run once, at the first format (the lists are taken in DTYPES' and QUANTS'
+order: float32 first)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class Formats:
 
     @property
     def first(self) -> tuple[str, str]:
-        """The format the kvports/baselines, the compiled row and the peers run at, and the reference's."""
+        """The format the baselines and the peers run at, and the reference's."""
         return self.dtypes[0], self.quants[0]
 
     @property

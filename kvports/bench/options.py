@@ -112,7 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "int8 (per output channel, at load) or q4 (a Q4_0/Q4_1 GGUF file's own 4-bit blocks; a file without any "
         "is refused, listed or not); each port runs the formats it offers, a row each, weights named "
         "float32, bfloat16+int8, float32+q4, ...; a single value a port lacks is refused, a listed one skipped; "
-        "the kvports/baselines and --peers run once, at the first format (default none)",
+        "--compile's row runs every format torch runs; the baselines and --peers run once, at the first format "
+        "(default none)",
     )
     add_device_argument(parser)
     add_tensor_parallel_argument(parser, several=True)

@@ -98,7 +98,7 @@ def per_step_figure(plt: Any, s: dict[str, Any], rows: list[dict[str, Any]]) -> 
         if roofline:
             line = axis.axhline(min(roofline), color="black", linestyle="-.", linewidth=0.9)
             handles.setdefault("roofline (bytes per step / bandwidth)", line)
-        axis.set_title(name if name != "torch" else "torch (and the PyTorch kvports/baselines)", fontsize=10)
+        axis.set_title(name if name != "torch" else "torch (and the PyTorch baselines)", fontsize=10)
         axis.set_xlabel("position (tokens in context)")
         axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         axis.set_yscale("log")

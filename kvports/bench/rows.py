@@ -45,24 +45,31 @@ MEASURES = (
 )
 
 
-def runs_formats(runner: Runner) -> bool:
-    """A port's own rows run at each weight format asked for; a baseline's, the compiled row's and a peer's once."""
+def own_rows(runner: Runner) -> bool:
+    """A port's own rows: loaded through the run layer, at every weight format, split at each N > 1."""
     return runner.framework in registry.PORTS and runner.variant is None and not runner.peer
+
+
+def runs_formats(runner: Runner) -> bool:
+    """A port's own rows and its compiled row run at each weight format asked for (a compiled kernel may
+    close a format's gap where eager's does not); a baseline's and a peer's once."""
+    return own_rows(runner) or (runner.framework in registry.PORTS and runner.variant is not None)
 
 
 def parallel_runs(
     runners: list[Runner], sizes: tuple[int, ...], formats: Formats
 ) -> list[tuple[Runner, int, tuple[str, str]]]:
     """Every runner at N = 1; the ports that split a model (torch, jax) again at each N > 1 asked for.
-    A port at every weight format it offers (its N > 1 runs unquantized: a split model keeps float
-    weights), a peer at the first dtype (its weights are its own), every other runner at the first format."""
+    A port and its compiled row at every weight format the port offers (N > 1 runs unquantized: a split
+    model keeps float weights), a peer at the first dtype (its weights are its own), a baseline at the
+    first format."""
     runs = []
     for runner in runners:
         first = (formats.first[0], "none") if runner.peer else formats.first
         pairs = formats.of(runner.framework) if runs_formats(runner) else [first]
         for dtype, quant in pairs:
             runs.append((runner, 1, (dtype, quant)))
-            if runner.framework in ("torch", "jax") and runs_formats(runner) and quant == "none":
+            if runner.framework in ("torch", "jax") and own_rows(runner) and quant == "none":
                 runs.extend((runner, n, (dtype, quant)) for n in sizes if n > 1)
     return runs
 
@@ -174,7 +181,7 @@ def run_rows(
         if module is not None:
             try:
                 row_tensors = format_tensors(tensors, dtype, quant)
-                if runs_formats(runner):  # a port's own rows: its model is the run layer's
+                if own_rows(runner):  # its model is the run layer's
                     loaded = run.load_model(
                         runner.framework,
                         config,

@@ -1,5 +1,5 @@
 """What the bench times: the three ports (naive, cached, and with --draft speculative), two
-kvports/baselines, the optional torch.compile row and, with --peers, other engines (llama.cpp,
+baselines, the optional torch.compile row and, with --peers, other engines (llama.cpp,
 CTranslate2), each imported only when its rows run, and the note the table prints beside each."""
 
 from __future__ import annotations
