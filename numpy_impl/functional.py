@@ -29,12 +29,18 @@ def silu(x: np.ndarray) -> np.ndarray:
     # x / (1 + exp(-x)), as torch's kernel: exp overflows to inf below about -88 (float32), where
     # x / inf = -0 is the limit, so the warning is silenced rather than the exponent clamped (3 ufuncs
     # where the two-branch stable form took 8: most of a decode step's cost is per call, not per element).
+    # One buffer for the three steps: a prompt's [T, ffn_dim] temporaries are fresh pages each call.
     with np.errstate(over="ignore"):
-        return x / (1.0 + np.exp(-x))
+        h = np.negative(x)
+        np.exp(h, out=h)
+        h += 1.0
+        return np.divide(x, h, out=h)
 
 
-def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    e = np.exp(x - x.max(axis=axis, keepdims=True))  # every row sees itself, so max is finite
+def softmax(x: np.ndarray, axis: int = -1, out: np.ndarray | None = None) -> np.ndarray:
+    """out=x overwrites x: attention's scores, [B, H, T, S], are not needed after."""
+    e = np.subtract(x, x.max(axis=axis, keepdims=True), out=out)  # every row sees itself, so max is finite
+    np.exp(e, out=e)
     e /= e.sum(axis=axis, keepdims=True)
     return e
 
@@ -73,11 +79,13 @@ def scaled_dot_product_attention(
     Hkv = key.shape[1]
     if Hkv != H and not enable_gqa:
         raise ValueError(f"{H} query heads over {Hkv} key/value heads needs enable_gqa=True")
-    # GQA by grouping: each group of G = H / Hkv query heads shares one k/v head, nothing is copied.
-    q = query.reshape(B, Hkv, H // Hkv, T, Dh)  # [B, Hkv, G, T, Dh]
-    scores = q @ key[:, :, None].swapaxes(-2, -1)  # [B, Hkv, G, T, S]
+    # GQA by grouping: the G = H / Hkv query heads that share a k/v head are one matrix of G T rows,
+    # one product per k/v head (larger products: BLAS's threads get work), and k, v are not copied.
+    G, S = H // Hkv, key.shape[2]
+    q = query.reshape(B, Hkv, G * T, Dh)  # [B, Hkv, G T, Dh]
+    scores = (q @ key.swapaxes(-2, -1)).reshape(B, Hkv, G, T, S)  # [B, Hkv, G, T, S]
     scores *= 1.0 / math.sqrt(Dh)
     if attn_mask is not None:
-        scores = np.where(attn_mask[:, :, None], scores, -np.inf)  # [B, Hkv, G, T, S]
-    probs = softmax(scores, axis=-1)  # [B, Hkv, G, T, S]
-    return (probs @ value[:, :, None]).reshape(B, H, T, Dh)  # [B, H, T, Dh]
+        np.copyto(scores, -np.inf, where=~attn_mask[:, :, None])  # [B, Hkv, G, T, S]: in place
+    probs = softmax(scores, axis=-1, out=scores)  # [B, Hkv, G, T, S]
+    return (probs.reshape(B, Hkv, G * T, S) @ value).reshape(B, H, T, Dh)  # [B, H, T, Dh]
