@@ -123,8 +123,8 @@ NOTES = {
     "when it returns, so only total time per token is measured; vs cached compares total times",
 }
 COMPILED_NOTE = (
-    "torch.compile of the reference model's forward (on the CPU with inductor's freezing and max-autotune over its "
-    "own C++ GEMM); compile_s = first call minus steady state"
+    "torch.compile of the torch port's forward at the row's weight format (on the CPU with inductor's freezing and "
+    "max-autotune over its own C++ GEMM); compile_s = first call minus steady state"
 )
 CTRANSLATE2_NOTE = (
     "CTranslate2's Generator.generate_tokens on kvports' Hugging Face export of the same weights, converted by "
