@@ -22,10 +22,10 @@ import pytest
 
 from kvports import cli, registry
 from kvports.bench import command
+from kvports.bench.formats import format_name, parse_formats
 from kvports.bench.measure import Q4_BLOCK_BYTES, decode_bytes, fit_slope, format_of, matrix_bytes, summarize
 from kvports.bench.presets import PRESETS
 from kvports.bench.rounds import merge_rows
-from kvports.bench.formats import format_name, parse_formats
 from kvports.bench.rows import parallel_runs
 from kvports.bench.runners import COMPILED_RUNNER, DEFAULT_MODES, RUNNERS
 from kvports.bench.targets import add_peer_ratios, peer_targets

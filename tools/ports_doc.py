@@ -47,7 +47,7 @@ def section() -> str:
             BEGIN,
             f"### `Port`: every `port.py`\n{' '.join(inspect.getdoc(contract.Port).split())}",
             table(contract.Port),
-            "### `Baseline`: every baseline in `baselines/`\n"
+            "### `Baseline`: every baseline in `kvports/baselines/`\n"
             + " ".join(inspect.getdoc(contract.Baseline).split()),
             table(contract.Baseline),
             END,
