@@ -310,6 +310,22 @@ def test_the_compiled_row_at_a_quantized_format_compiles_the_ports_quantized_mod
     assert "Int8Linear" in kinds and "Linear" not in kinds
 
 
+def test_each_compiled_rows_model_starts_from_an_empty_compile_cache(monkeypatch):
+    """Past dynamo's recompile limit (two graphs a model, eight in all) a compiled forward runs eagerly,
+    so a fifth format's compiled row would time eager torch under the compiled row's name."""
+    port_or_skip("torch")
+    import torch
+
+    torch_compile = importlib.import_module("kvports.baselines.torch_compile")
+    events = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: events.append("compile"))
+    config = TINY_FAMILIES["llama"]
+    for quant in ("none", "int8"):
+        torch_compile.load_model(config, random_weights(config), "float32", quant=quant)
+    assert events == ["reset", "compile", "reset", "compile"]
+
+
 def test_requests_runs_the_batching_workloads_for_the_ports_among_the_frameworks(capsys):
     port_or_skip("numpy")
     code, out, _ = run_cli(capsys, "bench", "--requests", "2", "--frameworks", "numpy,seed-concat", "--json")
