@@ -56,7 +56,7 @@ def load_model(
     model = torch_port.load_model(config, tensors, dtype, device, quant=quant)
     # Dynamo keys its compiled code on the forward's code object, which every TinyModel shares: each model
     # the process compiled adds its graphs there, and past the recompile limit (8, two a model) a forward
-    # runs eagerly, with a warning the bench does not show. Each row's model starts from an empty cache.
+    # runs eagerly, with no more than a logged warning. Each row's model starts from an empty cache.
     torch._dynamo.reset()
     # CUDA graphs need static shapes and a GPU; on the CPU the default mode fuses what it can.
     model.compile(mode="reduce-overhead" if model.emb.weight.is_cuda else None)

@@ -53,7 +53,7 @@ def own_rows(runner: Runner) -> bool:
 def runs_formats(runner: Runner) -> bool:
     """A port's own rows and its compiled row run at each weight format asked for (a compiled kernel may
     close a format's gap where eager's does not); a baseline's and a peer's once."""
-    return own_rows(runner) or (runner.framework in registry.PORTS and runner.variant is not None)
+    return runner.framework in registry.PORTS and not runner.peer
 
 
 def parallel_runs(
