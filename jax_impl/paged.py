@@ -23,10 +23,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from kvports.jax_impl.model import TinyModel, attention_mask, token_positions
-from kvports.jax_impl.sampling import draw, filter_logits, greedy
+from kvports.jax_impl.sampling import sample_rows
 from kvports.jax_impl.split import Static, merge_model, split_model
 from kvports.shared.generation import PAD, RowSampling
 
@@ -118,36 +117,6 @@ def paged_cache(
     )
 
 
-def sample_rows(
-    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, uniform: jax.Array
-) -> jax.Array:
-    """Each row's next token [B] from logits [B, V] by its own settings, arrays [B] (temperature 0:
-    greedy), the token it gets alone: values, not shapes, so one program serves any mix of them
-    (traced: one compile). A row whose logits hold an inf or a NaN gets PAD: the engine stops there."""
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [B]
-    sampled = temperature > 0  # [B]
-
-    def draw_rows(tokens: jax.Array) -> jax.Array:
-        scaled = logits.astype(jnp.float64) / jnp.where(sampled, temperature, 1.0)[:, None]  # [B, V]
-        probs = jax.nn.softmax(filter_logits(scaled, top_k[:, None], top_p[:, None]), axis=-1)  # [B, V]
-        return jnp.where(sampled, draw(probs, uniform), tokens)  # [B]
-
-    # A greedy step skips the sort: a traced condition, not a Python one (torch and NumPy look at the host)
-    tokens = lax.cond(jnp.any(sampled), draw_rows, lambda tokens: tokens, greedy(logits))  # [B]
-    return jnp.where(finite, tokens, PAD)
-
-
-def token_logprobs(logits: jax.Array, tokens: jax.Array, top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """What the server reports of each row's step, from the model's own distribution (log-softmax
-    of the raw logits [B, V], before temperature, top-k and top-p; float32 at least): the chosen
-    tokens' [B] log-probabilities [B], and the `top` likeliest ids and their log-probabilities
-    [B, top], likeliest first (ties: the lower id first)."""
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)  # [B, V]
-    chosen = jnp.take_along_axis(logprobs, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]  # [B]: PAD rows end anyway
-    top_logprobs, top_ids = lax.top_k(logprobs, top)  # [B, top] each
-    return chosen, top_ids, top_logprobs  # [B], [B, top], [B, top]
-
-
 def paged_step(
     model: TinyModel,
     pool: BlockPool,
@@ -158,20 +127,20 @@ def paged_step(
     top_k: jax.Array,
     top_p: jax.Array,
     uniform: jax.Array,
-    logprobs: int | None = None,
-) -> tuple[jax.Array, BlockPool, tuple[jax.Array, jax.Array, jax.Array] | None]:
+    return_logits: bool = False,
+) -> tuple[jax.Array, BlockPool, jax.Array | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
-    sampling settings and draw [B]; logprobs: how many likeliest tokens to report (None: no
-    log-probabilities, nothing computed). Each row's next token [B] (PAD where its logits were not
+    sampling settings and draw [B]; return_logits: whether the step's logits leave it too (what
+    the log-probabilities are reported from). Each row's next token [B] (PAD where its logits were not
     finite), the pool with this step's keys and values written in (the one passed in is donated:
-    use the returned one), and token_logprobs' three arrays (or None)."""
+    use the returned one), and the step's logits [B, V] (or None)."""
     model.eval()
     # Always an array, zeros included: one structure of inputs, so one compiled program per shape.
     pad = jnp.sum(tokens == PAD, axis=1, dtype=jnp.int32)  # [B]
     logits, pool = _paged_forward(*split_model(model), pool, tokens, start, block_tables, pad)  # [B, V]
     next_tokens = _sample_rows(logits, temperature, top_k, top_p, uniform)  # [B]
-    return next_tokens, pool, None if logprobs is None else _token_logprobs(logits, next_tokens, logprobs)
+    return next_tokens, pool, logits if return_logits else None  # [B], the pool, [B, V] or None
 
 
 # What paged_step compiles: one program per (rows, T) shape; the pool is donated.
@@ -194,8 +163,6 @@ def _paged_forward(
 
 # One program per number of rows, whatever the rows' sampling values.
 _sample_rows = jax.jit(sample_rows)
-# One program per number of rows and count of likeliest tokens.
-_token_logprobs = jax.jit(token_logprobs, static_argnames="top")
 
 
 def static_shapes(

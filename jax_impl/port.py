@@ -22,7 +22,7 @@ from kvports.jax_impl.generate import prefill as prefill_step
 from kvports.jax_impl.model import TinyModel, init_cache
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
-from kvports.shared.generation import GenerationConfig, RowSampling, as_generation
+from kvports.shared.generation import GenerationConfig, RowSampling, as_generation, token_logprobs
 from kvports.shared.quantization import float_tensors
 
 NAME = "jax"
@@ -287,7 +287,7 @@ def paged_step(
     def on_device(array: np.ndarray) -> jax.Array:
         return jax.device_put(np.asarray(array, dtype=np.int32 if array.dtype.kind == "i" else None), device)
 
-    next_tokens, pool, steps = paged.paged_step(
+    next_tokens, pool, logits = paged.paged_step(
         model,
         pool,
         on_device(tokens),
@@ -297,8 +297,9 @@ def paged_step(
         on_device(sampling.top_k),
         on_device(sampling.top_p),
         on_device(sampling.uniform),
-        logprobs=logprobs,
+        return_logits=logprobs is not None,
     )
     # Sliced on the host, or each size compiles a slice.
-    on_host = None if steps is None else (np.asarray(steps[0])[:B], np.asarray(steps[1])[:B], np.asarray(steps[2])[:B])
-    return np.asarray(next_tokens, dtype=np.int64)[:B], pool, on_host  # [B], the pool, ([B], [B, K], [B, K]) or None
+    next_tokens = np.asarray(next_tokens, dtype=np.int64)[:B]  # [B]
+    steps = None if logits is None else token_logprobs(np.asarray(logits, np.float64)[:B], next_tokens, logprobs or 0)
+    return next_tokens, pool, steps  # [B], the pool, ([B], [B, K], [B, K]) or None

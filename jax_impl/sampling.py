@@ -82,3 +82,22 @@ def choose(
         token = jnp.where(done, PAD, token)
         done = done | jnp.isin(token, stops)
     return token, done
+
+
+def sample_rows(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, uniform: jax.Array
+) -> jax.Array:
+    """Each row's next token [B] from logits [B, V] by its own settings, arrays [B] (temperature 0:
+    greedy), the token it gets alone: values, not shapes, so one program serves any mix of them
+    (traced: one compile). A row whose logits hold an inf or a NaN gets PAD: the engine stops there."""
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [B]
+    sampled = temperature > 0  # [B]
+
+    def draw_rows(tokens: jax.Array) -> jax.Array:
+        scaled = logits.astype(jnp.float64) / jnp.where(sampled, temperature, 1.0)[:, None]  # [B, V]
+        probs = jax.nn.softmax(filter_logits(scaled, top_k[:, None], top_p[:, None]), axis=-1)  # [B, V]
+        return jnp.where(sampled, draw(probs, uniform), tokens)  # [B]
+
+    # A greedy step skips the sort: a traced condition, not a Python one (torch and NumPy look at the host)
+    tokens = lax.cond(jnp.any(sampled), draw_rows, lambda tokens: tokens, greedy(logits))  # [B]
+    return jnp.where(finite, tokens, PAD)

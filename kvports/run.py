@@ -47,7 +47,15 @@ from kvports.shared.checks import COMMAND_LINE, Names, check_choice, python_valu
 from kvports.shared.config import DTYPES, ModelConfig, host_dtype
 from kvports.shared.contract import OnToken, Port, Timed
 from kvports.shared.errors import UserError
-from kvports.shared.generation import PAD, GenerationConfig, finish_reasons, pad_prompts, repeat_samples, row_tokens
+from kvports.shared.generation import (
+    PAD,
+    GenerationConfig,
+    finish_reasons,
+    pad_prompts,
+    repeat_samples,
+    row_tokens,
+    token_logprobs,
+)
 from kvports.shared.shapes import parameter_count
 from kvports.threads import check_threads, settle_threads
 from kvports.validation import (
@@ -608,25 +616,27 @@ def speculative_summary(counts: dict[str, int], inputs: RunInputs, tokens: np.nd
 
 
 def step_logprobs(logits: np.ndarray, tokens: np.ndarray, prompt_len: int, top: int) -> list[list[dict[str, Any]]]:
-    """Each row's generated tokens with their log-probabilities under the model (log-softmax of
-    the step's logits in float64, before temperature, top-k and top-p) and the `top` likeliest
-    tokens of that step, likeliest first (ties by id): [{"token", "logprob", "top": [{"token",
-    "logprob"}]}] per step, up to the row's stop. logits: [B, steps, V]; tokens: [B, P + N]."""
+    """Each row's generated tokens with their log-probabilities under the model and the `top`
+    likeliest tokens of that step (`shared.generation.token_logprobs`, the one rule the engine's
+    rows are reported by too): [{"token", "logprob", "top": [{"token", "logprob"}]}] per step, up
+    to the row's stop. logits: [B, steps, V]; tokens: [B, P + N]."""
     rows: list[list[dict[str, Any]]] = []
-    for row_logits, row in zip(np.asarray(logits, dtype=np.float64), np.asarray(tokens)[:, prompt_len:], strict=True):
-        steps: list[dict[str, Any]] = []
-        for step, token in enumerate(row[: len(row_logits)]):  # [steps, V], [N]
-            if token == PAD:  # the row stopped
-                break
-            shifted = row_logits[step] - row_logits[step].max()  # [V]
-            logprobs = shifted - np.log(np.exp(shifted).sum())  # [V]
-            likeliest = np.lexsort((np.arange(len(logprobs)), -logprobs))[:top]  # [top]
-            steps.append(
+    for row_logits, row in zip(logits, np.asarray(tokens)[:, prompt_len:], strict=True):
+        generated = row[: len(row_logits)]  # [steps]
+        stopped = np.flatnonzero(generated == PAD)
+        steps = len(generated) if len(stopped) == 0 else int(stopped[0])
+        chosen, top_ids, top_logprobs = token_logprobs(row_logits[:steps], generated[:steps], top)  # as rows [steps]
+        rows.append(
+            [
                 {
                     "token": int(token),
-                    "logprob": float(logprobs[token]),
-                    "top": [{"token": int(i), "logprob": float(logprobs[i])} for i in likeliest],
+                    "logprob": float(chosen[step]),
+                    "top": [
+                        {"token": int(i), "logprob": float(p)}
+                        for i, p in zip(top_ids[step], top_logprobs[step], strict=True)
+                    ],
                 }
-            )
-        rows.append(steps)
+                for step, (token, ids, values) in enumerate(zip(generated[:steps], top_ids, top_logprobs, strict=True))
+            ]
+        )
     return rows

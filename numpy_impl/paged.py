@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import kvports.numpy_impl.functional as F
 from kvports.numpy_impl.model import TinyModel, attention_mask, token_positions
-from kvports.numpy_impl.sampling import draw, filter_logits, greedy
+from kvports.numpy_impl.sampling import sample_rows
 from kvports.shared.generation import PAD
 
 
@@ -114,33 +113,6 @@ def paged_cache(
     )
 
 
-def sample_rows(
-    logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, uniform: np.ndarray
-) -> np.ndarray:
-    """Each row's next token [B] from logits [B, V] by its own settings, arrays [B] (temperature 0:
-    greedy), the token it gets alone: values, not shapes, so one program serves any mix of them
-    (JAX's compiles once). A row whose logits hold an inf or a NaN gets PAD: the engine stops there."""
-    finite = np.isfinite(logits).all(axis=-1)  # [B]
-    sampled = temperature > 0  # [B]
-    tokens = greedy(logits)  # [B]
-    if sampled.any():  # a greedy step skips the sort (JAX: lax.cond)
-        scaled = logits.astype(np.float64) / np.where(sampled, temperature, 1.0)[:, None]  # [B, V]
-        probs = F.softmax(filter_logits(scaled, top_k[:, None], top_p[:, None]), axis=-1)  # [B, V]
-        tokens = np.where(sampled, draw(probs, uniform), tokens)  # [B]
-    return np.where(finite, tokens, PAD)
-
-
-def token_logprobs(logits: np.ndarray, tokens: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """What the server reports of each row's step, from the model's own distribution (log-softmax
-    of the raw logits [B, V], before temperature, top-k and top-p; float32 at least): the chosen
-    tokens' [B] log-probabilities [B], and the `top` likeliest ids and their log-probabilities
-    [B, top], likeliest first (ties: the lower id first)."""
-    logprobs = F.log_softmax(logits.astype(np.promote_types(logits.dtype, np.float32)), axis=-1)  # [B, V]
-    chosen = np.take_along_axis(logprobs, np.maximum(tokens, 0)[:, None], axis=-1)[:, 0]  # [B]: PAD rows end anyway
-    top_ids = np.argsort(-logprobs, axis=-1, kind="stable")[:, :top]  # [B, top]
-    return chosen, top_ids, np.take_along_axis(logprobs, top_ids, axis=-1)  # [B], [B, top], [B, top]
-
-
 # No inference_mode decorator: NumPy records no autograd graph to switch off.
 def paged_step(
     model: TinyModel,
@@ -152,14 +124,14 @@ def paged_step(
     top_k: np.ndarray,
     top_p: np.ndarray,
     uniform: np.ndarray,
-    logprobs: int | None = None,
-) -> tuple[np.ndarray, BlockPool, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+    return_logits: bool = False,
+) -> tuple[np.ndarray, BlockPool, np.ndarray | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
-    sampling settings and draw [B]; logprobs: how many likeliest tokens to report (None: no
-    log-probabilities, nothing computed). Each row's next token [B] (PAD where its logits were not
-    finite), the pool with this step's keys and values written in, and token_logprobs' three
-    arrays (or None)."""
+    sampling settings and draw [B]; return_logits: whether the step's logits leave it too (what
+    the log-probabilities are reported from). Each row's next token [B] (PAD where its logits were not
+    finite), the pool with this step's keys and values written in, and the step's logits [B, V]
+    (or None)."""
     model.eval()
     B, T = tokens.shape
     pad = (tokens == PAD).sum(axis=1)  # [B]
@@ -168,4 +140,4 @@ def paged_step(
     logits, _ = model(np.maximum(tokens, 0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: its logits choose the next token [B].
     next_tokens = sample_rows(logits[:, -1], temperature, top_k, top_p, uniform)  # [B]
-    return next_tokens, pool, None if logprobs is None else token_logprobs(logits[:, -1], next_tokens, logprobs)
+    return next_tokens, pool, logits[:, -1] if return_logits else None  # [B], the pool, [B, V] or None

@@ -15,7 +15,7 @@ from kvports.numpy_impl.model import TinyModel, init_cache
 from kvports.numpy_impl.paged import init_block_pool as init_block_pool  # the contract's, as paged.py makes it
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
-from kvports.shared.generation import GenerationConfig, RowSampling, as_generation
+from kvports.shared.generation import GenerationConfig, RowSampling, as_generation, token_logprobs
 
 NAME = "numpy"
 NUMPY_DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -139,7 +139,7 @@ def paged_step(
     None. The next token of every row [B] (PAD where its logits were not finite), the pool to pass
     to the next step (paged.py), and, when asked, the chosen tokens' log-probabilities [B]
     and the likeliest ids and their log-probabilities [B, K]."""
-    next_tokens, pool, steps = paged.paged_step(
+    next_tokens, pool, logits = paged.paged_step(
         model,
         pool,
         np.asarray(tokens),
@@ -149,6 +149,7 @@ def paged_step(
         np.asarray(sampling.top_k),
         np.asarray(sampling.top_p),
         np.asarray(sampling.uniform),
-        logprobs=logprobs,
+        return_logits=logprobs is not None,
     )
+    steps = None if logits is None else token_logprobs(logits, next_tokens, logprobs or 0)
     return next_tokens, pool, steps  # [B], the pool, ([B], [B, K], [B, K]) or None

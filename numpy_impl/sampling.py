@@ -82,3 +82,19 @@ def choose(
         token = np.where(done, PAD, token)
         done = done | np.isin(token, stops)
     return token, done
+
+
+def sample_rows(
+    logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, uniform: np.ndarray
+) -> np.ndarray:
+    """Each row's next token [B] from logits [B, V] by its own settings, arrays [B] (temperature 0:
+    greedy), the token it gets alone: values, not shapes, so one program serves any mix of them
+    (JAX's compiles once). A row whose logits hold an inf or a NaN gets PAD: the engine stops there."""
+    finite = np.isfinite(logits).all(axis=-1)  # [B]
+    sampled = temperature > 0  # [B]
+    tokens = greedy(logits)  # [B]
+    if sampled.any():  # a greedy step skips the sort (JAX: lax.cond)
+        scaled = logits.astype(np.float64) / np.where(sampled, temperature, 1.0)[:, None]  # [B, V]
+        probs = F.softmax(filter_logits(scaled, top_k[:, None], top_p[:, None]), axis=-1)  # [B, V]
+        tokens = np.where(sampled, draw(probs, uniform), tokens)  # [B]
+    return np.where(finite, tokens, PAD)

@@ -145,3 +145,31 @@ def finish_reasons(tokens: np.ndarray, prompt_len: int, stop_ids: Sequence[int])
         generated = row[row != PAD]
         reasons.append("stop" if len(generated) and int(generated[-1]) in set(stop_ids) else "length")
     return reasons
+
+
+def token_logprobs(logits: np.ndarray, tokens: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What every front door reports of a step, from the model's own distribution (log-softmax in
+    float64 of the raw logits [B, V], before temperature, top-k and top-p): the chosen tokens' [B]
+    log-probabilities [B], and the `top` likeliest ids and their log-probabilities [B, top],
+    likeliest first, ties broken by the lower id. One function on the host, so the command line,
+    the API, batch files and the server report the same values, whichever port made the logits."""
+    logits = np.asarray(logits, dtype=np.float64)  # [B, V]
+    shifted = logits - logits.max(axis=-1, keepdims=True)  # [B, V]
+    logprobs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # [B, V]
+    chosen = np.take_along_axis(logprobs, np.maximum(tokens, 0)[:, None], axis=-1)[:, 0]  # [B]: PAD rows end anyway
+    top = min(top, logprobs.shape[-1])
+    top_ids = np.array([likeliest(row, top) for row in logprobs], dtype=np.int64).reshape(-1, top)  # [B, top]
+    return chosen, top_ids, np.take_along_axis(logprobs, top_ids, axis=-1)  # [B], [B, top], [B, top]
+
+
+def likeliest(logprobs: np.ndarray, top: int) -> np.ndarray:
+    """The `top` likeliest ids of one step's logprobs [V], likeliest first, ties by the lower id.
+    Every id as likely as the top-th is a candidate (a partition alone picks among ties in no set
+    order), and only they are sorted: a step sorts a few ids, not the vocabulary."""
+    if top == 0:
+        return np.zeros(0, dtype=np.int64)
+    kth = np.partition(logprobs, len(logprobs) - top)[len(logprobs) - top]
+    candidates = np.flatnonzero(logprobs >= kth)  # [>= top]; fewer only where a NaN is: then every id
+    if len(candidates) < top:
+        candidates = np.arange(len(logprobs))
+    return candidates[np.lexsort((candidates, -logprobs[candidates]))][:top]  # [top]

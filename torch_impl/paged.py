@@ -22,7 +22,7 @@ import torch
 
 from kvports.shared.generation import PAD
 from kvports.torch_impl.model import TinyModel, attention_mask, token_positions
-from kvports.torch_impl.sampling import draw, filter_logits, greedy
+from kvports.torch_impl.sampling import sample_rows
 
 
 @dataclass
@@ -121,35 +121,6 @@ def paged_cache(
     )
 
 
-def sample_rows(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
-) -> torch.Tensor:
-    """Each row's next token [B] from logits [B, V] by its own settings, arrays [B] (temperature 0:
-    greedy), the token it gets alone: values, not shapes, so one program serves any mix of them
-    (JAX's compiles once). A row whose logits hold an inf or a NaN gets PAD: the engine stops there."""
-    finite = torch.isfinite(logits).all(dim=-1)  # [B]
-    sampled = temperature > 0  # [B]
-    tokens = greedy(logits)  # [B]
-    if bool(sampled.any()):  # a greedy step skips the sort (JAX: lax.cond)
-        scaled = logits.to(torch.float64) / torch.where(sampled, temperature, 1.0)[:, None]  # [B, V]
-        probs = filter_logits(scaled, top_k[:, None], top_p[:, None]).softmax(dim=-1)  # [B, V]
-        tokens = torch.where(sampled, draw(probs, uniform), tokens)  # [B]
-    return tokens.masked_fill(~finite, PAD)
-
-
-def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, top: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the server reports of each row's step, from the model's own distribution (log-softmax
-    of the raw logits [B, V], before temperature, top-k and top-p; float32 at least): the chosen
-    tokens' [B] log-probabilities [B], and the `top` likeliest ids and their log-probabilities
-    [B, top], likeliest first (ties: the lower id first)."""
-    logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1)  # [B, V]
-    chosen = logprobs.gather(-1, tokens.clamp(min=0)[:, None])[:, 0]  # [B]: PAD rows end anyway
-    top_ids = torch.sort(logprobs, dim=-1, descending=True, stable=True).indices[:, :top]  # [B, top]
-    return chosen, top_ids, logprobs.gather(-1, top_ids)  # [B], [B, top], [B, top]
-
-
 @torch.inference_mode()
 def paged_step(
     model: TinyModel,
@@ -161,14 +132,14 @@ def paged_step(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     uniform: torch.Tensor,
-    logprobs: int | None = None,
-) -> tuple[torch.Tensor, BlockPool, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    return_logits: bool = False,
+) -> tuple[torch.Tensor, BlockPool, torch.Tensor | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
-    sampling settings and draw [B]; logprobs: how many likeliest tokens to report (None: no
-    log-probabilities, nothing computed). Each row's next token [B] (PAD where its logits were not
-    finite), the pool with this step's keys and values written in, and token_logprobs' three
-    arrays (or None)."""
+    sampling settings and draw [B]; return_logits: whether the step's logits leave it too (what
+    the log-probabilities are reported from). Each row's next token [B] (PAD where its logits were not
+    finite), the pool with this step's keys and values written in, and the step's logits [B, V]
+    (or None)."""
     model.eval()
     B, T = tokens.shape
     pad = (tokens == PAD).sum(dim=1)  # [B]
@@ -177,4 +148,4 @@ def paged_step(
     logits, _ = model(tokens.clamp(min=0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: its logits choose the next token [B].
     next_tokens = sample_rows(logits[:, -1], temperature, top_k, top_p, uniform)  # [B]
-    return next_tokens, pool, None if logprobs is None else token_logprobs(logits[:, -1], next_tokens, logprobs)
+    return next_tokens, pool, logits[:, -1] if return_logits else None  # [B], the pool, [B, V] or None

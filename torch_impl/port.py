@@ -12,7 +12,7 @@ import torch
 
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
-from kvports.shared.generation import GenerationConfig, RowSampling, as_generation
+from kvports.shared.generation import GenerationConfig, RowSampling, as_generation, token_logprobs
 from kvports.shared.quantization import float_tensors
 from kvports.shared.shapes import ALIGNMENT
 from kvports.torch_impl import bandwidth, paged, speculative
@@ -230,7 +230,7 @@ def paged_step(
         return torch.from_numpy(np.asarray(array)).to(device)
 
     with _on_device(device):
-        next_tokens, pool, steps = paged.paged_step(
+        next_tokens, pool, logits = paged.paged_step(
             model,
             pool,
             on_device(tokens),
@@ -240,7 +240,9 @@ def paged_step(
             on_device(sampling.top_k),
             on_device(sampling.top_p),
             on_device(sampling.uniform),
-            logprobs=logprobs,
+            return_logits=logprobs is not None,
         )
-    on_host = None if steps is None else (steps[0].cpu().numpy(), steps[1].cpu().numpy(), steps[2].cpu().numpy())
-    return next_tokens.cpu().numpy(), pool, on_host  # [B], the pool, ([B], [B, K], [B, K]) or None
+    next_tokens = next_tokens.cpu().numpy()  # [B]
+    # float64 on the device first: NumPy has no bfloat16
+    steps = None if logits is None else token_logprobs(logits.double().cpu().numpy(), next_tokens, logprobs or 0)
+    return next_tokens, pool, steps  # [B], the pool, ([B], [B, K], [B, K]) or None

@@ -80,3 +80,19 @@ def choose(
         token = token.masked_fill(done, PAD)
         done = done | torch.isin(token, stops)
     return token, done
+
+
+def sample_rows(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
+) -> torch.Tensor:
+    """Each row's next token [B] from logits [B, V] by its own settings, arrays [B] (temperature 0:
+    greedy), the token it gets alone: values, not shapes, so one program serves any mix of them
+    (JAX's compiles once). A row whose logits hold an inf or a NaN gets PAD: the engine stops there."""
+    finite = torch.isfinite(logits).all(dim=-1)  # [B]
+    sampled = temperature > 0  # [B]
+    tokens = greedy(logits)  # [B]
+    if bool(sampled.any()):  # a greedy step skips the sort (JAX: lax.cond)
+        scaled = logits.to(torch.float64) / torch.where(sampled, temperature, 1.0)[:, None]  # [B, V]
+        probs = filter_logits(scaled, top_k[:, None], top_p[:, None]).softmax(dim=-1)  # [B, V]
+        tokens = torch.where(sampled, draw(probs, uniform), tokens)  # [B]
+    return tokens.masked_fill(~finite, PAD)

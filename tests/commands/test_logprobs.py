@@ -88,3 +88,27 @@ def test_a_streamed_answer_is_printed_once(capsys, chat_model):
     code, given, _ = run_cli(capsys, *argv[:-2], "--chat", "hi", "--new-tokens", "6", "--no-stop", "--json")
     assert streamed == json.loads(given)["answer"][0].rstrip("\ufffd")
     assert "  answer" not in out and "  text" not in out
+
+
+def test_every_front_door_reports_the_same_logprobs_and_breaks_a_tie_by_the_lower_id(port):
+    from kvports.batching.engine import BatchSettings, Engine
+    from kvports.batching.request import Request
+    from kvports.shared.config import ModelConfig
+    from tests.helpers.models import random_weights
+
+    config = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, max_seq_len=32)
+    tensors = random_weights(config)
+    tensors["head.weight"][:] = 0  # every logit 0: each step is a 64-way tie
+    loaded = run.load_model(port.NAME, config, tensors, "float32", "cpu")
+    generation = GenerationConfig(3, stop_ids=())
+    inputs = run.RunInputs(port.NAME, "cached", generation, logprobs=4)
+    command_line = run.generate(loaded, run.check_inputs(inputs, config, [[5, 6, 7]]).prompts, inputs).logprobs
+    engine = Engine(loaded.port, loaded.model, config, BatchSettings(max_batch=1, block_size=4))
+    sequence = engine.add(Request("a", (5, 6, 7), generation, logprobs=4))
+    engine.run()
+    batch = [
+        {"token": step.token, "logprob": step.logprob, "top": [{"token": i, "logprob": p} for i, p in step.top]}
+        for step in sequence.logprobs
+    ]
+    tied = {"token": 0, "logprob": -np.log(64.0), "top": [{"token": i, "logprob": -np.log(64.0)} for i in range(4)]}
+    assert command_line == [[tied] * 3] and batch == [tied] * 3  # exactly: one function, float64, lower ids first
