@@ -5,8 +5,8 @@
     model.generate([160, 248, 104, 209, 394], new_tokens=8).generated
 
 This package is the application: the command line (`cli`, `commands/`), the run layer
-(`run`, `validation`), the bench, continuous batching, the checker and the file formats. The
-ports and what they share install under this one name too (`kvports.torch_impl`,
+(`loading`, `generating`, `validation`), the bench, continuous batching, the checker and the
+file formats. The ports and what they share install under this one name too (`kvports.torch_impl`,
 `kvports.jax_impl`, `kvports.numpy_impl`, `kvports.shared`), so nothing collides with another
 project's `shared`; in the repository those folders sit beside this one.
 """

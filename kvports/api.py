@@ -10,7 +10,7 @@ and `stream(...)`.
     smol.chat([{"role": "user", "content": "What is the capital of France?"}]).answer[0]
     for piece in smol.stream("Once upon a time"): print(piece, end="")
 
-Both go straight to the run layer (`kvports.run`) that the command line parses its flags into:
+Both go straight to the run layer (`kvports.loading`, `kvports.generating`) that the command line parses its flags into:
 the same checks, run once, and the same messages, except that a message names this API's
 argument (`new_tokens=0`) where the command line names its flag (`--new-tokens`).
 """
@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from kvports import run
-from kvports.run import Generation
+from kvports import generating, loading
+from kvports.generating import Generation
 from kvports.shared.checks import API
 from kvports.shared.contract import OnToken
 from kvports.shared.errors import NonFiniteLogits, UserError, echo, echo_path
@@ -46,7 +46,7 @@ class Model:
     """One framework's model on one device, loaded and checked by `kvports.load`; the draft models
     of speculative calls are read and loaded once, then kept here."""
 
-    def __init__(self, loaded: run.LoadedModel, weights: Path | None = None):
+    def __init__(self, loaded: loading.LoadedModel, weights: Path | None = None):
         self.loaded, self.weights = loaded, weights
         self.framework, self.dtype, self.device = loaded.framework, loaded.dtype, loaded.device
         self.config = loaded.config
@@ -56,7 +56,7 @@ class Model:
     def tokenizer(self) -> Any:
         """The weights' own tokenizer (a GGUF file's, or tokenizer.json beside a converted file), or None."""
         if not self._tokenizer:
-            self._tokenizer.append(run.model_tokenizer(self.weights, self.config))
+            self._tokenizer.append(loading.model_tokenizer(self.weights, self.config))
         return self._tokenizer[0]
 
     def __repr__(self) -> str:
@@ -98,8 +98,8 @@ class Model:
             generation = GenerationConfig(new_tokens, temperature, top_k, top_p, seed, tuple(dict.fromkeys(stops)))
         elif not isinstance(generation, GenerationConfig):
             raise UserError(f"generation={echo(generation)} is not a GenerationConfig")
-        chosen = None if draft is None else run.Draft(os.fspath(draft), draft_tokens, ngram)
-        inputs = run.RunInputs(
+        chosen = None if draft is None else generating.Draft(os.fspath(draft), draft_tokens, ngram)
+        inputs = generating.RunInputs(
             self.framework,
             mode,
             generation,
@@ -112,10 +112,10 @@ class Model:
             logprobs=logprobs,
         )
         rows = prompt_rows(prompts, self.tokenizer) if not isinstance(prompts, ChatPrompt) else [prompts.ids]
-        inputs, rows = run.with_samples(inputs, rows, num_samples, API)
-        batch = run.check_and_prepare(self.loaded, inputs, rows, API)
+        inputs, rows = generating.with_samples(inputs, rows, num_samples, API)
+        batch = generating.check_and_prepare(self.loaded, inputs, rows, API)
         try:
-            return run.generate(self.loaded, batch, inputs, return_logits, on_token, self.tokenizer)
+            return generating.generate(self.loaded, batch, inputs, return_logits, on_token, self.tokenizer)
         except NonFiniteLogits as exc:  # the command line's message names its flag; this API names its argument
             raise NonFiniteLogits(exc.step, exc.where, exc.dtype, "dtype='float64'") from None
 
@@ -131,7 +131,7 @@ class Model:
         if self.tokenizer is None:
             raise UserError(f"messages need a model with a tokenizer and a chat template; {self.describe()} has none")
         checked = check_messages(list(messages) if isinstance(messages, (list, tuple)) else messages, "messages")
-        return ChatPrompt(run.chat_ids(self.weights, checked, self.tokenizer))
+        return ChatPrompt(loading.chat_ids(self.weights, checked, self.tokenizer))
 
     def stream(
         self,
@@ -279,7 +279,7 @@ def load(
     float64 (torch and JAX: bfloat16 too), on the "cpu" or a "gpu", checked as `kvports generate` checks
     them; quant "int8" or "q4" (a Q4_0/Q4_1 GGUF file's own blocks): weight-only quantization (torch and JAX);
     split across `tensor_parallel` devices (torch and JAX; on the CPU, processes or simulated devices)."""
-    run.check_names(framework, dtype, device, API)
+    generating.check_names(framework, dtype, device, API)
     check_arguments(weights=weights, model=model)
     check_threads(threads, API)  # threads=N: every framework's thread count, set before it starts (kvports.threads)
     if model is not None:
@@ -290,9 +290,14 @@ def load(
         weights = model_path(model)
     setup = Setup((framework,), (), dtype, quant, device, tensor_parallel)
     path = None if weights is None else Path(os.fspath(weights))
-    config, tensors, _ = run.read_model(path, dtype, lambda config: run.check_load(setup, config, API), quant, API)
+    with loading.open_model(path) as file:
+        config = loading.header(file, dtype)
+        generating.check_load(setup, config, API)
+        tensors = loading.read_tensors(file, dtype, quant, API)
     use_threads(threads)
     return Model(
-        run.load_model(framework, config, tensors, dtype, device, API, quant=quant, tensor_parallel=tensor_parallel),
+        loading.load_model(
+            framework, config, tensors, dtype, device, API, quant=quant, tensor_parallel=tensor_parallel
+        ),
         path,
     )

@@ -1,7 +1,7 @@
 """The checks of one run's inputs, before any framework code runs: its prompts, the rules of
 what the ports can run (`check_rules`: the precision, modes, device and tensor parallelism a port
 offers, and how they combine, with a speculative draft's vocabulary), speculative decoding's
-settings, the flags that go together, and the bench's own counts. The run layer (run.py) calls
+settings, the flags that go together, and the bench's own counts. The run layer (generating.py) calls
 them for every command; every port gets the same message, naming its value and the limit.
 """
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvports
-from kvports import cli, registry
+from kvports import cli, generating, registry
 from kvports.formats.weights import save_weights
 from kvports.shared.config import ModelConfig
 from tests.helpers.commands import api_message, run_cli
@@ -240,28 +240,27 @@ def test_a_generation_config_as_the_second_argument_is_the_keywords(model):
 
 
 def test_a_speculative_call_with_a_draft_file_reads_the_draft_once(tmp_path, monkeypatch):
-    from kvports import run
-
     numpy_model = kvports.load("numpy")
     draft = tmp_path / "draft.safetensors"
     save_weights(draft, random_weights(numpy_model.config), numpy_model.config)
     reads = []
-    real = run.open_weights
-    monkeypatch.setattr(run, "open_weights", lambda *args: reads.append(args) or real(*args))
+    real = generating.open_model
+    monkeypatch.setattr(generating, "open_model", lambda *args: reads.append(args) or real(*args))
     first = numpy_model.generate(SEED, 4, "speculative", draft=draft, draft_tokens=2)
     second = numpy_model.generate(SEED, 4, "speculative", draft=draft, draft_tokens=2)
     assert len(reads) == 1 and first.tokens == second.tokens and first.speculative["draft"] == str(draft)
 
 
 def test_one_generate_call_checks_its_inputs_once(monkeypatch):
-    from kvports import run
 
     numpy_model = kvports.load("numpy")
     calls = {name: 0 for name in ("check_prompts", "check_seeds", "check_draft", "check_needed", "check_run")}
     for name in calls:
-        real = getattr(run, name)
+        real = getattr(generating, name)
         monkeypatch.setattr(
-            run, name, lambda *args, real=real, name=name: calls.__setitem__(name, calls[name] + 1) or real(*args)
+            generating,
+            name,
+            lambda *args, real=real, name=name: calls.__setitem__(name, calls[name] + 1) or real(*args),
         )
     numpy_model.generate(SEED, 3, "speculative", draft="ngram")
     assert calls == dict.fromkeys(calls, 1)
@@ -321,7 +320,6 @@ def test_stream_yields_the_chats_answer_in_pieces(text_model):
 
 def test_stream_never_splits_a_character_of_several_bytes(monkeypatch, chat_model):
     """Each UTF-8 byte of "é東" as its own token: the pieces are whole characters, never half of one."""
-    from kvports import run
     from kvports.formats.gguf.tokenizer import byte_alphabet
 
     model = kvports.load("numpy", chat_model)
@@ -332,7 +330,7 @@ def test_stream_never_splits_a_character_of_several_bytes(monkeypatch, chat_mode
         for token in ids:
             on_token(np.array([token]))
 
-    monkeypatch.setattr(run, "generate", bytewise)
+    monkeypatch.setattr(generating, "generate", bytewise)
     assert list(model.stream("hi", new_tokens=len(ids))) == ["é", "東"]
 
 

@@ -47,8 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
-from kvports import registry  # noqa: E402
-from kvports import run as run_layer  # noqa: E402
+from kvports import loading, registry  # noqa: E402
 from kvports.bench.presets import PRESETS  # noqa: E402
 from kvports.formats.weights import gpt2_init_weights, save_weights  # noqa: E402
 from kvports.shared.config import ModelConfig  # noqa: E402
@@ -182,7 +181,7 @@ def probe(plan: Plan) -> dict[str, Any]:
             "make gpu-check needs torch or JAX with a GPU: neither is installed (see the README's Install section)"
         )
     try:
-        ports, reasons = run_layer.usable_ports(installed, plan.device)
+        ports, reasons = loading.usable_ports(installed, plan.device)
     except UserError as exc:
         raise UserError(f"make gpu-check needs a GPU: {str(exc).removeprefix('--device gpu: ')}") from None
     versions: dict[str, str] = {}

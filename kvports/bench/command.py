@@ -22,8 +22,9 @@ from kvports.bench.rows import run_rows
 from kvports.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, PEER_RUNNERS, RUNNERS, Runner, group_of
 from kvports.bench.targets import add_peer_ratios, targets
 from kvports.devices import prepare_tensor_parallel
+from kvports.generating import Draft, RunInputs, read_draft
+from kvports.loading import NOT_INSTALLED, usable_ports
 from kvports.progress import make_progress
-from kvports.run import NOT_INSTALLED, Draft, RunInputs, read_draft, usable_ports
 from kvports.shared.checks import COMMAND_LINE
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError

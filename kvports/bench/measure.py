@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from kvports.bench.runners import Runner
-from kvports.run import Draft, LoadedModel, RunInputs, generate
+from kvports.generating import Draft, RunInputs, generate
+from kvports.loading import LoadedModel
 from kvports.shared.config import ModelConfig, kv_cache_bytes
 from kvports.shared.contract import OnToken, Timed
 from kvports.shared.generation import GenerationConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from kvports.formats.weights import DEFAULT_WEIGHTS, cast_checked, gpt2_init_weights, open_weights
-from kvports.run import check_prompts
+from kvports.generating import check_prompts
 from kvports.shared.config import ModelConfig, host_dtype
 from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig, pad_prompts

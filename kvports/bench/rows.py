@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvports import registry, run
+from kvports import generating, loading, registry
 from kvports.bench.formats import Formats, format_name
 from kvports.bench.measure import (
     MATVEC_REPEATS,
@@ -182,7 +182,7 @@ def run_rows(
             try:
                 row_tensors = format_tensors(tensors, dtype, quant)
                 if own_rows(runner):  # its model is the run layer's
-                    loaded = run.load_model(
+                    loaded = loading.load_model(
                         runner.framework,
                         config,
                         row_tensors,
@@ -230,7 +230,7 @@ def run_rows(
                 assert loaded is not None  # only a port's rows are speculative
                 if draft_weights is not None:
                     loaded.add_draft(str(args.draft), *draft_weights)
-                call = RowCall(mode, loaded, run.Draft(str(args.draft), args.draft_tokens, args.ngram))
+                call = RowCall(mode, loaded, generating.Draft(str(args.draft), args.draft_tokens, args.ngram))
             try:
                 row.update(measure_row(runner, module, model, call, prompts, args, sweep, tick, pp_prompts))
             except Exception as exc:

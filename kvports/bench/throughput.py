@@ -32,10 +32,11 @@ from kvports.batching.request import Request
 from kvports.bench.measure import load_average
 from kvports.bench.presets import load_bench_model
 from kvports.devices import placement
+from kvports.generating import RunInputs, generate
 from kvports.limits import check_bytes
+from kvports.loading import LoadedModel, load_model, usable_ports
 from kvports.progress import make_progress
 from kvports.registry import COMPILES, not_installed
-from kvports.run import LoadedModel, RunInputs, generate, load_model, usable_ports
 from kvports.shared.config import ModelConfig
 from kvports.shared.contract import Port
 from kvports.shared.errors import UserError

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvports import registry, run
+from kvports import generating, loading, registry
 from kvports.agreement import NEAR_TIE, compare_tokens, top2_margin
 from kvports.checker import variants
 from kvports.checker.plugin import Implementation, ImplementationError, load_implementation
@@ -166,7 +166,7 @@ class Checker:
         self.framework = "torch" if use_torch else "numpy"
         self.config, self.weights = family_weights(family)
         self.report = Report(label, implementation.kind, family, f"kvports {self.framework} port")
-        self.references: dict[str, run.LoadedModel] = {}
+        self.references: dict[str, loading.LoadedModel] = {}
         self.failed_runs: list[FailedRun] = []  # cached runs that differ from the implementation's own full forward
         self.failed_tokens: list[tuple[Check, np.ndarray, np.ndarray]] = []  # generate_cached FAILs
         self.raised_at: set[tuple[str, str, type]] = set()  # (function, file:line, exception type) explained
@@ -175,11 +175,11 @@ class Checker:
         plugin_notify({"event": "begin", "report": self.report.as_dict()})
 
     # -- the reference ---------------------------------------------------------------------
-    def reference(self, dtype: str) -> run.LoadedModel:
+    def reference(self, dtype: str) -> loading.LoadedModel:
         """The reference port's model at `dtype`, loaded once by the run layer (on the CPU)."""
         if dtype not in self.references:
             weights = self.weights if dtype == "float32" else family_weights(self.family, dtype)[1]
-            self.references[dtype] = run.load_model(self.framework, self.config, weights, dtype, "cpu")
+            self.references[dtype] = loading.load_model(self.framework, self.config, weights, dtype, "cpu")
         return self.references[dtype]
 
     def forward(self, dtype: str, tokens: np.ndarray) -> np.ndarray:
@@ -253,8 +253,8 @@ class Checker:
 
     def generators(self, model: Any, prompt: np.ndarray) -> None:
         n = GOLDEN_TOKENS if self.family == "seed" else 16
-        inputs = run.RunInputs(self.framework, "cached", GenerationConfig(n))
-        result = run.generate(self.reference("float32"), prompt, inputs, return_logits=True)
+        inputs = generating.RunInputs(self.framework, "cached", GenerationConfig(n))
+        result = generating.generate(self.reference("float32"), prompt, inputs, return_logits=True)
         reference, ref_logits = result.padded, result.logits
         assert reference is not None and ref_logits is not None
         what = "golden tokens" if self.family == "seed" else "greedy tokens"

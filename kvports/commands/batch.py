@@ -39,9 +39,9 @@ from kvports.flags import (
     positive_int,
 )
 from kvports.limits import check_bytes, check_count
+from kvports.loading import header, load_model, open_model, read_tensors
 from kvports.progress import make_progress
 from kvports.registry import PORTS, REFERENCE
-from kvports.run import load_model, read_model
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.errors import UserError, echo_path
 from kvports.threads import check_threads, use_threads
@@ -150,8 +150,10 @@ def run(args: argparse.Namespace) -> int:
         check_bytes(run_bytes(config, args.dtype, settings), f"a batch of {len(requests)} requests in {args.dtype}")
         return settings, tokenizer, requests, bad
 
-    config, tensors, checked = read_model(args.weights, args.dtype, check, args.quant)
-    assert checked is not None
+    with open_model(args.weights) as file:  # the header, checked before any tensor is read
+        config = header(file, args.dtype)
+        checked = check(config)
+        tensors = read_tensors(file, args.dtype, args.quant)
     settings, tokenizer, requests, bad = checked
     use_threads(args.threads)
     loaded = load_model(

@@ -18,8 +18,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from kvports import registry
-from kvports import run as layer
+from kvports import generating, loading, registry
 from kvports.commands.inputs import add_generation_arguments, generation_of
 from kvports.devices import add_device_argument
 from kvports.families import describe
@@ -69,11 +68,11 @@ class Chat:
 
     def __init__(self, args: argparse.Namespace, out: TextIO | None = None):
         if args.no_jax_cache:
-            os.environ[layer.JAX_CACHE_VARIABLE] = "0"
+            os.environ[loading.JAX_CACHE_VARIABLE] = "0"
         self.out = sys.stdout if out is None else out
 
-        def check(config: Any) -> tuple[layer.RunInputs, Any]:
-            inputs = layer.RunInputs(
+        def check(config: Any) -> tuple[generating.RunInputs, Any]:
+            inputs = generating.RunInputs(
                 args.framework,
                 "cached",
                 generation_of(args, config),
@@ -83,20 +82,22 @@ class Chat:
                 quant=args.quant,
                 threads=args.threads,
             )
-            layer.check_inputs(inputs, config, [[0]])  # the flags, once, before anything loads
-            return inputs, layer.model_tokenizer(args.weights, config)
+            generating.check_inputs(inputs, config, [[0]])  # the flags, once, before anything loads
+            return inputs, loading.model_tokenizer(args.weights, config)
 
-        config, tensors, checked = layer.read_model(args.weights, args.dtype, check, args.quant)
-        assert checked is not None
+        with loading.open_model(args.weights) as file:  # the header, checked before any tensor is read
+            config = loading.header(file, args.dtype)
+            checked = check(config)
+            tensors = loading.read_tensors(file, args.dtype, args.quant)
         self.inputs, self.tokenizer = checked
-        port = layer.port_for(args.framework, args.device)  # what only the imported port can tell, as generate
+        port = loading.port_for(args.framework, args.device)  # what only the imported port can tell, as generate
         if self.tokenizer is None:  # said after the rules of the run, which come first in every command
             raise UserError(
                 "kvports chat needs a model with a tokenizer and a chat template: --model NAME or "
                 "--weights FILE.gguf (or a file kvports convert wrote, with tokenizer.json beside it)"
             )
         use_threads(args.threads)
-        self.loaded = layer.load_model(
+        self.loaded = loading.load_model(
             args.framework, config, tensors, args.dtype, args.device, quant=args.quant, port=port
         )
         self.config = config
@@ -104,7 +105,7 @@ class Chat:
         self.prompt_ids(self.conversation.all() + [{"role": "user", "content": "hi"}])  # the template renders
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return layer.chat_ids(self.inputs.weights, messages, self.tokenizer)
+        return loading.chat_ids(self.inputs.weights, messages, self.tokenizer)
 
     def fitted(self, user: str) -> list[int] | None:
         """The conversation with the user's new turn, as prompt ids that leave room for an answer's
@@ -144,8 +145,8 @@ class Chat:
         ids = self.fitted(user)
         if ids is None:
             return
-        batch = layer.check_and_prepare(self.loaded, self.inputs, [ids])  # [1, P]
-        batch = layer.session_shape(self.loaded, batch, self.inputs.generation.max_new_tokens)  # [1, P']
+        batch = generating.check_and_prepare(self.loaded, self.inputs, [ids])  # [1, P]
+        batch = generating.session_shape(self.loaded, batch, self.inputs.generation.max_new_tokens)  # [1, P']
         decoder = DecodeStream(skip_special_tokens=True)
         made: list[int] = []
         text: list[str] = []
@@ -161,7 +162,7 @@ class Chat:
         start = time.perf_counter()
         stopped = False
         try:
-            layer.generate(self.loaded, batch, self.inputs, on_token=heard)
+            generating.generate(self.loaded, batch, self.inputs, on_token=heard)
         except KeyboardInterrupt:
             stopped = True
         seconds = time.perf_counter() - start

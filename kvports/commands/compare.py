@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvports import registry
-from kvports import run as run_layer
+from kvports import generating, loading, registry
 from kvports.agreement import NEAR_TIE, comparable_steps, compare_tokens, logit_difference
 from kvports.commands.generate_command import describe_generation
 from kvports.commands.inputs import (
@@ -31,8 +30,9 @@ from kvports.commands.inputs import (
 from kvports.devices import add_device_argument, placement
 from kvports.families import describe
 from kvports.flags import add_speculative_arguments, positive_int
+from kvports.generating import RunInputs
+from kvports.loading import LoadedModel
 from kvports.progress import make_progress
-from kvports.run import LoadedModel, RunInputs
 from kvports.shared.checks import check_count
 from kvports.shared.config import ModelConfig
 from kvports.shared.contract import Port
@@ -98,13 +98,13 @@ def usable_ports(
     """Each framework asked for that can run here, with its port; the others with the reason their
     rows give: a rule (`unable`, from `check_rules`: no bfloat16), not installed, no GPU. `given`: --frameworks."""
     runnable = [name for name in frameworks if name not in unable]
-    ports, reasons = run_layer.usable_ports(runnable, device, tensor_parallel)
+    ports, reasons = loading.usable_ports(runnable, device, tensor_parallel)
     reasons = {**unable, **reasons}
     if not ports:
         if (
             device == "cpu"
             and set(frameworks) == set(registry.PORTS)
-            and set(reasons.values()) == {run_layer.NOT_INSTALLED}
+            and set(reasons.values()) == {loading.NOT_INSTALLED}
         ):
             raise UserError("no framework is installed: install kvports[torch], kvports[jax] or use numpy")
         unusable = "; ".join(f"{name}: {reasons[name]}" for name in frameworks)
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
                     progress.advance(task)
                     continue
                 if model is None:
-                    model = run_layer.load_model(
+                    model = loading.load_model(
                         name,
                         config,
                         tensors,
@@ -273,11 +273,11 @@ def measure(
     compile). A speculative row's first call is its warm-up."""
     figures: dict[str, Any] = {}
     if inputs.mode != "speculative":
-        first = run_layer.generate(loaded, prompts, inputs, return_logits=True)
+        first = generating.generate(loaded, prompts, inputs, return_logits=True)
         assert first.padded is not None
         results[(loaded.framework, inputs.mode)] = (first.padded, first.logits)
-    warm = run_layer.generate(loaded, prompts, inputs)
-    seconds = [run_layer.generate(loaded, prompts, inputs).seconds for _ in range(repeats)]
+    warm = generating.generate(loaded, prompts, inputs)
+    seconds = [generating.generate(loaded, prompts, inputs).seconds for _ in range(repeats)]
     median = float(np.median(seconds))
     if inputs.mode == "speculative":
         assert warm.padded is not None and warm.speculative is not None
@@ -307,13 +307,11 @@ def compare_float32(
     the same weights (a GGUF's dequantized ones), as `vs_float32`: the largest |logit difference| up to
     the first divergence, and that step (None: every token agrees). Reported, never a failure."""
     name = reference.NAME
-    model = run_layer.load_model(
-        name, config, float_tensors(tensors), "float32", placement(name, device), port=reference
-    )
+    model = loading.load_model(name, config, float_tensors(tensors), "float32", placement(name, device), port=reference)
     float32 = dataclasses.replace(
         inputs, framework=name, mode="naive", dtype="float32", quant="none", tensor_parallel=1
     )
-    result = run_layer.generate(model, prompts, float32, return_logits=True)
+    result = generating.generate(model, prompts, float32, return_logits=True)
     tokens32, logits32 = result.padded, result.logits
     assert tokens32 is not None and logits32 is not None
     P = prompts.shape[1]

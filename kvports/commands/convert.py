@@ -103,7 +103,7 @@ def text_files(source: Path) -> dict[str, bytes]:
     from kvports.formats.chat import TOKENIZER_CONFIG
     from kvports.formats.gguf.reader import is_gguf
     from kvports.formats.gguf.tokenizer import gguf_text
-    from kvports.run import tokenizer_beside
+    from kvports.loading import tokenizer_beside
 
     if not is_gguf(source):
         folder = source if source.is_dir() else source.parent

@@ -23,7 +23,8 @@ from kvports.commands.inputs import (
 from kvports.devices import add_device_argument, tensor_parallel_layout
 from kvports.families import describe
 from kvports.flags import add_speculative_arguments, integer, positive_int
-from kvports.run import JAX_CACHE_VARIABLE, Generation, generate, load_model
+from kvports.generating import Generation, generate
+from kvports.loading import JAX_CACHE_VARIABLE, load_model
 from kvports.shared.generation import PAD, GenerationConfig
 from kvports.threads import describe_threads, use_threads
 from kvports.validation import MAX_LOGPROBS, MAX_SAMPLES, MODES

@@ -1,6 +1,6 @@
 """The flags `generate` and `compare` share (weights, prompts, text, sampling), and what they
-turn into: the run layer's typed inputs (`kvports.run.RunInputs`), the model read and the
-prompts checked by `kvports.run` and `shared.checks`, before any port is imported."""
+turn into: the run layer's typed inputs (`kvports.generating.RunInputs`), the model read and the
+prompts checked by `kvports.generating` and `shared.checks`, before any port is imported."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvports import run
+from kvports import generating, loading
 from kvports.flags import (
     add_quant_argument,
     add_tensor_parallel_argument,
@@ -26,7 +26,6 @@ from kvports.flags import (
     positive_int,
     seeds,
 )
-from kvports.formats.weights import open_weights
 from kvports.shared.checks import MAX_TEMPERATURE, MIN_TEMPERATURE
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.errors import UserError
@@ -133,12 +132,12 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
 class CommandInputs:
     """What `generate` and `compare` run: the typed inputs, the model read and the prompts checked."""
 
-    inputs: run.RunInputs
+    inputs: generating.RunInputs
     config: ModelConfig
-    tensors: run.Tensors
+    tensors: loading.Tensors
     prompts: np.ndarray  # [B, P], left-padded
     tokenizer: Any  # None without --tokenizer
-    draft: tuple[ModelConfig, run.Tensors] | None  # a draft model's config and tensors (speculative with a file)
+    draft: tuple[ModelConfig, loading.Tensors] | None  # a draft model's config and tensors (speculative with a file)
     unable: dict[str, str]  # frameworks asked for that cannot run it -> the reason their rows give (compare)
 
 
@@ -158,9 +157,10 @@ def read_inputs(
     if wanted is None or "speculative" not in (modes if modes is not None else [mode]):
         return read_checked(args, framework, mode, modes, None, frameworks)
     check_draft_source(wanted)
-    with open_weights(Path(wanted)) as file:  # its header is checked with the rest, before any tensor is read
-        given = read_checked(args, framework, mode, modes, file.config, frameworks)
-        return dataclasses.replace(given, draft=(file.config, file.read(args.dtype)))
+    with loading.open_model(Path(wanted)) as file:  # its header is checked with the rest, before any tensor is read
+        draft_config = loading.header(file, args.dtype)
+        given = read_checked(args, framework, mode, modes, draft_config, frameworks)
+        return dataclasses.replace(given, draft=(draft_config, loading.read_tensors(file, args.dtype)))
 
 
 def read_checked(
@@ -171,9 +171,11 @@ def read_checked(
     draft: ModelConfig | None,
     frameworks: Sequence[str] | None,
 ) -> CommandInputs:
-    def check(config: ModelConfig) -> tuple[run.RunInputs, Any, run.Checked]:
+    """The flags checked against the model's header, then its tensors read."""
+    with loading.open_model(args.weights) as file:
+        config = loading.header(file, args.dtype)
         tokenizer = text_tokenizer(args, config)
-        inputs = run.RunInputs(
+        inputs = generating.RunInputs(
             framework,
             mode,
             generation_of(args, config),
@@ -181,23 +183,16 @@ def read_checked(
             args.dtype,
             args.device,
             draft_of(args),
+            quant=args.quant,
             tensor_parallel=args.tensor_parallel,
             threads=args.threads,
             logprobs=getattr(args, "logprobs", 0),
         )
-        inputs = dataclasses.replace(inputs, quant=args.quant)
-        inputs, rows = run.with_samples(inputs, prompt_rows(args, tokenizer), getattr(args, "num_samples", 1))
+        inputs, rows = generating.with_samples(inputs, prompt_rows(args, tokenizer), getattr(args, "num_samples", 1))
         check_default_prompt(args, config)
-        return (
-            inputs,
-            tokenizer,
-            run.check_inputs(inputs, config, rows, modes=modes, draft=draft, frameworks=frameworks),
-        )
-
-    config, tensors, checked = run.read_model(args.weights, args.dtype, check, args.quant)
-    assert checked is not None
-    inputs, tokenizer, run_checked = checked
-    return CommandInputs(inputs, config, tensors, run_checked.prompts, tokenizer, None, run_checked.unable)
+        checked = generating.check_inputs(inputs, config, rows, modes=modes, draft=draft, frameworks=frameworks)
+        tensors = loading.read_tensors(file, args.dtype, args.quant)
+    return CommandInputs(inputs, config, tensors, checked.prompts, tokenizer, None, checked.unable)
 
 
 def warn_unused(args: argparse.Namespace, speculative: bool) -> None:
@@ -214,12 +209,12 @@ def warn_unused(args: argparse.Namespace, speculative: bool) -> None:
         print(f"warning: {'; '.join(unused)}", file=sys.stderr)
 
 
-def draft_of(args: argparse.Namespace) -> run.Draft | None:
-    return None if args.draft is None else run.Draft(args.draft, args.draft_tokens, args.ngram)
+def draft_of(args: argparse.Namespace) -> generating.Draft | None:
+    return None if args.draft is None else generating.Draft(args.draft, args.draft_tokens, args.ngram)
 
 
 def generation_of(args: argparse.Namespace, config: ModelConfig) -> GenerationConfig:
-    """The sampling and stopping flags as one GenerationConfig (checked by `run.check_inputs`)."""
+    """The sampling and stopping flags as one GenerationConfig (checked by `generating.check_inputs`)."""
     check_stop_flags(args.stop_id, args.no_stop)
     stops = () if args.no_stop else tuple(args.stop_id) if args.stop_id else config.eos_token_ids
     row_seeds = tuple(args.seed)
@@ -244,14 +239,14 @@ def text_tokenizer(args: argparse.Namespace, config: ModelConfig) -> Any:
     in_file = (
         tokenizer_dir is None
         and weights is not None
-        and (has_tokenizer(weights) or run.tokenizer_beside(weights) is not None)  # a GGUF file's, or convert's
+        and (has_tokenizer(weights) or loading.tokenizer_beside(weights) is not None)  # a GGUF file's, or convert's
     )
     check_text_flags(getattr(args, "text", None), tokenizer_dir or in_file, args.prompt, chat_given(args))
     from kvports.formats.hf.text import check_vocabulary, load_tokenizer
 
     if tokenizer_dir is not None:
         return check_vocabulary(load_tokenizer(tokenizer_dir), config.vocab_size)
-    return run.model_tokenizer(weights, config) if in_file else None
+    return loading.model_tokenizer(weights, config) if in_file else None
 
 
 def chat_given(args: argparse.Namespace) -> bool:

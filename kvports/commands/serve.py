@@ -35,8 +35,8 @@ from kvports.flags import (
     positive_int,
 )
 from kvports.limits import check_bytes
+from kvports.loading import header, load_model, open_model, read_tensors
 from kvports.registry import PORTS, REFERENCE
-from kvports.run import load_model, read_model
 from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import GenerationConfig
@@ -160,8 +160,10 @@ def prepare(args: argparse.Namespace, wrap_port: Any = None) -> tuple[Any, Any]:
         check_bytes(run_bytes(config, args.dtype, settings), f"a server's block pool in {args.dtype}")
         return settings, load_tokenizer(args.tokenizer, args.weights, config)
 
-    config, tensors, checked = read_model(args.weights, args.dtype, check, args.quant)
-    assert checked is not None
+    with open_model(args.weights) as file:  # the header, checked before any tensor is read
+        config = header(file, args.dtype)
+        checked = check(config)
+        tensors = read_tensors(file, args.dtype, args.quant)
     settings, tokenizer = checked
     use_threads(args.threads)
     loaded = load_model(args.framework, config, tensors, args.dtype, args.device, quant=args.quant)

@@ -12,7 +12,7 @@ import json
 import pytest
 
 import kvports
-from kvports import run
+from kvports import generating
 from kvports.formats.weights import gpt2_init_weights, save_weights
 from kvports.registry import PORTS
 from kvports.shared.config import MAX_SIZE
@@ -181,10 +181,10 @@ def test_logprobs_out_of_bounds_is_one_error_line(capsys, no_port_may_load, fram
 
 def test_logprobs_are_bounded_by_the_vocabulary(seed_weights):
     config, _ = seed_weights
-    inputs = run.RunInputs("numpy", "cached", GenerationConfig(2), logprobs=20)
+    inputs = generating.RunInputs("numpy", "cached", GenerationConfig(2), logprobs=20)
     small = dataclasses.replace(config, vocab_size=8)
-    with pytest.raises(run.UserError, match="--logprobs 20 is above 8"):
-        run.check_inputs(inputs, small, [[1, 2]])
+    with pytest.raises(generating.UserError, match="--logprobs 20 is above 8"):
+        generating.check_inputs(inputs, small, [[1, 2]])
 
 
 # --- the block pool -------------------------------------------------------------------------------

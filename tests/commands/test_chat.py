@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 import pytest
 
-from kvports import run
+from kvports import generating, loading
 from kvports.hub import model_path
 from kvports.shared.errors import UserError
 from tests.helpers.commands import assert_one_error_line, run_cli
@@ -28,13 +28,13 @@ NEW_TOKENS = 6
 def prompts_seen(monkeypatch):
     """Every conversation chat renders, in order."""
     seen: list[list[dict[str, str]]] = []
-    real = run.chat_ids
+    real = loading.chat_ids
 
     def spy(weights, messages, tokenizer):
         seen.append([dict(message) for message in messages])
         return real(weights, messages, tokenizer)
 
-    monkeypatch.setattr(run, "chat_ids", spy)
+    monkeypatch.setattr(loading, "chat_ids", spy)
     return seen
 
 
@@ -85,7 +85,7 @@ def test_a_message_the_context_cannot_hold_is_refused_and_the_chat_goes_on(capsy
 
 
 def test_a_jax_chats_turns_share_one_compiled_shape_and_answer_as_numpy(capsys, monkeypatch, chat_model):
-    """Each turn's prompt is longer than the last; left-padded to one shape (`run.session_shape`,
+    """Each turn's prompt is longer than the last; left-padded to one shape (`generating.session_shape`,
     here the context less the new tokens) the second turn compiles nothing new."""
     jax_port = pytest.importorskip("kvports.jax_impl.port")
     from tests.helpers.compiles import counting_traces
@@ -122,7 +122,7 @@ def test_a_sessions_prompt_is_padded_on_the_left_to_a_shared_shape(framework, P,
 
     loaded = SimpleNamespace(framework=framework, config=SimpleNamespace(max_seq_len=context))
     prompts = np.arange(1, P + 1, dtype=np.int64)[None, :]  # [1, P]
-    shaped = run.session_shape(loaded, prompts, new_tokens)  # type: ignore[arg-type]
+    shaped = generating.session_shape(loaded, prompts, new_tokens)  # type: ignore[arg-type]
     assert shaped.shape == (1, width)
     assert (shaped[:, : width - P] == PAD).all() and np.array_equal(shaped[:, width - P :], prompts)
 

@@ -69,7 +69,7 @@ def test_generate_with_an_uninstalled_framework_is_an_error(capsys, monkeypatch)
 
 
 def test_generate_checks_each_input_once(capsys, monkeypatch, tmp_path):
-    from kvports import run, validation
+    from kvports import generating, validation
     from kvports.formats.weights import save_weights
     from kvports.shared.config import ModelConfig
     from tests.helpers.models import random_weights
@@ -80,7 +80,7 @@ def test_generate_checks_each_input_once(capsys, monkeypatch, tmp_path):
     names = ("check_prompts", "check_seeds", "check_draft", "check_draft_model", "check_needed", "check_run")
     calls = dict.fromkeys(names, 0)
     for name in names:
-        module = validation if name == "check_draft_model" else run  # the draft's vocabulary: a rule
+        module = validation if name == "check_draft_model" else generating  # the draft's vocabulary: a rule
         real = getattr(module, name)
 
         def counted(*args, real=real, name=name):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy.special import log_softmax
 
-from kvports import run
+from kvports import generating, loading
 from kvports.registry import PORTS
 from kvports.shared.generation import GenerationConfig
 from tests.helpers.commands import run_cli
@@ -21,10 +21,10 @@ from tests.helpers.ports import port_or_skip
 
 def test_logprobs_are_each_steps_log_softmax_of_the_logits(port, seed_weights):
     config, tensors = seed_weights
-    loaded = run.load_model(port.NAME, config, tensors, "float32", "cpu")
-    inputs = run.RunInputs(port.NAME, "cached", GenerationConfig(6, stop_ids=()), logprobs=3)
-    prompts = run.check_inputs(inputs, config, [SEED, SEED[:3]]).prompts
-    result = run.generate(loaded, prompts, inputs, return_logits=True)
+    loaded = loading.load_model(port.NAME, config, tensors, "float32", "cpu")
+    inputs = generating.RunInputs(port.NAME, "cached", GenerationConfig(6, stop_ids=()), logprobs=3)
+    prompts = generating.check_inputs(inputs, config, [SEED, SEED[:3]]).prompts
+    result = generating.generate(loaded, prompts, inputs, return_logits=True)
     assert result.logits is not None and result.logprobs is not None
     expected = log_softmax(result.logits.astype(np.float64), axis=-1)  # [B, N, V]
     for row, (steps, generated) in enumerate(zip(result.logprobs, result.generated, strict=True)):
@@ -38,9 +38,9 @@ def test_logprobs_are_each_steps_log_softmax_of_the_logits(port, seed_weights):
 
 def test_logprobs_end_at_a_rows_stop(seed_weights):
     config, tensors = seed_weights
-    loaded = run.load_model("numpy", config, tensors, "float32", "cpu")
-    inputs = run.RunInputs("numpy", "cached", GenerationConfig(6, stop_ids=(221,)), logprobs=1)
-    result = run.generate(loaded, run.check_inputs(inputs, config, [SEED]).prompts, inputs)
+    loaded = loading.load_model("numpy", config, tensors, "float32", "cpu")
+    inputs = generating.RunInputs("numpy", "cached", GenerationConfig(6, stop_ids=(221,)), logprobs=1)
+    result = generating.generate(loaded, generating.check_inputs(inputs, config, [SEED]).prompts, inputs)
     assert [step["token"] for step in result.logprobs[0]] == [315, 391, 221]  # the stop token is the last
 
 
@@ -99,10 +99,12 @@ def test_every_front_door_reports_the_same_logprobs_and_breaks_a_tie_by_the_lowe
     config = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, max_seq_len=32)
     tensors = random_weights(config)
     tensors["head.weight"][:] = 0  # every logit 0: each step is a 64-way tie
-    loaded = run.load_model(port.NAME, config, tensors, "float32", "cpu")
+    loaded = loading.load_model(port.NAME, config, tensors, "float32", "cpu")
     generation = GenerationConfig(3, stop_ids=())
-    inputs = run.RunInputs(port.NAME, "cached", generation, logprobs=4)
-    command_line = run.generate(loaded, run.check_inputs(inputs, config, [[5, 6, 7]]).prompts, inputs).logprobs
+    inputs = generating.RunInputs(port.NAME, "cached", generation, logprobs=4)
+    command_line = generating.generate(
+        loaded, generating.check_inputs(inputs, config, [[5, 6, 7]]).prompts, inputs
+    ).logprobs
     engine = Engine(loaded.port, loaded.model, config, BatchSettings(max_batch=1, block_size=4))
     sequence = engine.add(Request("a", (5, 6, 7), generation, logprobs=4))
     engine.run()

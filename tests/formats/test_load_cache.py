@@ -14,7 +14,7 @@ import pytest
 from kvports.formats.gguf import cache, reader
 from kvports.formats.gguf.tokenizer import gguf_text, gguf_tokenizer
 from kvports.formats.weights import GGUFWeights
-from kvports.run import open_model
+from kvports.loading import open_model
 from kvports.shared.shapes import stored_transposed
 from tests.helpers.gguf_files import write_gguf
 from tests.helpers.ports import port_or_skip
@@ -229,17 +229,17 @@ def test_the_cache_is_off_with_its_variable(home, gguf, monkeypatch):
 
 def test_jax_keeps_what_it_compiles_under_kvports_home_unless_told_not_to(home, monkeypatch):
     jax = pytest.importorskip("jax")
-    from kvports import run
+    from kvports import loading
 
     previous = jax.config.jax_compilation_cache_dir
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     try:
         jax.config.update("jax_compilation_cache_dir", None)
-        monkeypatch.setenv(run.JAX_CACHE_VARIABLE, "0")
-        run.use_jax_cache()
+        monkeypatch.setenv(loading.JAX_CACHE_VARIABLE, "0")
+        loading.use_jax_cache()
         assert jax.config.jax_compilation_cache_dir is None
-        monkeypatch.delenv(run.JAX_CACHE_VARIABLE)
-        run.use_jax_cache()
+        monkeypatch.delenv(loading.JAX_CACHE_VARIABLE)
+        loading.use_jax_cache()
         assert jax.config.jax_compilation_cache_dir == str(home / "jax")
     finally:
         jax.config.update("jax_compilation_cache_dir", previous)

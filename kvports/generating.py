@@ -1,22 +1,23 @@
-"""The run layer, the one path under the command line and the Python API: typed inputs, checked
-once (`check_inputs`, with `validation.check_rules`, every rule of what the ports can run, and
-`shared.checks`' messages), models loaded by `load_model`, one `generate` for every mode, a typed
-result.
+"""Generating, the second half of the run layer, the one path under the command line and the
+Python API: typed inputs (`RunInputs`, `Draft`), checked once (`check_inputs`: the rules of what
+the ports can run, `validation.check_rules`; each prompt as a `batching.request.Request`, held to
+`check_request`), one `generate` for every mode, and its typed result (`Generation`).
 
     inputs = RunInputs("numpy", "cached", GenerationConfig(8))
-    config, tensors, prompts = read_model(                                # [B, P]: every check, once,
-        inputs.weights, inputs.dtype, lambda config: check_inputs(inputs, config, [[160, 248, 104]]).prompts
-    )                                                                     # before a tensor is read
+    with open_model(inputs.weights) as file:                               # loading's
+        config = header(file, inputs.dtype)
+        prompts = check_inputs(inputs, config, [[160, 248, 104]]).prompts  # [B, P]: every check, once,
+        tensors = read_tensors(file, inputs.dtype)                         # before a tensor is read
     loaded = load_model(inputs.framework, config, tensors, inputs.dtype, inputs.device)
-    result = generate(loaded, prompts, inputs)                            # result.generated, .seconds, ...
+    result = generate(loaded, prompts, inputs)                             # result.generated, .seconds, ...
 
 `kvports generate`, `compare`, `bench`, `batch` (and its --bench) and `check`'s reference go
 through these functions: their flags become these inputs, or `check_rules`' `Setup` where a
 command runs several frameworks, formats or splits; the Python API (`kvports.load(...).generate(...)`)
 builds them from its arguments and calls `check_and_prepare` on the model it loaded. What only an
-imported port can tell (a GPU, the devices to split across) is `port_for`'s, and `usable_ports`'
-for several frameworks, still before any model loads. A draft model (speculative mode) is read and
-loaded once, then kept on the `LoadedModel`.
+imported port can tell (a GPU, the devices to split across) is `loading.port_for`'s, and
+`usable_ports`' for several frameworks, still before any model loads. A draft model (speculative
+mode) is read through the same opener as the model and loaded once, then kept on the `LoadedModel`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,17 +35,12 @@ from kvports import registry
 from kvports.batching.request import Request, check_request
 from kvports.devices import (
     DEVICES,
-    check_device,
-    check_gpu_reachable,
-    check_parallel_devices,
-    device_problem,
-    placement,
     prepare_tensor_parallel,
 )
-from kvports.formats.weights import DEFAULT_WEIGHTS, open_weights
-from kvports.limits import check_bytes, check_run, release_freed_memory
+from kvports.limits import check_run
+from kvports.loading import LoadedModel, Tensors, check_weights, header, open_model, read_tensors
 from kvports.shared.checks import COMMAND_LINE, Names, check_choice, python_value
-from kvports.shared.config import DTYPES, ModelConfig, host_dtype
+from kvports.shared.config import DTYPES, ModelConfig
 from kvports.shared.contract import OnToken, Port, Timed
 from kvports.shared.errors import UserError
 from kvports.shared.generation import (
@@ -56,8 +52,7 @@ from kvports.shared.generation import (
     row_tokens,
     token_logprobs,
 )
-from kvports.shared.shapes import parameter_count
-from kvports.threads import check_threads, settle_threads
+from kvports.threads import check_threads
 from kvports.validation import (
     MODES,
     Setup,
@@ -65,16 +60,12 @@ from kvports.validation import (
     check_draft_source,
     check_needed,
     check_ngram,
-    check_q4_file,
     check_rules,
     check_samples,
     check_seeds,
-    shown,
 )
 
-Tensors = dict[str, np.ndarray]
 T = TypeVar("T")
-NOT_INSTALLED = "not installed"  # `usable_ports`' reason for a framework that is missing, by default
 
 
 @dataclass(frozen=True)
@@ -122,25 +113,6 @@ class RunInputs:
         )
 
 
-@dataclass
-class LoadedModel:
-    """One framework's model on one device, with the draft models loaded for it so far."""
-
-    port: Port
-    model: Any
-    config: ModelConfig
-    framework: str
-    dtype: str
-    device: str
-    drafts: dict[str, tuple[ModelConfig, Any]] = field(default_factory=dict)  # source -> (config, model)
-    quant: str = "none"  # the model's (a draft runs unquantized)
-    tensor_parallel: int = 1  # the draft is split across the same devices
-
-    def add_draft(self, source: str, config: ModelConfig, tensors: Tensors) -> None:
-        model = self.port.load_model(config, tensors, self.dtype, self.device, tensor_parallel=self.tensor_parallel)
-        self.drafts[source] = (config, model)
-
-
 @dataclass(frozen=True)
 class Generation:
     """What one generation made, row by row (padding dropped), and how long it took."""
@@ -165,179 +137,10 @@ def check_names(framework: object, dtype: object, device: object, names: Names) 
     check_choice("device", device, DEVICES, names)
 
 
-def read_model(
-    weights: Path | None,
-    dtype: str,
-    check: Callable[[ModelConfig], T] | None = None,
-    quant: str = "none",
-    names: Names = COMMAND_LINE,
-) -> tuple[ModelConfig, Tensors, T | None]:
-    """A weights file's config and tensors at `dtype`: the header checked, then `check(config)`
-    (a run's inputs against the model; without one, the weights' own bytes against the limit),
-    all before any tensor is read. The third item is what `check` returned. quant "q4": the
-    file's 4-bit blocks too, beside the dequantized weights (a file without any is refused)."""
-    with open_model(weights if weights is not None else DEFAULT_WEIGHTS) as file:
-        config = file.config.validate_at(dtype)
-        checked = None
-        if check is not None:
-            checked = check(config)
-        else:
-            check_weights(config, dtype)
-        check_q4_file(quant, file.has_q4(), file.source, names)
-        return config, file.read(dtype, quant), checked
-
-
-def model_tokenizer(weights: Path | None, config: ModelConfig) -> Any:
-    """A weights file's own tokenizer, checked against the model's vocabulary: a GGUF file's (its
-    metadata), or the tokenizer.json `kvports convert` wrote beside a safetensors file; else None."""
-    from kvports.formats.hf.text import check_vocabulary, load_tokenizer
-
-    if weights is None:
-        return None
-    from kvports.formats.gguf.tokenizer import gguf_tokenizer, has_tokenizer
-
-    if has_tokenizer(weights):
-        return check_vocabulary(gguf_tokenizer(weights), config.vocab_size)
-    beside = tokenizer_beside(weights)
-    return None if beside is None else check_vocabulary(load_tokenizer(beside), config.vocab_size)
-
-
-def tokenizer_beside(weights: Path) -> Path | None:
-    """The tokenizer.json `kvports convert` keeps beside the weights it writes (a folder's, with --to-hf)."""
-    folder = weights if weights.is_dir() else weights.parent
-    found = folder / "tokenizer.json"
-    return found if found.is_file() and not weights.suffix == ".gguf" else None
-
-
-def chat_ids(weights: Path | None, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
-    """A chat's prompt ids in the weights' own template (a GGUF file's, or the chat template
-    `kvports convert` kept beside the weights)."""
-    from kvports.formats import chat
-
-    if weights is None:
-        raise UserError("a chat needs a model with a chat template: give --model NAME or --weights FILE.gguf")
-    return chat.chat_ids(weights, messages, tokenizer)
-
-
-def open_model(path: Path) -> Any:
-    """A model's weights file, open: a GGUF file through the load cache (mapped from what its first
-    load kept, `formats.gguf.cache`), any other as `open_weights` opens it."""
-    from kvports.formats.gguf.cache import open_gguf
-    from kvports.formats.gguf.reader import is_gguf
-
-    return open_gguf(path) if is_gguf(path) else open_weights(path)
-
-
-def check_weights(config: ModelConfig, dtype: str) -> None:
-    """The bytes of a model's weights (twice: read, then the framework's copy) against the limit."""
-    count = parameter_count(config)
-    check_bytes({"weights": 2 * count * np.dtype(host_dtype(dtype)).itemsize}, f"a model of {count:,} parameters")
-
-
 def check_load(setup: Setup, config: ModelConfig, names: Names = COMMAND_LINE) -> None:
     """A model to load with no run yet (the API's `load`): the rules against its config, and its bytes."""
     check_rules(setup, names, [("the model", config)])
     check_weights(config, setup.dtype)
-
-
-def load_port(framework: str) -> Port:
-    """The framework's port: one that is not installed is a user error."""
-    try:
-        port = registry.load_port(framework)
-    except registry.PortUnavailable as exc:
-        raise UserError(str(exc)) from None
-    settle_threads()  # torch's thread pools exist only once it is imported
-    if framework == "jax":
-        use_jax_cache()
-    return port
-
-
-JAX_CACHE_VARIABLE = "KVPORTS_JAX_CACHE"  # "0": JAX compiles every run again
-
-
-def use_jax_cache() -> None:
-    """JAX's persistent compilation cache under $KVPORTS_HOME/jax, on unless KVPORTS_JAX_CACHE=0 (or
-    --no-jax-cache) or JAX_COMPILATION_CACHE_DIR already names one: a second run of the same shapes
-    loads what the first compiled instead of compiling the layer loop again."""
-    import os
-
-    if os.environ.get(JAX_CACHE_VARIABLE, "1") in ("0", "false", "no", "off") or os.environ.get(
-        "JAX_COMPILATION_CACHE_DIR"
-    ):
-        return
-    import jax
-
-    from kvports.hub import home
-
-    if jax.config.jax_compilation_cache_dir is None:
-        jax.config.update("jax_compilation_cache_dir", str(home() / "jax"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the small helpers too: they add up
-
-
-def port_for(
-    framework: str, device: str, tensor_parallel: int = 1, names: Names = COMMAND_LINE, port: Port | None = None
-) -> Port:
-    """One framework's port, imported (`port`: imported already, by `usable_ports`), that reaches
-    `device` and has `tensor_parallel` devices there: what only the imported port can tell, refused
-    after `check_rules` and before any model loads."""
-    prepare_tensor_parallel(tensor_parallel, device, [framework])  # before the port's import starts JAX
-    port = load_port(framework) if port is None else port
-    check_device(port, device, shown(names, "device", device))
-    check_parallel_devices(framework, device, tensor_parallel, shown(names, "tensor_parallel", tensor_parallel))
-    return port
-
-
-def usable_ports(
-    frameworks: Sequence[str],
-    device: str,
-    tensor_parallel: int = 1,
-    names: Names = COMMAND_LINE,
-    missing: Callable[[str], str] = lambda framework: NOT_INSTALLED,
-) -> tuple[dict[str, Port], dict[str, str]]:
-    """`port_for` for a command that runs several frameworks (compare, the benches): each one's
-    port, or the reason its rows give (`missing(framework)` for one not installed, else why it
-    finds no GPU). Refused when none reaches a GPU asked for, or a split asks more devices than
-    a port has."""
-    prepare_tensor_parallel(tensor_parallel, device, frameworks)  # before the first import starts JAX
-    ports: dict[str, Port] = {}
-    reasons: dict[str, str] = {}
-    problems: dict[str, str | None] = {}
-    for name in frameworks:
-        port = registry.available_port(name)
-        problems[name] = (registry.outdated(name) or missing(name)) if port is None else device_problem(port, device)
-        if port is not None and problems[name] is None:
-            ports[name] = port
-        else:
-            reasons[name] = str(problems[name])
-    settle_threads()  # torch's thread pools exist only once it is imported
-    if "jax" in ports:
-        use_jax_cache()
-    check_gpu_reachable(device, problems, shown(names, "device", device))
-    for name in ports:
-        check_parallel_devices(
-            name, placement(name, device), tensor_parallel, shown(names, "tensor_parallel", tensor_parallel)
-        )
-    return ports, reasons
-
-
-def load_model(
-    framework: str,
-    config: ModelConfig,
-    tensors: Tensors,
-    dtype: str,
-    device: str,
-    names: Names = COMMAND_LINE,
-    quant: str = "none",
-    tensor_parallel: int = 1,
-    port: Port | None = None,
-) -> LoadedModel:
-    """The one way a port's model is loaded, once its caller has held the run to `check_rules`
-    (before any file was read): `port_for` (`port`: imported already), then the port's own load.
-    `device`: where this framework runs (`devices.placement`: NumPy on the CPU)."""
-    port = port_for(framework, device, tensor_parallel, names, port)
-    model = port.load_model(config, tensors, dtype, device, quant=quant, tensor_parallel=tensor_parallel)
-    release_freed_memory()
-    return LoadedModel(port, model, config, framework, dtype, device, quant=quant, tensor_parallel=tensor_parallel)
 
 
 @dataclass(frozen=True)
@@ -432,9 +235,10 @@ def check_and_prepare(
     if source is None or source in loaded.drafts:
         draft = None if source is None else loaded.drafts[source][0]
         return check_inputs(inputs, loaded.config, prompts, names, draft=draft).prompts
-    with open_weights(Path(source)) as file:
-        batch = check_inputs(inputs, loaded.config, prompts, names, draft=file.config).prompts
-        loaded.add_draft(source, file.config, file.read(inputs.dtype))
+    with open_model(Path(source)) as file:  # through the load cache, as the model
+        draft = header(file, inputs.dtype)
+        batch = check_inputs(inputs, loaded.config, prompts, names, draft=draft).prompts
+        loaded.add_draft(source, draft, read_tensors(file, inputs.dtype))
     return batch
 
 
@@ -464,7 +268,7 @@ def read_draft(
     if source is None:
         return None
     assert inputs.draft is not None
-    with open_weights(Path(source)) as file:
+    with open_model(Path(source)) as file:  # through the load cache, as the model
         for setup in setups:
             check_rules(setup, COMMAND_LINE, [("the model", config), ("the draft", file.config)])
         B, P = prompts.shape
