@@ -20,6 +20,7 @@ import numpy as np
 from kvports import registry
 from kvports.devices import check_cpu_only
 from kvports.limits import check_run
+from kvports.shared import cpu
 from kvports.shared.checks import (
     API,
     COMMAND_LINE,
@@ -374,6 +375,7 @@ def check_rules(
     message, only when none can. Names that are not ports (the bench's baselines) count only for
     the device."""
     refused: dict[str, Refusal] = {}
+    cpu.forced()  # KVPORTS_CPU, the CPU-route switch (shared/cpu.py): a bad value refused before any port loads
 
     def each(rule: Callable[[str], Refusal | None]) -> None:
         for framework in setup.frameworks:

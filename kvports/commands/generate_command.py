@@ -20,6 +20,7 @@ from kvports.commands.inputs import (
     read_inputs,
     warn_unused,
 )
+from kvports.bench.formats import format_name
 from kvports.devices import add_device_argument, tensor_parallel_layout
 from kvports.families import describe
 from kvports.flags import add_speculative_arguments, integer, positive_int
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             "mode": args.mode,
             "dtype": args.dtype,
             "quant": args.quant,
+            "linear_route": loaded.route,
             "device": args.device,
             "threads": given.inputs.threads,
             "family": given.config.family,
@@ -153,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(output))
         return 0
     print(
-        f"{args.framework} {args.mode} {args.dtype} on the {args.device}, {describe(given.config)}, "
+        f"{args.framework} {args.mode} {format_name(args.dtype, args.quant)} via {loaded.route} on the {args.device}, "
+        f"{describe(given.config)}, "
         f"{describe_generation(generation)}, {args.new_tokens} new tokens at most, "
         f"{describe_threads(given.inputs.threads)}, in {result.seconds:.3f} s"
     )
