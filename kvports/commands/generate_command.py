@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvports import registry
+from kvports.bench.formats import format_name
 from kvports.commands.inputs import (
     add_generation_arguments,
     add_input_arguments,
@@ -20,7 +21,6 @@ from kvports.commands.inputs import (
     read_inputs,
     warn_unused,
 )
-from kvports.bench.formats import format_name
 from kvports.devices import add_device_argument, tensor_parallel_layout
 from kvports.families import describe
 from kvports.flags import add_speculative_arguments, integer, positive_int
