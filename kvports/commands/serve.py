@@ -49,6 +49,7 @@ MAX_LENGTH = 1024  # the default longest sequence: a model's whole context sizes
 MAX_QUEUE = 64
 GRACEFUL_S = 5  # how long running requests may finish after SIGINT or SIGTERM
 LOOPBACK = "127.0.0.1"
+BACKLOG = 2048  # connections waiting to be accepted (uvicorn's default)
 MAX_PORT = 65535
 INSTALL = "kvports serve needs FastAPI, uvicorn and prometheus-client: pip install 'kvports[serve]'"
 # What the server runs: the engine's paged steps (as `kvports batch`).
@@ -117,7 +118,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The server's socket, bound: an address this machine does not have, or a port in use, is a user error."""
+    """The server's socket, bound and listening: an address this machine does not have, or a port in
+    use, is a user error. It listens at once, before the model loads: with SO_REUSEADDR, two sockets
+    that are only bound may share a port, and a second server started beside the first would load
+    its model and fail only when it came to listen. A client that connects meanwhile waits in the
+    backlog until the server is ready."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -126,6 +131,7 @@ def listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
     try:
         sock.bind((host, port))
+        sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()
         raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
@@ -181,8 +187,19 @@ def prepare(args: argparse.Namespace, wrap_port: Any = None) -> tuple[Any, Any]:
 
 
 def check_api_key(args: argparse.Namespace) -> None:
-    if args.api_key is not None and not args.api_key.strip():
+    """A key a client can send: an HTTP header carries ASCII, and a key with a space, a tab or a
+    control character in it would be cut or refused on its way. The key itself is never echoed."""
+    key = args.api_key
+    if key is None:
+        return
+    if not key.strip():
         raise UserError("--api-key is empty: give a key, or leave the flag out for none")
+    for index, character in enumerate(key):
+        if not "!" <= character <= "~":
+            raise UserError(
+                f"the API key (--api-key or $KVPORTS_API_KEY) holds U+{ord(character):04X} at character {index}: "
+                "a key is visible ASCII ('!' to '~'), as an HTTP header carries it; no client could send this one"
+            )
 
 
 def settings_of(args: argparse.Namespace, config: ModelConfig) -> BatchSettings:

@@ -80,8 +80,12 @@ def create_app(state: ServerState) -> Any:
     def authorize(request: HttpRequest) -> None:
         if state.api_key is None:
             return
-        given = request.headers.get("authorization", "").encode("utf-8", "replace")
-        if not hmac.compare_digest(given, f"Bearer {state.api_key}".encode()):
+        # The header as its bytes (Starlette decodes headers as Latin-1); the scheme's name is
+        # case-insensitive (RFC 9110), the key is not. The key is visible ASCII (checked at start).
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip(" ").encode("latin-1"), state.api_key.encode("ascii")
+        ):
             raise ApiError(
                 401,
                 "a valid API key is required: 'Authorization: Bearer KEY'",
