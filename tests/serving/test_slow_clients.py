@@ -1,7 +1,8 @@
 """A client that holds a connection without finishing its request is cut off: headers trickled
 byte by byte, a body that never ends, a connection that never says anything. Each is answered 408
-(or closed) within the server's timeouts, and the server answers the next request. Raw sockets on
-loopback; every wait is bounded (SOCKET_S, and a sending loop of at most SENDS writes)."""
+(or closed) within the server's timeouts, and the server answers the next request; one that goes
+away in the middle of its body leaves no traceback. Raw sockets on loopback; every wait is
+bounded (SOCKET_S, and a sending loop of at most SENDS writes)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from tests.helpers.servers import WAIT_S, start_server
+from tests.helpers.servers import WAIT_S, start_server, wait_for
 
 httpx = pytest.importorskip("httpx")
 TIMEOUT_S = 0.5  # the test server's header and body timeouts
@@ -113,4 +114,14 @@ def test_a_body_still_arriving_after_an_early_answer_is_cut_at_the_body_timeout(
         answer = trickle(connection, itertools.repeat(b"1\r\n \r\n"))
     assert answer is not None, "the connection was held open"
     assert answer.startswith(b"HTTP/1.1 404 "), answer
+    assert_it_still_serves(server)
+
+
+def test_a_client_gone_in_the_middle_of_its_body_leaves_no_traceback(server, caplog):
+    tasks = server.server.server_state.tasks  # uvicorn's: one per request being answered
+    with connect(server) as connection:
+        connection.sendall(HEADERS + b"Content-Length: 100\r\n\r\n{")
+        assert wait_for(lambda: len(tasks) == 1), "the request never reached the app"
+    assert wait_for(lambda: not tasks), "the request is still being answered"
+    assert not [record for record in caplog.records if record.exc_info], caplog.text
     assert_it_still_serves(server)
