@@ -212,8 +212,8 @@ def prepare(args: argparse.Namespace, wrap_port: Any = None) -> tuple[Any, Any]:
 
 
 def check_api_key(args: argparse.Namespace) -> None:
-    """A key a client can send: an HTTP header carries ASCII, and a key with a space, a tab or a
-    control character in it would be cut or refused on its way. The key itself is never echoed."""
+    """A key every client sends unchanged: visible ASCII. A header carries ASCII only, white space at
+    its ends is stripped on its way and a control character refused. The key itself is never echoed."""
     key = args.api_key
     if key is None:
         return
@@ -223,7 +223,7 @@ def check_api_key(args: argparse.Namespace) -> None:
         if not "!" <= character <= "~":
             raise UserError(
                 f"the API key (--api-key or $KVPORTS_API_KEY) holds U+{ord(character):04X} at character {index}: "
-                "a key is visible ASCII ('!' to '~'), as an HTTP header carries it; no client could send this one"
+                "a key is visible ASCII ('!' to '~'), which every client sends unchanged in an HTTP header"
             )
 
 

@@ -41,7 +41,6 @@ from kvports.server.schemas import MAX_BODY_BYTES, ApiError, Chat, Completion, E
 
 RETRY_AFTER_S = 1  # a full queue's advice: most requests finish within seconds
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens looks whether its client is still there
-BODY_TIMEOUT_S = 30.0  # a request body's time to arrive, from its headers (kvports serve --body-timeout)
 
 
 @dataclass
@@ -55,15 +54,14 @@ class ServerState:
     api_key: str | None = None
     created: int = 0  # the model's "created" time, as /v1/models shows it
     describe: str = ""  # the framework, model and context, for the line that says it is ready
-    body_timeout: float = BODY_TIMEOUT_S
+    body_timeout: float | None = None  # seconds a request's body may take to arrive (None: no limit)
     answers: set[Answer] = field(default_factory=set)  # the requests running now
 
-    def end_requests(self) -> int:
+    def end_requests(self) -> None:
         """End every running request now (the server shuts down): each answers a 503 error object,
-        a stream as its last chunk. How many there were."""
+        a stream as its last chunk."""
         for answer in self.answers:
             answer.job.events.put_nowait(("shutdown", 0, None))  # after the tokens already made
-        return len(self.answers)
 
 
 def create_app(state: ServerState) -> Any:
@@ -176,7 +174,7 @@ def create_app(state: ServerState) -> Any:
     return app
 
 
-async def read_body(request: Any, seconds: float) -> bytes:
+async def read_body(request: Any, seconds: float | None) -> bytes:
     """The body, refused (413) past MAX_BODY_BYTES, by its declared length or as it arrives, and
     (408) if it has not all come within `seconds`: a body trickled, or one that never ends."""
     declared = request.headers.get("content-length")

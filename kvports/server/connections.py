@@ -102,7 +102,7 @@ class DeadlineProtocol(H11Protocol):
             self.transport.close()
 
 
-def make_server(app: Any, host: str, port: int, what: str, timeouts: Timeouts, end_requests: Callable[[], int]) -> Any:
+def make_server(app: Any, host: str, port: int, what: str, timeouts: Timeouts, end_requests: Callable[[], None]) -> Any:
     """uvicorn's server for the app: one line on stdout once it listens; SIGINT or SIGTERM end it
     cleanly (its run returns, and the command exits 0, not by the signal). end_requests: ends every
     running request with an error, its stream's last chunk (at the end of the grace period)."""
