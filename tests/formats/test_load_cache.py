@@ -332,6 +332,10 @@ def checked_record(home):
     return entry_folder(home) / cache.CHECKED
 
 
+def tensors_file(home):
+    return entry_folder(home) / cache.TENSORS
+
+
 def make_fifo(path):
     os.mkfifo(path)
 
@@ -366,7 +370,7 @@ def load_within(gguf, seconds: float, fifo=None):
     return done
 
 
-@pytest.mark.parametrize("record", [digest_record, checked_record])
+@pytest.mark.parametrize("record", [digest_record, checked_record, tensors_file])
 @pytest.mark.parametrize("odd", [make_fifo, link_to_dev_zero, make_folder, nest_deeply, fill_past_the_bound])
 def test_a_record_that_is_not_a_small_regular_json_file_is_rebuilt_with_one_warning(home, gguf, capsys, record, odd):
     checked_entry(home, gguf)
