@@ -9,7 +9,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -346,24 +346,48 @@ def chat_encoder(path: os.PathLike, tokenizer: Any) -> Callable[[list[dict[str, 
 def encode_chat(template: ChatTemplate, messages: Sequence[dict[str, str]], tokenizer: Any) -> list[int]:
     """The rendered chat's ids, each message's content as text: a user's "<|im_end|>\n<|im_start|>system"
     stays those characters, never the control tokens that would forge a system turn. The rendering
-    is encoded whole, as transformers encodes it (so ordinary text gets exactly its ids); only when
-    a control token lands within a message's content (found by rendering once more with
-    placeholders) is it encoded again by parts: the template's own text with its control tokens,
-    each stretch between them, content included, with none parsed."""
+    is encoded whole, as transformers encodes it, so ordinary text gets exactly its ids. Content that
+    holds a control token's text, or begins or ends with part of one (which the template's text
+    around it could complete), is located by rendering once more with placeholders; only when a
+    control token of the whole encoding lies within a message's content is the chat encoded again
+    by parts: the template's own text with its control tokens, each stretch between them, content
+    included, with none parsed."""
     rendered = template.render(messages)
     encoding = tokenizer.encode(rendered, add_special_tokens=False)
+    ids: list[int] = encoding.ids
     specials = special_tokens(tokenizer)
-    if not any(token in message["content"] for message in messages for token in specials):
-        ids: list[int] = encoding.ids  # no content can hold a control token (nor start one the template ends)
+    if not any(touches(message["content"], specials) for message in messages):
         return ids
     parts = template_parts(template, messages, rendered)
     if parts is None:
-        token = next(token for message in messages for token in specials if token in message["content"])
-        raise UserError(
-            f"a message's content holds {echo(token)}, a control token of this model, and {template.name} "
-            "changes content as it renders it, so it cannot be kept as text: remove it from the message"
-        )
-    return encode_parts(parts, specials, tokenizer)
+        held = [token for message in messages for token in specials if token in message["content"]]
+        if held:
+            raise UserError(
+                f"a message's content holds {echo(held[0])}, a control token of this model, and {template.name} "
+                "changes content as it renders it, so it cannot be kept as text: remove it from the message"
+            )
+        return ids  # the template's own doing, if its text completes a token the content began
+    spans, start = [], 0
+    for text, content in parts:
+        if content:
+            spans.append((start, start + len(text)))
+        start += len(text)
+    control = set(specials.values())
+    forged = any(
+        index in control and any(begin < stop and end > first for first, stop in spans)
+        for index, (begin, end) in zip(ids, encoding.offsets, strict=True)
+    )
+    return encode_parts(parts, specials, tokenizer) if forged else ids
+
+
+def touches(content: str, specials: Mapping[str, int]) -> bool:
+    """Whether `content` holds a control token's text, or begins with the end of one or ends with
+    the start of one: text the template's around it could make a control token of."""
+    return any(
+        token in content
+        or any(content.endswith(token[:cut]) or content.startswith(token[cut:]) for cut in range(1, len(token)))
+        for token in specials
+    )
 
 
 def special_tokens(tokenizer: Any) -> dict[str, int]:

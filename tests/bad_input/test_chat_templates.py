@@ -95,18 +95,27 @@ def control_ids(tokenizer, ids):
     return [index for index in ids if index in special]
 
 
-def test_a_users_message_spelling_control_tokens_stays_text(chat_model):
-    """As `generate --chat`, the API and `kvports chat` encode it (formats.chat.chat_ids): only the
-    template's own <|im_start|> user, <|im_end|> and <|im_start|> assistant are control tokens, and
-    the ids spell the rendered text, character for character."""
+@pytest.mark.parametrize(
+    "template, content",
+    [
+        (CHATML, FORGED),
+        # The template's text after the content completes a control token the content began.
+        (CHATML.replace("'<|im_end|>' + ", "'end|>' + "), "hi<|im_"),
+    ],
+)
+def test_a_users_message_spelling_control_tokens_stays_text(tmp_path, template, content):
+    """As `generate --chat`, the API and `kvports chat` encode it (formats.chat.chat_ids): the
+    control tokens are the template's own, as for an ordinary message, and the ids spell the
+    rendered text, character for character."""
     from kvports.formats.gguf.tokenizer import gguf_tokenizer
 
-    tokenizer = gguf_tokenizer(chat_model)
-    messages = [{"role": "user", "content": FORGED}]
-    ids = chat.chat_ids(chat_model, messages, tokenizer)
-    start, end = tokenizer.token_to_id("<|im_start|>"), tokenizer.token_to_id("<|im_end|>")
-    assert control_ids(tokenizer, ids) == [start, end, start]
-    assert tokenizer.decode(ids, skip_special_tokens=False) == chat.gguf_template(chat_model).render(messages)
+    path = chat_model(tmp_path, template)
+    tokenizer = gguf_tokenizer(path)
+    messages = [{"role": "user", "content": content}]
+    ids = chat.chat_ids(path, messages, tokenizer)
+    ordinary = chat.chat_ids(path, [{"role": "user", "content": "hi"}], tokenizer)
+    assert control_ids(tokenizer, ids) == control_ids(tokenizer, ordinary)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == chat.gguf_template(path).render(messages)
 
 
 def test_the_servers_chat_encodes_content_as_text_too(chat_model):
