@@ -412,11 +412,11 @@ def write_aligned(
         offset += array.nbytes
 
     def encoded(checksums: Mapping[str, str]) -> bytes:
+        """The length and the header, padded by spaces so that the data starts aligned."""
         header["__metadata__"]["checksums"] = json.dumps(dict(checksums))
         text = json.dumps(header, separators=(",", ":")).encode()
-        return (
-            struct.pack("<Q", len(text) + (-(8 + len(text)) % ALIGNMENT)) + text + b" " * (-(8 + len(text)) % ALIGNMENT)
-        )
+        text += b" " * (-(8 + len(text)) % ALIGNMENT)
+        return struct.pack("<Q", len(text)) + text
 
     checksums = dict.fromkeys(tensors, checksum(np.zeros(0, np.float32)))
     placeholder = encoded(checksums)
