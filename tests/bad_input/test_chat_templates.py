@@ -2,7 +2,9 @@
 runs without bound, divides by zero, does not parse, is not UTF-8 or renders nothing is one
 `error:` line naming the file's template and the problem, in bounded time and memory; the same in
 `kvports batch`'s "messages" lines. Chat text that is not Unicode (a byte that is not UTF-8 in
---chat, a lone surrogate in --chat-file) is one line too."""
+--chat, a lone surrogate in --chat-file) is one line too. A message's content is text, never
+control tokens, on every path (the CLI, the API, the server); 2**20 characters of content is the
+one limit, refused naming the client's field and never a path of the server."""
 
 from __future__ import annotations
 
