@@ -26,7 +26,6 @@ FIELDS = ("id", "prompt", "text", "messages", *SETTINGS)
 
 Encode = Callable[[str], list[int]]
 Chat = Callable[[list[dict[str, str]]], list[int]]  # messages -> the model's chat template's token ids
-MAX_CHAT_CHARACTERS = 1 << 20  # of one line's messages' contents together, as a --chat-file's bytes
 
 
 @dataclass(frozen=True)
@@ -137,16 +136,7 @@ def chat_prompt(messages: object, chat: Chat | None) -> list[int]:
 
     if chat is None:
         raise UserError("'messages' renders a GGUF file's chat template: give --model NAME or --weights FILE.gguf")
-    checked = check_messages(messages, "'messages'")
-    size = sum(len(message["content"]) for message in checked)
-    if size > MAX_CHAT_CHARACTERS:
-        raise UserError(f"'messages' hold {size} characters of content, above {MAX_CHAT_CHARACTERS}")
-    for message in checked:
-        try:
-            message["content"].encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate escape, which no tokenizer takes
-            raise UserError(f"'messages' content {echo(message['content'])} is not valid UTF-8") from None
-    return chat(checked)
+    return chat(check_messages(messages, "'messages'"))  # its text and size checked there (MAX_CONTENT)
 
 
 def generation_of(data: dict[str, Any], default_new_tokens: int, default_stops: tuple[int, ...]) -> GenerationConfig:
