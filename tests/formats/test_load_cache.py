@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,6 +199,16 @@ def test_a_changed_file_is_hashed_again_and_gets_its_own_entry(home, tmp_path):
     expected = fresh(path)
     assert all(np.array_equal(tensors[name], expected[name]) for name in expected)
     assert len([entry for entry in (home / cache.FOLDER).iterdir() if entry.name != "digests"]) == 2
+
+
+def test_a_file_whose_name_is_not_utf8_is_kept_and_mapped(home, tmp_path, monkeypatch):
+    folder = os.fsdecode(bytes(tmp_path) + b"/caf\xe9")  # a Latin-1 name on a UTF-8 system
+    os.mkdir(folder)
+    path = write_gguf(Path(folder) / "model.gguf", "F32")
+    _, first = load(path)
+    no_gguf_parse(monkeypatch)
+    kind, tensors = load(path)
+    assert kind is cache.CachedGGUFWeights and tensors.keys() == first.keys()
 
 
 def test_a_forged_digest_record_is_not_trusted(home, gguf):

@@ -176,7 +176,7 @@ def file_stamp(status: os.stat_result) -> dict[str, int]:
 
 def digest_record(path: Path, status: os.stat_result) -> Path:
     stamp = "\0".join(map(str, (path.resolve(), *file_stamp(status).values())))
-    return cache_root() / "digests" / (hashlib.sha256(stamp.encode()).hexdigest()[:32] + ".json")
+    return cache_root() / "digests" / (hashlib.sha256(os.fsencode(stamp)).hexdigest()[:32] + ".json")
 
 
 def sealed(fields: Mapping[str, Any]) -> str:
