@@ -61,6 +61,11 @@ class LoadedModel:
     quant: str = "none"  # the model's (a draft runs unquantized)
     tensor_parallel: int = 1  # the draft is split across the same devices
 
+    @property
+    def route(self) -> str:
+        """The kernel its linears take (`Port.linear_route`), so a slower fallback on this CPU is visible."""
+        return self.port.linear_route(self.dtype, self.quant, self.device)
+
     def add_draft(self, source: str, config: ModelConfig, tensors: Tensors) -> None:
         model = self.port.load_model(config, tensors, self.dtype, self.device, tensor_parallel=self.tensor_parallel)
         self.drafts[source] = (config, model)

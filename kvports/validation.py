@@ -20,6 +20,7 @@ import numpy as np
 from kvports import registry
 from kvports.devices import check_cpu_only
 from kvports.limits import check_run
+from kvports.shared import cpu
 from kvports.shared.checks import (
     API,
     COMMAND_LINE,
@@ -337,13 +338,14 @@ def check_rules(
     heads and FFN slices per device for each of `models` (the model, and a speculative draft);
     a mode a port lacks (registry.MODES); a GPU asked of CPU-only ports; a draft's vocabulary
     (`models`' second against the first); --logprobs with the model's vocabulary and the modes.
-    A port's GPU and its device count are known once it is imported: `run.port_for`.
+    A port's GPU and its device count are known once it is imported: `loading.port_for`.
 
     One framework runs all of it, or the run is refused. Of several (compare, the benches), those
     that cannot are returned, each with its rows' reason; the run is refused, with the first one's
     message, only when none can. Names that are not ports (the bench's baselines) count only for
     the device."""
     refused: dict[str, Refusal] = {}
+    cpu.forced()  # KVPORTS_CPU, the CPU-route switch (shared/cpu.py): a bad value refused before any port loads
 
     def each(rule: Callable[[str], Refusal | None]) -> None:
         for framework in setup.frameworks:

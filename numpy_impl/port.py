@@ -55,6 +55,10 @@ def load_model(
     return lay_out(model)  # each matrix in the memory order OpenBLAS streams fastest at batch 1 (fast/layout.py)
 
 
+def linear_route(dtype: str, quant: str, device: str) -> str:
+    return "blas"  # np.matmul: the BLAS NumPy was built with picks its own kernel for the CPU
+
+
 def generate(
     model: TinyModel,
     prompts: np.ndarray,

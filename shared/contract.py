@@ -97,6 +97,12 @@ class Port(Timed, Protocol):
         beforehand by `checks.check_tensor_parallel`; NumPy: 1 only)."""
         ...
 
+    def linear_route(self, dtype: str, quant: str, device: str) -> str:
+        """The kernel a model loaded at this dtype, quant and device takes for its linears, in one word
+        (kvports generate's header, the bench's row): where a CPU-specific route needs instructions the
+        CPU lacks (shared.cpu), the model takes a plain one, and this says which."""
+        ...
+
     def generate(
         self,
         model: Model,

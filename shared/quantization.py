@@ -44,4 +44,6 @@ def quantize_int8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     largest = np.abs(weight).max(axis=1)  # [out]
     scales = np.where(largest > 0, largest / 127, 1).astype(np.float32)  # [out]
     codes = np.clip(np.rint(weight / scales[:, None]), -127, 127).astype(np.int8)  # [out, in]
-    return codes, scales
+    # Rows, whatever the weight's layout: the load cache maps some matrices laid out [in, out]
+    # (shapes.stored_transposed), and torch's int8 kernel takes its codes C-contiguous only.
+    return np.ascontiguousarray(codes), scales

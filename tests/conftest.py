@@ -124,6 +124,7 @@ SLOWEST_FILES = (
     "test_tensor_parallel_torch.py",  # two ranks spawned per model, each importing torch
     "test_smollm2.py",
     "test_bench.py",
+    "test_accepted.py",  # every accepted format through three load paths, batch and serve
     "test_generation.py",
     "test_batching.py",
     "test_speculative.py",

@@ -573,11 +573,13 @@ def test_every_format_is_held_to_the_float32_reference_step_by_step(capsys):
 
 
 def test_the_table_names_each_rows_weight_format(capsys):
-    port_or_skip("torch")
+    torch_port = port_or_skip("torch")
     argv = ["bench", "--frameworks", "torch", "--modes", "cached", "--new-tokens", "2", "--repeats", "1"]
     code, out, _ = run_cli(capsys, *argv, "--quant", "none,int8")
     lines = [line for line in out.splitlines() if line.startswith("│ torch")]
-    assert code == 0 and [line.split("│")[3].strip() for line in lines] == ["float32", "float32+int8"]
+    routes = [torch_port.linear_route("float32", quant, "cpu") for quant in ("none", "int8")]  # the linears' kernel
+    expected = [f"float32 via {routes[0]}", f"float32+int8 via {routes[1]}"]
+    assert code == 0 and [line.split("│")[3].strip() for line in lines] == expected
     assert "agree" in out.splitlines()[2]
 
 

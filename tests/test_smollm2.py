@@ -14,7 +14,7 @@ from kvports.formats.weights import GGUFWeights
 from kvports.hub import model_path
 from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig
-from tests.helpers.agreement import assert_tokens_agree
+from tests.helpers.agreement import assert_tokens_agree, assert_within_format_distance
 from tests.helpers.commands import run_cli
 
 pytestmark = pytest.mark.slow
@@ -103,3 +103,47 @@ def test_chat_command_answers_in_text(capsys, path):
     assert result["finish_reason"] == ["stop"] and result["text"][0].endswith(
         "The capital of France is Paris.<|im_end|>"
     )
+
+
+# Accepted means it runs on the real model too (tests/test_accepted.py on a tiny file): every torch format
+# through the load cache, and those whose quantizers or packed layouts read the tensors on the first load
+# (which builds the cache) and with the cache off as well; under KVPORTS_CPU=avx2 too. JAX's formats run
+# there on the tiny file: compiling the 30-layer model once per format would take minutes here.
+TORCH_FORMATS = [
+    ("float32", "none"), ("float64", "none"), ("bfloat16", "none"), ("float32", "int8"),
+    ("float32", "q4"), ("bfloat16", "int8"), ("bfloat16", "q4"),
+]  # fmt: skip
+EVERY_PATH = {("float32", "int8"), ("bfloat16", "q4")}
+
+
+@pytest.fixture(scope="module")
+def fresh_home(tmp_path_factory):
+    """An empty $KVPORTS_HOME (the load cache), for this module's loads of the file."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVPORTS_HOME", str(tmp_path_factory.mktemp("home")))
+        yield patch
+
+
+def test_every_torch_format_answers_on_the_first_the_mapped_and_the_uncached_load(path, prompt, fresh_home):
+    kvports = pytest.importorskip("kvports")
+    pytest.importorskip("torch")
+    question = prompt[0].tolist()
+
+    def answer(dtype: str, quant: str, route: str = "native") -> tuple[np.ndarray, np.ndarray]:
+        fresh_home.setenv("KVPORTS_CPU", route)
+        model = kvports.load("torch", path, dtype, quant=quant)
+        result = model.generate(question, new_tokens=6, stop_ids=[], return_logits=True)
+        return np.array(result.tokens), result.logits
+
+    first = answer("float32", "int8")  # builds the load cache
+    tokens32, logits32 = answer("float32", "none")
+    runs = {("first load", "float32", "int8"): first}
+    for dtype, quant in TORCH_FORMATS:
+        runs["mapped", dtype, quant] = answer(dtype, quant)
+        if dtype == "bfloat16":
+            runs["mapped, KVPORTS_CPU=avx2", dtype, quant] = answer(dtype, quant, "avx2")
+    fresh_home.setenv("KVPORTS_LOAD_CACHE", "0")
+    for dtype, quant in sorted(EVERY_PATH):
+        runs["cache off", dtype, quant] = answer(dtype, quant)
+    for (label, dtype, quant), (tokens, logits) in runs.items():
+        assert_within_format_distance(tokens32, logits32, tokens, logits, len(question), dtype, quant, label)

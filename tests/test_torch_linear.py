@@ -18,12 +18,14 @@ torch = pytest.importorskip("torch")
 onednn = pytest.importorskip("kvports.torch_impl.fast.onednn")
 
 needs_onednn = pytest.mark.skipif(not onednn.ONEDNN, reason="this torch build has no oneDNN linear")
+# oneDNN's packed bfloat16 linear needs AVX-512 or AVX-NE-CONVERT (tests/test_cpu_routes.py holds the plain route)
+needs_packed = pytest.mark.skipif(not onednn.packed_bfloat16(), reason="this CPU runs no packed bfloat16 linear")
 
 # Matrices large enough (the FFN's 256 x 1024 = 2**18 elements, the 1100 x 256 head) for oneDNN stored [out, in].
 STREAMED_CONFIG = ModelConfig(vocab_size=1100, d_model=256, n_heads=4, n_layers=1, max_seq_len=64)
 
 
-@needs_onednn
+@needs_packed
 def test_linear_takes_onednn_only_for_bfloat16_without_autograd(monkeypatch):
     calls = []
     onednn_linear = torch.ops.mkldnn._linear_pointwise
@@ -37,7 +39,7 @@ def test_linear_takes_onednn_only_for_bfloat16_without_autograd(monkeypatch):
     assert calls == [torch.bfloat16]
 
 
-@needs_onednn
+@needs_packed
 @pytest.mark.parametrize("rows", [1, 7])
 def test_bfloat16_linear_through_a_packed_weight_equals_f_linear(rows):
     generator = torch.Generator().manual_seed(0)
@@ -49,7 +51,7 @@ def test_bfloat16_linear_through_a_packed_weight_equals_f_linear(rows):
     torch.testing.assert_close(routed.float(), expected, rtol=2e-2, atol=2e-2)
 
 
-@needs_onednn
+@needs_packed
 def test_bfloat16_packed_weight_follows_an_in_place_change():
     weight, x = torch.ones(96, 64, dtype=torch.bfloat16), torch.ones(1, 64, dtype=torch.bfloat16)
     with torch.inference_mode():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 RUNS = 3
 LOAD = (
-    "import kvports, resource, time; from kvports import run; run.load_port({fw!r}); t = time.perf_counter(); "
+    "import kvports, resource, time; from kvports import loading; loading.load_port({fw!r}); t = time.perf_counter(); "
     "kvports.load({fw!r}, model='smollm2', threads=1); "
     "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)"
 )

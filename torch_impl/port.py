@@ -16,6 +16,7 @@ from kvports.shared.generation import GenerationConfig, RowSampling, as_generati
 from kvports.shared.quantization import float_tensors
 from kvports.shared.shapes import ALIGNMENT
 from kvports.torch_impl import bandwidth, paged, speculative
+from kvports.torch_impl.fast import onednn
 from kvports.torch_impl.fast.onednn import use_onednn
 from kvports.torch_impl.fast.quant import quantize_model
 from kvports.torch_impl.generate import generate_cached, generate_naive, prefill
@@ -113,6 +114,10 @@ def load_model(
     model = model.to(device=resolve_device(device), dtype=TORCH_DTYPES[dtype]).eval()
     # Every linear through the CPU's fastest route at batch 1, float32 weights laid out [in, out] (fast/onednn.py)
     return use_onednn(model)
+
+
+def linear_route(dtype: str, quant: str, device: str) -> str:
+    return onednn.linear_route(dtype, quant, device)  # what use_onednn and fast/quant.py chose for this CPU
 
 
 def generate(

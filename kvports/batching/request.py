@@ -20,7 +20,6 @@ from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import GenerationConfig
 
 Chat = Callable[[list[dict[str, str]]], list[int]]  # messages -> the model's chat template's token ids
-MAX_CHAT_CHARACTERS = 1 << 20  # of one request's messages' contents together, as a --chat-file's bytes
 
 
 @dataclass(frozen=True)
@@ -81,17 +80,8 @@ def check_prompt_ids(prompt: Sequence[object], vocab_size: int, names: Names, ro
 
 
 def chat_prompt(messages: object, chat: Chat, names: Names = COMMAND_LINE) -> list[int]:
-    """A request's messages ([{"role", "content"}], as --chat-file holds) in the model's chat template."""
+    """A request's messages ([{"role", "content"}], as --chat-file holds) in the model's chat template
+    (their text and size checked by `formats.chat.check_messages`, MAX_CONTENT)."""
     from kvports.formats.chat import check_messages
 
-    label = names.label("messages")
-    checked = check_messages(messages, label)
-    size = sum(len(message["content"]) for message in checked)
-    if size > MAX_CHAT_CHARACTERS:
-        raise UserError(f"{label} hold {size} characters of content, above {MAX_CHAT_CHARACTERS}")
-    for message in checked:
-        try:
-            message["content"].encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate escape, which no tokenizer takes
-            raise UserError(f"{label} content {echo(message['content'])} is not valid UTF-8") from None
-    return chat(checked)
+    return chat(check_messages(messages, names.label("messages")))

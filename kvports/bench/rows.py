@@ -223,6 +223,7 @@ def run_rows(
                 "device": device,
                 "dtype": dtype,
                 "quant": quant,
+                "route": loaded.route if loaded is not None else None,  # a port's linears' kernel (fallbacks show)
                 "tensor_parallel": tensor_parallel,
             }
             call = RowCall(mode, loaded)

@@ -104,7 +104,7 @@ def print_table(result: dict, show_targets: bool = False) -> None:
         cells = [
             name,
             row["mode"],
-            str(row["weights"] or "-"),
+            str(row["weights"] or "-") + (f" via {row['route']}" if row.get("route") else ""),  # a fallback shows
             fmt(row["ttft_ms"], ".2f"),
             fmt(row["decode_ms_per_token"], ".3f"),
             fmt(row["decode_ms_p90"], ".3f"),

@@ -4,7 +4,10 @@ Each answer is streamed as it is made (decoded incrementally, never half a chara
 tokens/s. The conversation is kept across turns; when it no longer fits the model's context with
 the new tokens an answer may take, its oldest turns are dropped, with a notice. `/reset` starts
 again, `/exit` or Ctrl-D leaves, Ctrl-C stops the answer being written and the chat goes on. From a
-pipe, each line is a user turn. The model is read, checked and loaded once, through the run layer.
+pipe, each line is a user turn. Nothing the user types ends the chat but /exit and the end of input:
+a blank line is skipped, an unknown /command, a message too long for the context or the template,
+or one the template refuses is a notice, and bytes that are not UTF-8 are read as U+FFFD. The model
+is read, checked and loaded once, through the run layer.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from kvports.commands.inputs import add_generation_arguments, generation_of
 from kvports.devices import add_device_argument
 from kvports.families import describe
 from kvports.flags import add_quant_argument, add_threads_argument, add_weights_arguments, positive_int
+from kvports.formats.chat import MAX_CONTENT
 from kvports.shared.config import DTYPES
-from kvports.shared.errors import UserError
+from kvports.shared.errors import UserError, echo
 from kvports.threads import use_threads
 
 HELP = "chat with one model, turn after turn: streamed answers, /reset, /exit, Ctrl-C stops an answer"
 COMMANDS = "/reset starts again, /exit or Ctrl-D leaves, Ctrl-C stops an answer"
+ESCAPED = "//"  # a message that starts with / begins with two: one is dropped
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,9 +63,10 @@ class Conversation:
     def reset(self) -> None:
         self.messages = []
 
-    def all(self) -> list[dict[str, str]]:
+    def all(self, messages: list[dict[str, str]] | None = None) -> list[dict[str, str]]:
+        """The system message, then `messages` (the conversation's own by default)."""
         head = [{"role": "system", "content": self.system}] if self.system is not None else []
-        return head + self.messages
+        return head + (self.messages if messages is None else messages)
 
 
 class Chat:
@@ -109,24 +115,29 @@ class Chat:
 
     def fitted(self, user: str) -> list[int] | None:
         """The conversation with the user's new turn, as prompt ids that leave room for an answer's
-        new tokens: the oldest turns dropped (with a notice) until it fits; None when even the new
-        turn alone does not."""
-        self.conversation.messages.append({"role": "user", "content": user})
+        new tokens: the oldest turns dropped (with a notice) until it fits. None, with a notice and
+        the conversation as it was, when even the new turn alone does not fit or the template
+        refuses it."""
+        messages = [*self.conversation.messages, {"role": "user", "content": user}]
         room = self.config.max_seq_len - self.inputs.generation.max_new_tokens
         dropped = 0
         while True:
-            ids = self.prompt_ids(self.conversation.all())
+            try:
+                ids = self.prompt_ids(self.conversation.all(messages))
+            except UserError as exc:
+                self.notice(f"{exc}; the chat goes on without this message")
+                return None
             if len(ids) <= room:
                 break
-            if len(self.conversation.messages) <= 1:
-                self.conversation.messages.pop()
+            if len(messages) <= 1:
                 self.notice(
                     f"this message is {len(ids)} tokens with the template: with --new-tokens "
                     f"{self.inputs.generation.max_new_tokens} the context holds {room}; say less, or lower --new-tokens"
                 )
                 return None
-            self.conversation.messages.pop(0)
+            messages.pop(0)
             dropped += 1
+        self.conversation.messages = messages
         if dropped:
             self.notice(
                 f"the context is full ({self.config.max_seq_len} tokens): the oldest {dropped} "
@@ -174,15 +185,27 @@ class Chat:
 
 
 def read_turn(interactive: bool) -> str | None:
-    """The user's next line; None at the end of input (Ctrl-D)."""
-    try:
-        return input("> ") if interactive else sys.stdin.readline().removesuffix("\n") or None
-    except EOFError:
+    """The user's next line, without its newline; None at the end of input (Ctrl-D), and only then.
+    From a pipe a line is read up to MAX_CONTENT + 1 characters, the rest of a longer one dropped
+    unkept (the caller refuses it by its length)."""
+    if interactive:
+        try:
+            return input("> ")
+        except EOFError:
+            return None
+    line = sys.stdin.readline(MAX_CONTENT + 1)
+    if not line:
         return None
+    if len(line) > MAX_CONTENT and not line.endswith("\n"):
+        while (rest := sys.stdin.readline(MAX_CONTENT)) and not rest.endswith("\n"):
+            pass
+    return line.removesuffix("\n")
 
 
 def run(args: argparse.Namespace) -> int:
     chat = Chat(args)
+    if callable(getattr(sys.stdin, "reconfigure", None)):
+        sys.stdin.reconfigure(errors="replace")  # type: ignore[union-attr]  # a byte that is not UTF-8: U+FFFD
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"kvports chat: {args.framework}, {describe(chat.config)}; {COMMANDS}", file=sys.stderr, flush=True)
@@ -192,14 +215,23 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:  # at the prompt: a fresh line, the chat goes on
             print(f"\n[{COMMANDS}]", file=sys.stderr, flush=True)
             continue
-        if line is None or line.strip() == "/exit":
-            if interactive and line is None:
+        if line is None:
+            if interactive:
                 print(file=sys.stderr)
             return 0
-        if line.strip() == "/reset":
+        command = line.strip()
+        if command == "/exit":
+            return 0
+        if command == "/reset":
             chat.conversation.reset()
             chat.notice("the conversation starts again")
-            continue
-        if not line.strip():
-            continue
-        chat.answer(line)
+        elif not command:
+            continue  # a blank line: only the end of input ends the chat
+        elif command.startswith("/") and not command.startswith(ESCAPED):
+            chat.notice(
+                f"unknown command {echo(command.split()[0])}: {COMMANDS}; a message that starts with / begins with //"
+            )
+        elif len(line) > MAX_CONTENT:
+            chat.notice(f"this message is more than {MAX_CONTENT} characters, the most a chat holds: say less")
+        else:
+            chat.answer(line.lstrip()[1:] if command.startswith(ESCAPED) else line)

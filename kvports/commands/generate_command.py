@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvports import registry
+from kvports.bench.formats import format_name
 from kvports.commands.inputs import (
     add_generation_arguments,
     add_input_arguments,
@@ -132,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             "mode": args.mode,
             "dtype": args.dtype,
             "quant": args.quant,
+            "linear_route": loaded.route,
             "device": args.device,
             "threads": given.inputs.threads,
             "family": given.config.family,
@@ -154,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(output))
         return 0
     print(
-        f"{args.framework} {args.mode} {args.dtype} on the {args.device}, {describe(given.config)}, "
+        f"{args.framework} {args.mode} {format_name(args.dtype, args.quant)} via {loaded.route} on the {args.device}, "
+        f"{describe(given.config)}, "
         f"{describe_generation(generation)}, {args.new_tokens} new tokens at most, "
         f"{describe_threads(given.inputs.threads)}, in {result.seconds:.3f} s"
     )

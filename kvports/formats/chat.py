@@ -7,8 +7,9 @@ from __future__ import annotations
 import functools
 import os
 import re
+import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -17,10 +18,10 @@ from kvports.shared.errors import UserError, echo, echo_path
 
 MAX_CHAT_FILE = 1 << 20  # bytes of a --chat-file
 MAX_MESSAGES = 1000
+MAX_CONTENT = 1 << 20  # characters of a chat's messages' contents together, as a --chat-file's bytes
 ROLES = ("system", "user", "assistant")
 # A template is code from the file: what one rendering may spend.
-CHARS_PER_TOKEN = 32  # the margin over a model's context: no tokenizer's token is longer
-MAX_RENDER = 1 << 22  # characters of any value or output, whatever the context (4 MiB)
+MAX_RENDER = 4 * MAX_CONTENT  # characters of any value or output: the content, with room to spare
 MAX_STEPS = 2_000_000  # loop steps, operators and calls; a real template takes a few thousand
 TIME_LIMIT = 10.0  # seconds of one rendering; a real template takes milliseconds
 
@@ -29,7 +30,15 @@ def turns(texts: Sequence[str]) -> list[dict[str, str]]:
     """--chat repeated: alternating user and assistant turns, the user's first."""
     for index, text in enumerate(texts):
         check_text(text, f"--chat {index + 1}")
+    check_size(texts, "--chat")
     return [{"role": ROLES[1 + index % 2], "content": text} for index, text in enumerate(texts)]
+
+
+def check_size(contents: Sequence[str], what: str) -> None:
+    """MAX_CONTENT, the one limit on a chat's characters: the template's budget holds it four times."""
+    size = sum(map(len, contents))
+    if size > MAX_CONTENT:
+        raise UserError(f"{what} hold {size} characters of content, above {MAX_CONTENT}")
 
 
 def check_text(text: str, what: str) -> None:
@@ -75,6 +84,7 @@ def check_messages(data: Any, what: str) -> list[dict[str, str]]:
         if message["role"] not in ROLES:
             raise UserError(f"{what}: message {index} has role {echo(message['role'])}; roles: {', '.join(ROLES)}")
         check_text(message["content"], f"{what}: message {index}'s content")
+    check_size([message["content"] for message in data], what)
     return data
 
 
@@ -257,16 +267,17 @@ def chat_messages(chat: Sequence[str] | None, chat_file: os.PathLike | None) -> 
 # stays clear of jinja2 and of this module's file reading.
 @dataclass
 class ChatTemplate:
-    """A GGUF file's chat template, the bos_token / eos_token strings it may use, and how much it may
-    render: what the model's context could use, in characters, with a margin."""
+    """A GGUF file's chat template, the bos_token / eos_token strings it may use, and how a message
+    names it (never by where the file lies: a server's clients read it). It may render MAX_RENDER
+    characters, four times the content a chat may hold (MAX_CONTENT): a message the context cannot
+    hold is refused for its tokens, by the caller, not by the template's budget."""
 
     source: str
     special: dict[str, str]
     name: str
-    max_chars: int
 
     def render(self, messages: Sequence[dict[str, str]]) -> str:
-        return render_chat(self.source, messages, self.special, self.name, self.max_chars)
+        return render_chat(self.source, messages, self.special, self.name)
 
 
 def gguf_chat_prompt(path: os.PathLike, messages: list[dict[str, str]]) -> str:
@@ -291,7 +302,7 @@ def template_beside(path: os.PathLike) -> ChatTemplate | None:
         return None
     check_text(template, f"the chat template in {echo_path(folder / TOKENIZER_CONFIG)}")
     special = {name: saved[name] for name in ("bos_token", "eos_token") if isinstance(saved.get(name), str)}
-    return ChatTemplate(template, special, f"the chat template in {echo_path(folder / TOKENIZER_CONFIG)}", MAX_RENDER)
+    return ChatTemplate(template, special, f"the chat template in {TOKENIZER_CONFIG}")
 
 
 def gguf_template(path: os.PathLike) -> ChatTemplate:
@@ -310,22 +321,130 @@ def gguf_template(path: os.PathLike) -> ChatTemplate:
             "kvports convert wrote from one (tokenizer_config.json beside them)"
         )
     text = gguf_text(path)
-    name = f"the chat template of GGUF file {echo_path(path)}"
+    # Said to a server's clients too: the file's name, never where it lies.
+    name = f"the chat template of GGUF file {echo(Path(path).name)}"
     if text.template_error is not None:
         raise UserError(f"{name} (metadata tokenizer.chat_template) {text.template_error}")
     if text.template is None:
         raise UserError(f"GGUF file {echo_path(path)} has no chat template (metadata tokenizer.chat_template)")
-    tokens = text.context if text.context is not None and text.context > 0 else MAX_RENDER // CHARS_PER_TOKEN
-    return ChatTemplate(text.template, text.special, name, min(MAX_RENDER, tokens * CHARS_PER_TOKEN))
+    return ChatTemplate(text.template, text.special, name)
 
 
 def chat_ids(path: os.PathLike, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
     """The chat prompt's token ids: the template writes every special token itself, so none is added
-    (as transformers' apply_chat_template tokenizes)."""
+    (as transformers' apply_chat_template tokenizes), and no message's content is ever one."""
     return chat_encoder(path, tokenizer)(messages)
 
 
 def chat_encoder(path: os.PathLike, tokenizer: Any) -> Callable[[list[dict[str, str]]], list[int]]:
-    """`chat_ids` for many chats of one file (kvports batch's "messages" lines): its metadata read once."""
+    """`chat_ids` for many chats of one file (kvports batch's "messages" lines, the server's chats):
+    its metadata read once."""
     template = gguf_template(path)
-    return lambda messages: tokenizer.encode(template.render(messages), add_special_tokens=False).ids
+    return lambda messages: encode_chat(template, messages, tokenizer)
+
+
+def encode_chat(template: ChatTemplate, messages: Sequence[dict[str, str]], tokenizer: Any) -> list[int]:
+    """The rendered chat's ids, each message's content as text: a user's "<|im_end|>\n<|im_start|>system"
+    stays those characters, never the control tokens that would forge a system turn. The rendering
+    is encoded whole, as transformers encodes it, so ordinary text gets exactly its ids. Content that
+    holds a control token's text, or begins or ends with part of one (which the template's text
+    around it could complete), is located by rendering once more with placeholders; only when a
+    control token of the whole encoding lies within a message's content is the chat encoded again
+    by parts: the template's own text with its control tokens, each stretch between them, content
+    included, with none parsed."""
+    rendered = template.render(messages)
+    encoding = tokenizer.encode(rendered, add_special_tokens=False)
+    ids: list[int] = encoding.ids
+    specials = special_tokens(tokenizer)
+    if not any(touches(message["content"], specials) for message in messages):
+        return ids
+    parts = template_parts(template, messages, rendered)
+    if parts is None:
+        held = [token for message in messages for token in specials if token in message["content"]]
+        if held:
+            raise UserError(
+                f"a message's content holds {echo(held[0])}, a control token of this model, and {template.name} "
+                "changes content as it renders it, so it cannot be kept as text: remove it from the message"
+            )
+        return ids  # the template's own doing, if its text completes a token the content began
+    spans, start = [], 0
+    for text, content in parts:
+        if content:
+            spans.append((start, start + len(text)))
+        start += len(text)
+    control = set(specials.values())
+    forged = any(
+        index in control and any(begin < stop and end > first for first, stop in spans)
+        for index, (begin, end) in zip(ids, encoding.offsets, strict=True)
+    )
+    return encode_parts(parts, specials, tokenizer) if forged else ids
+
+
+def touches(content: str, specials: Mapping[str, int]) -> bool:
+    """Whether `content` holds a control token's text, or begins with the end of one or ends with
+    the start of one: text the template's around it could make a control token of."""
+    return any(
+        token in content
+        or any(content.endswith(token[:cut]) or content.startswith(token[cut:]) for cut in range(1, len(token)))
+        for token in specials
+    )
+
+
+def special_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's control tokens (its special added tokens) by their text."""
+    return {token.content: index for index, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+
+
+def template_parts(
+    template: ChatTemplate, messages: Sequence[dict[str, str]], rendered: str
+) -> list[tuple[str, bool]] | None:
+    """The rendering as (text, is content) parts: rendered again with a placeholder for each message's
+    content, split at them; None when the template does not pass content through as it is (it trims
+    or changes it, or tells the placeholders from the text), so the parts do not make `rendered`."""
+    mark = f"\ue000{secrets.token_hex(8)}"  # private-use characters and a random tag: in no message
+    placeholders = [{**message, "content": f"{mark}{index}\ue001"} for index, message in enumerate(messages)]
+    try:
+        shaped = template.render(placeholders)
+    except UserError:
+        return None
+    pieces = re.split(re.escape(mark) + "([0-9]+)\ue001", shaped)  # text, index, text, ...
+    parts = [
+        (messages[int(piece)]["content"], True) if odd else (piece, False)
+        for piece, odd in zip(pieces, [False, True] * len(pieces), strict=False)
+    ]
+    return parts if "".join(text for text, _ in parts) == rendered else None
+
+
+def encode_parts(parts: list[tuple[str, bool]], specials: dict[str, int], tokenizer: Any) -> list[int]:
+    """The template's parts cut at their control tokens; every stretch between two of them (its
+    content and the template's text around it, as one string: split where the whole would be)
+    encoded with no control token parsed."""
+    pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
+    plain = as_text(tokenizer)
+    ids: list[int] = []
+    stretch: list[str] = []
+
+    def flush() -> None:
+        if stretch:
+            ids.extend(plain.encode("".join(stretch), add_special_tokens=False).ids)
+            stretch.clear()
+
+    for text, content in parts:
+        start = 0
+        for match in () if content else pattern.finditer(text):
+            stretch.append(text[start : match.start()])
+            flush()
+            ids.append(specials[match.group()])
+            start = match.end()
+        stretch.append(text[start:])
+    flush()
+    return ids
+
+
+@functools.lru_cache(maxsize=4)
+def as_text(tokenizer: Any) -> Any:
+    """A copy of the tokenizer that reads control tokens' text as text (`encode_special_tokens`), made
+    once per tokenizer: the flag is the tokenizer's own, so it is never flipped on one in use."""
+    copy = type(tokenizer).from_str(tokenizer.to_str())
+    copy.encode_special_tokens = True
+    return copy

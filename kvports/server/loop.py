@@ -44,7 +44,8 @@ class Choice:
 class Job:
     """One HTTP request: its choices and the queue their events arrive on, in the server's event loop.
     Events: ("tokens", index, (ids, logprobs)), ("finish", index, reason), ("error", index, message);
-    logprobs: each id's TokenLogprobs if the request asked for them, else empty."""
+    logprobs: each id's TokenLogprobs if the request asked for them, else empty. At shutdown the
+    server itself puts ("shutdown", 0, None) after them: the request ends there (app.ServerState)."""
 
     choices: list[Choice]
     loop: asyncio.AbstractEventLoop

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from kvports import generating, loading
+from kvports.formats import chat as chat_limits
 from kvports.hub import model_path
 from kvports.shared.errors import UserError
 from tests.helpers.commands import assert_one_error_line, run_cli
@@ -82,6 +83,49 @@ def test_a_message_the_context_cannot_hold_is_refused_and_the_chat_goes_on(capsy
     code, out, err = chat(capsys, monkeypatch, chat_model, ["x" * 80, "hi"])
     assert code == 0, err
     assert "say less, or lower --new-tokens" in err and err.count("tokens/s") == 1
+
+
+def test_a_blank_line_is_skipped_and_only_the_end_of_input_ends_the_chat(capsys, monkeypatch, chat_model, prompts_seen):
+    code, out, err = chat(capsys, monkeypatch, chat_model, ["hi", "", "   ", "yes"])
+    assert code == 0, err
+    assert err.count("tokens/s") == 2 and prompts_seen[-1][-1] == {"role": "user", "content": "yes"}
+
+
+@pytest.mark.parametrize(
+    "length",
+    [
+        3_000,  # past the budget the context used to give the template (2,048 characters here): a notice, not exit 2
+        chat_limits.MAX_CONTENT + 1,  # past the content a chat may hold: refused unread by the tokenizer
+    ],
+)
+def test_a_line_too_long_is_a_notice_and_the_chat_goes_on(capsys, monkeypatch, chat_model, prompts_seen, length):
+    code, out, err = chat(capsys, monkeypatch, chat_model, [("hi " * length)[:length], "yes"])
+    assert code == 0, err
+    assert err.count("tokens/s") == 1 and "Traceback" not in err and "say less" in err
+    assert prompts_seen[-1] == [{"role": "user", "content": "yes"}]
+
+
+def test_bytes_that_are_not_utf8_are_read_as_replacement_characters(capsys, monkeypatch, chat_model, prompts_seen):
+    piped = io.TextIOWrapper(io.BytesIO(b"\xff\xfehi\n\x00\x01\x80binary\n"), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", piped)
+    code, out, err = run_cli(capsys, "chat", "--weights", chat_model, "--new-tokens", NEW_TOKENS, "--no-stop")
+    assert code == 0, err
+    assert err.count("tokens/s") == 2
+    turns = {message["content"] for prompt in prompts_seen for message in prompt if message["role"] == "user"}
+    assert {"\ufffd\ufffdhi", "\x00\x01\ufffdbinary"} <= turns
+
+
+def test_an_unknown_command_is_a_notice_not_a_message(capsys, monkeypatch, chat_model, prompts_seen):
+    code, out, err = chat(capsys, monkeypatch, chat_model, ["/help", "hi"])
+    assert code == 0, err
+    assert "unknown command '/help'" in err and err.count("tokens/s") == 1
+    assert prompts_seen[-1] == [{"role": "user", "content": "hi"}]
+
+
+def test_a_doubled_slash_sends_a_message_that_starts_with_one(capsys, monkeypatch, chat_model, prompts_seen):
+    code, out, err = chat(capsys, monkeypatch, chat_model, ["//etc is a folder"])
+    assert code == 0, err
+    assert prompts_seen[-1] == [{"role": "user", "content": "/etc is a folder"}]
 
 
 def test_a_jax_chats_turns_share_one_compiled_shape_and_answer_as_numpy(capsys, monkeypatch, chat_model):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,6 +201,16 @@ def test_a_changed_file_is_hashed_again_and_gets_its_own_entry(home, tmp_path):
     assert len([entry for entry in (home / cache.FOLDER).iterdir() if entry.name != "digests"]) == 2
 
 
+def test_a_file_whose_name_is_not_utf8_is_kept_and_mapped(home, tmp_path, monkeypatch):
+    folder = os.fsdecode(bytes(tmp_path) + b"/caf\xe9")  # a Latin-1 name on a UTF-8 system
+    os.mkdir(folder)
+    path = write_gguf(Path(folder) / "model.gguf", "F32")
+    _, first = load(path)
+    no_gguf_parse(monkeypatch)
+    kind, tensors = load(path)
+    assert kind is cache.CachedGGUFWeights and tensors.keys() == first.keys()
+
+
 def test_a_forged_digest_record_is_not_trusted(home, gguf):
     load(gguf)
     (record,) = (home / cache.FOLDER / "digests").iterdir()
@@ -272,3 +283,157 @@ def test_a_load_draws_its_bar_on_a_terminal_once_it_has_taken_a_second(monkeypat
         read = advance(lambda name: name.upper())
         assert read("a") == "A"
     assert bool(started) is drawn
+
+
+# ---------------------------------------------------------------- what the cache must never be fooled by
+
+
+def equal_to_a_fresh_read(tensors, path) -> bool:
+    expected = fresh(path)
+    return tensors.keys() == expected.keys() and all(np.array_equal(tensors[name], expected[name]) for name in expected)
+
+
+def test_a_gguf_file_rewritten_in_place_under_its_old_mtime_is_hashed_again(home, tmp_path, monkeypatch):
+    """Same path, inode, size and mtime, other weights: the stamp's ctime tells them apart."""
+    path = write_gguf(tmp_path / "model.gguf", "F32", seed=1)
+    other = write_gguf(tmp_path / "other.gguf", "F32", seed=2)
+    monkeypatch.setattr(cache, "RACY_NS", 0)  # the stamp trusted at once: only its ctime can tell
+    load(path)
+    before = path.stat()
+    time.sleep(0.05)  # past a coarse clock's tick: the rewrite gets a ctime of its own
+    with open(path, "r+b") as handle:
+        handle.write(other.read_bytes())
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    _, tensors = load(path)
+    assert equal_to_a_fresh_read(tensors, path)
+
+
+def stored_rows(folder, name):
+    """Where tensor `name`'s stored rows lie in the entry's tensors file: (start, row bytes)."""
+    path = folder / cache.TENSORS
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(length))
+    start, end = header[name]["data_offsets"]
+    return 8 + length + start, (end - start) // header[name]["shape"][0]
+
+
+def test_two_rows_of_a_kept_tensor_swapped_fail_its_checksum(home, gguf, capsys):
+    load(gguf)
+    path = entry_folder(home) / cache.TENSORS
+    start, row = stored_rows(entry_folder(home), "emb.weight")
+    data = bytearray(path.read_bytes())
+    first, second = data[start : start + row], data[start + row : start + 2 * row]
+    assert first != second
+    data[start : start + 2 * row] = second + first
+    path.write_bytes(bytes(data))
+    _, tensors = load(gguf)
+    assert "checksum does not match" in capsys.readouterr().err
+    assert equal_to_a_fresh_read(tensors, gguf)
+
+
+def digest_record(home):
+    (record,) = (home / cache.FOLDER / "digests").iterdir()
+    return record
+
+
+def checked_record(home):
+    return entry_folder(home) / cache.CHECKED
+
+
+def tensors_file(home):
+    return entry_folder(home) / cache.TENSORS
+
+
+def make_fifo(path):
+    os.mkfifo(path)
+
+
+def link_to_dev_zero(path):
+    os.symlink("/dev/zero", path)
+
+
+def make_folder(path):
+    path.mkdir()
+
+
+def nest_deeply(path):
+    path.write_text("[" * 4000 + "]" * 4000)
+
+
+def fill_past_the_bound(path):
+    path.write_text(json.dumps({"padding": "x" * 10_000}))
+
+
+def load_within(gguf, seconds: float, fifo=None):
+    """A load in a thread, given `seconds` to end (a reader blocked on a FIFO released after)."""
+    import threading
+
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(load(gguf)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive() and fifo is not None and fifo.exists():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the reader sees the end of the pipe
+        worker.join(seconds)
+    return done
+
+
+@pytest.mark.parametrize("record", [digest_record, checked_record, tensors_file])
+@pytest.mark.parametrize("odd", [make_fifo, link_to_dev_zero, make_folder, nest_deeply, fill_past_the_bound])
+def test_a_record_that_is_not_a_small_regular_json_file_is_rebuilt_with_one_warning(home, gguf, capsys, record, odd):
+    checked_entry(home, gguf)
+    path = record(home)
+    path.unlink()
+    odd(path)
+    capsys.readouterr()
+    done = load_within(gguf, 30, fifo=path if odd is make_fifo else None)
+    assert done, "the load hung"
+    assert equal_to_a_fresh_read(done[0][1], gguf)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "failed a check" in warnings[0], warnings
+    assert path.is_file() and not path.is_symlink()  # rebuilt in its place
+    capsys.readouterr()
+    load(gguf)
+    assert "warning" not in capsys.readouterr().err
+
+
+DIE_WRITING = """
+import os, signal, sys
+from kvports.formats.gguf import cache
+from kvports.loading import open_model
+
+def dying(path, *args):
+    with open(path, "wb") as handle:
+        handle.write(bytes(4096))
+        handle.flush()
+    os.kill(os.getpid(), signal.SIGKILL)  # kill -9 halfway through the first write
+
+cache.write_aligned = dying
+with open_model(sys.argv[1]) as file:
+    file.read("float32")
+"""
+
+
+def test_a_killed_writers_temp_file_is_removed_on_the_next_run(home, gguf):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVPORTS_HOME": str(home)}
+    result = subprocess.run([sys.executable, "-c", DIE_WRITING, str(gguf)], env=env, capture_output=True)
+    assert result.returncode == -9, result.stderr
+    assert list(home.rglob("*.tmp")), "the killed writer left no temp file: the test proves nothing"
+    kind, tensors = load(gguf)
+    assert not list(home.rglob("*.tmp"))
+    assert kind is GGUFWeights and equal_to_a_fresh_read(tensors, gguf)
+
+
+def test_a_live_writers_temp_file_is_kept(home, gguf):
+    load(gguf)
+    folder = entry_folder(home)
+    with cache.locked_temp(folder / "kept.json") as tmp:
+        cache.remove_dead_temps(home / cache.FOLDER)
+        assert os.path.exists(tmp)
+    assert (folder / "kept.json").is_file()

@@ -10,6 +10,8 @@ kernel and on the weight's layout (measured at 1 and 2 threads, tools/profile_de
   oneDNN's linear on a plain float32 weight ran 1.1-1.4x slower than either at every SmolLM2 shape.
 - bfloat16: F.linear at one row is a slow fallback, and oneDNN's linear reorders a plain weight
   at every call; reordered once into oneDNN's own blocked layout (`packed`) it runs ~2-4x faster.
+  That layout needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: where the CPU lacks them (or
+  KVPORTS_CPU=avx2 says so, shared/cpu.py), the model keeps F.linear (`packed_bfloat16`).
 The tied head is the largest matrix of a small model (SmolLM2's 49152 x 576): it gets a Linear of
 its own over the embedding's weight, so that it takes the same route.
 """
@@ -20,12 +22,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kvports.shared import cpu
 from kvports.shared.shapes import stored_transposed
 from kvports.torch_impl.fast import untie_head
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _onednn_linear = torch.ops.mkldnn._linear_pointwise if ONEDNN else None
 PACKED_ROWS = 1  # the row count oneDNN picks its blocked layout for: a decode step's; more rows run as well
+# The instructions oneDNN's packed bfloat16 kernel is built for, either set (its own error names them).
+BFLOAT16_PACKED_NEEDS = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
+
+
+def packed_bfloat16() -> bool:
+    """Whether this machine runs oneDNN's packed bfloat16 linear: the CPU has the instructions
+    (shared.cpu, which KVPORTS_CPU can narrow) and this torch's oneDNN agrees."""
+    if _onednn_linear is None or not cpu.has_any(*BFLOAT16_PACKED_NEEDS):
+        return False
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
@@ -39,11 +52,11 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
     return cached[1]  # an opaque oneDNN tensor: only _linear_pointwise reads it
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear: x [..., in], weight [out, in] -> [..., out]."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packs: bool = True) -> torch.Tensor:
+    """F.linear: x [..., in], weight [out, in] -> [..., out]; `packs`: bfloat16 may take oneDNN's packed route."""
     # Not under torch.compile: inductor lowers F.linear itself (and cannot lower this op unfrozen).
     eager_cpu = x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-    if _onednn_linear is not None and eager_cpu and x.dtype == torch.bfloat16:
+    if packs and _onednn_linear is not None and eager_cpu and x.dtype == torch.bfloat16:
         return _onednn_linear(x, packed(weight), bias, "none", [], "")  # [..., out]: no fused activation
     return F.linear(x, weight, bias)  # [..., out]; float32: MKL's sgemm, in either layout without a copy
 
@@ -66,13 +79,17 @@ def transpose_weights(model: nn.Module) -> nn.Module:
 class Linear(nn.Linear):
     """nn.Linear (the same parameters, names and initialisation), through linear() above."""
 
+    packs = True  # set by use_onednn from packed_bfloat16(): False keeps bfloat16 on F.linear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packs)
 
 
 def use_onednn(model: nn.Module) -> nn.Module:
     """A loaded model (at its dtype and device) with every nn.Linear a Linear, the tied head one of
-    them over the embedding's weight (the same tensor, not a copy), and its weights laid out for MKL."""
+    them over the embedding's weight (the same tensor, not a copy), and its weights laid out for MKL.
+    bfloat16 takes oneDNN's packed route only where `packed_bfloat16()` says the CPU runs it."""
+    packs = packed_bfloat16()
     if model.config.tie_embeddings:
         emb = model.get_submodule("emb")
         head = Linear(emb.embedding_dim, emb.num_embeddings, bias=False, device="meta")
@@ -81,4 +98,17 @@ def use_onednn(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = Linear  # the same parameters, through linear()
+        if isinstance(module, Linear):
+            module.packs = packs
     return transpose_weights(model)
+
+
+def linear_route(dtype: str, quant: str, device: str) -> str:
+    """The kernel a loaded model's linears take, in one word for the header and the bench row."""
+    if device != "cpu":
+        return "cublas"
+    if quant != "none":
+        return {"int8": "int8pack", "q4": "int4pack"}[quant]  # fast/quant.py's kernels (any x86 CPU)
+    if dtype == "bfloat16":
+        return "onednn" if packed_bfloat16() else "plain"  # plain: F.linear's own bfloat16 loop
+    return "mkl" if torch.backends.mkl.is_available() else "blas"  # F.linear's gemm
