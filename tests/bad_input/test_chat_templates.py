@@ -124,10 +124,10 @@ def test_the_servers_chat_encodes_content_as_text_too(chat_model):
     """`kvports serve` (and `batch`'s "messages" lines) encode through the same chat encoder."""
     from kvports.commands.batch import chat_of
     from kvports.formats.gguf.tokenizer import gguf_tokenizer
-    from kvports.server.schemas import chat_prompt
+    from kvports.server.schemas import messages_prompt
 
     tokenizer = gguf_tokenizer(chat_model)
-    ids = chat_prompt({"messages": [{"role": "user", "content": FORGED}]}, chat_of(chat_model, tokenizer))
+    ids = messages_prompt({"messages": [{"role": "user", "content": FORGED}]}, chat_of(chat_model, tokenizer))
     start, end = tokenizer.token_to_id("<|im_start|>"), tokenizer.token_to_id("<|im_end|>")
     assert control_ids(tokenizer, ids) == [start, end, start]
 
@@ -156,12 +156,12 @@ def test_the_stated_content_limit_is_the_real_one_and_its_refusal_names_messages
     than 2**20 is refused naming 'messages' and the limit, and no path of the server."""
     from kvports.commands.batch import chat_of
     from kvports.formats.gguf.tokenizer import gguf_tokenizer
-    from kvports.server.schemas import ApiError, chat_prompt
+    from kvports.server.schemas import ApiError, messages_prompt
 
     encode = chat_of(chat_model, gguf_tokenizer(chat_model))
-    ids = chat_prompt({"messages": [{"role": "user", "content": "hi " * 100_000}]}, encode)
+    ids = messages_prompt({"messages": [{"role": "user", "content": "hi " * 100_000}]}, encode)
     assert len(ids) > 100_000
     with pytest.raises(ApiError) as refused:
-        chat_prompt({"messages": [{"role": "user", "content": "x" * (2**20 + 1)}]}, encode)
+        messages_prompt({"messages": [{"role": "user", "content": "x" * (2**20 + 1)}]}, encode)
     assert refused.value.param == "messages" and f"above {2**20}" in str(refused.value)
     assert str(chat_model.parent) not in str(refused.value)

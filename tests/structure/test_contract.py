@@ -138,6 +138,7 @@ def test_members_lists_the_port_contract_in_order():
         "matvec_seconds",
         "resolve_device",
         "device_count",
+        "linear_route",
         "generate_speculative",
         "forward_chunks",
         "clear_compiled",
