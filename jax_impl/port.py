@@ -20,6 +20,7 @@ from kvports.jax_impl.fast.quant import quantize_model
 from kvports.jax_impl.generate import generate_cached, generate_naive
 from kvports.jax_impl.generate import prefill as prefill_step
 from kvports.jax_impl.model import TinyModel, init_cache
+from kvports.shared.capabilities import refusal
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, RowSampling, as_generation, token_logprobs
@@ -136,6 +137,8 @@ def load_model(
     quant: str = "none",
     tensor_parallel: int = 1,
 ) -> TinyModel:
+    # What shared/capabilities.py says this port loads (the application's rules refused the rest first).
+    assert refusal("jax", dtype, quant, tensor_parallel) is None, refusal("jax", dtype, quant, tensor_parallel)
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     target = resolve_device(device)
     placement: Callable[[str], jax.Device | jax.sharding.Sharding] = lambda name: target  # noqa: E731

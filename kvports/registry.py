@@ -11,18 +11,17 @@ import importlib.util
 import re
 from typing import cast
 
+from kvports.shared.capabilities import PORTS as CAPABILITIES
 from kvports.shared.contract import Port
 
-PORTS = ("torch", "jax", "numpy")
+PORTS = tuple(CAPABILITIES)  # torch, jax, numpy
 REFERENCE = "torch"
-CPU_ONLY = ("numpy",)  # runs on the CPU whatever --device asks for
-COMPILES = ("jax",)  # the first call traces and compiles: compare and bench report that time apart
+# What each port runs is shared/capabilities.py's table; these are its views the rules read.
+CPU_ONLY = tuple(name for name, port in CAPABILITIES.items() if "gpu" not in port.devices)  # whatever --device asks
+COMPILES = tuple(name for name, port in CAPABILITIES.items() if port.compiles)
 MODULES = {"torch": "kvports.torch_impl.port", "jax": "kvports.jax_impl.port", "numpy": "kvports.numpy_impl.port"}
-# The modes each port runs: generate's naive, cached and speculative, and kvports batch's paged engine
-# (init_block_pool, paged_step); SPLIT_MODES: those its ranks run split across devices (tensor_parallel > 1):
-# torch's ranks each run a whole generate call, with no block pool they share; NumPy splits nothing.
-MODES = {name: ("naive", "cached", "speculative", "paged") for name in PORTS}
-SPLIT_MODES = {"torch": ("naive", "cached", "speculative"), "jax": MODES["jax"], "numpy": ()}
+MODES = {name: port.modes for name, port in CAPABILITIES.items()}
+SPLIT_MODES = {name: port.split_modes for name, port in CAPABILITIES.items()}
 FRAMEWORK_PACKAGES = {"torch": ("torch",), "jax": ("jax", "flax"), "numpy": ()}  # NumPy: kvports' own dependency
 # The oldest release of each framework package the ports run on, and what they need from it: a machine's own
 # CUDA builds are often older than the pinned torch (JAX 0.8.1 with Flax 0.12.1 runs every mode: checked by hand).

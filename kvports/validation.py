@@ -21,6 +21,7 @@ from kvports import registry
 from kvports.devices import check_cpu_only
 from kvports.limits import check_run
 from kvports.shared import cpu
+from kvports.shared.capabilities import PORTS as CAPABILITIES
 from kvports.shared.checks import (
     API,
     COMMAND_LINE,
@@ -113,9 +114,8 @@ def parse_prompt(text: str) -> list[int]:
     return ids
 
 
-# The reduced precisions each port offers: where its framework has a fast product for them on the CPU
-# (NumPy has no bfloat16 and no integer matrix product that would beat its own float32 one).
-PRECISIONS = {"torch": ("bfloat16", "int8", "q4"), "jax": ("bfloat16", "int8", "q4"), "numpy": ()}
+# The reduced precisions each port offers (shared/capabilities.py's table).
+PRECISIONS = {name: port.precisions for name, port in CAPABILITIES.items()}
 
 
 def check_q4_file(quant: str, has_q4: bool, source: str, names: Names = COMMAND_LINE) -> None:
@@ -408,7 +408,7 @@ def precision_refusal(framework: str, dtype: str, quant: str, names: Names = COM
 
 # torch's packed int8 and 4-bit products (aten._weight_int8pack_mm, _weight_int4pack_mm_for_cpu) are
 # CPU kernels: on a GPU they would fail inside the first forward instead of here.
-CPU_QUANTS = {"torch": ("int8", "q4")}
+CPU_QUANTS = {name: port.cpu_quants for name, port in CAPABILITIES.items() if port.cpu_quants}
 
 
 def quant_device_refusal(framework: str, quant: str, device: str, names: Names = COMMAND_LINE) -> Refusal | None:

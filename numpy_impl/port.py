@@ -13,6 +13,7 @@ from kvports.numpy_impl.fast.layout import lay_out
 from kvports.numpy_impl.generate import generate_cached, generate_naive, prefill
 from kvports.numpy_impl.model import TinyModel, init_cache
 from kvports.numpy_impl.paged import init_block_pool as init_block_pool  # the contract's, as paged.py makes it
+from kvports.shared.capabilities import refusal
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, RowSampling, as_generation, token_logprobs
@@ -45,8 +46,8 @@ def load_model(
     quant: str = "none",
     tensor_parallel: int = 1,
 ) -> TinyModel:
-    # No bfloat16, no quantization, one device (shared.checks): refused before this is called.
-    assert dtype != "bfloat16" and quant == "none" and tensor_parallel == 1, (dtype, quant, tensor_parallel)
+    # What shared/capabilities.py says this port loads (the application's rules refused the rest first).
+    assert refusal("numpy", dtype, quant, tensor_parallel) is None, refusal("numpy", dtype, quant, tensor_parallel)
     config = config.for_compute()  # a window wider than max_seq_len, narrowed: JAX's int32 masks stay exact
     resolve_device(device)
     model = TinyModel(config)  # placeholder weights: every tensor comes from the file

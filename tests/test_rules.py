@@ -390,3 +390,30 @@ def test_a_bench_split_beyond_the_devices_is_rows_with_the_rules_line(capsys, mo
     assert code == 0, err
     rows = {row["tensor_parallel"]: row for row in json.loads(out)["rows"]}
     assert rows[1]["available"] and (rows[2]["available"], rows[2]["reason"]) == (False, rule.line)
+
+
+# ---------------------------------------------------------------- one table of what each port runs
+
+
+@pytest.mark.parametrize("framework", registry.PORTS)
+def test_a_ports_load_time_check_and_the_rules_read_one_capability_table(framework):
+    """What `check_rules` refuses of a port's precision and split, its own load-time check
+    (shared.capabilities.refusal) refuses too, and nothing else: both read the one table."""
+    from kvports.shared.capabilities import refusal
+    from kvports.shared.config import DTYPES, QUANTS
+    from kvports.shared.errors import UserError
+    from kvports.validation import Setup, check_rules
+
+    config = ModelConfig(d_model=16, n_heads=2, n_layers=1)
+    for dtype in DTYPES:
+        for quant in QUANTS:
+            for split in (1, 2):
+                if quant != "none" and (dtype == "float64" or split > 1):
+                    continue  # refused for every port, by rules of their own
+                setup = Setup((framework,), ("cached",), dtype, quant, "cpu", split)
+                try:
+                    check_rules(setup, models=[("the model", config)])
+                    refused = False
+                except UserError:
+                    refused = True
+                assert refused == (refusal(framework, dtype, quant, split) is not None), (dtype, quant, split)

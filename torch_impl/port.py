@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvports.shared.capabilities import refusal
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, RowSampling, as_generation, token_logprobs
@@ -100,6 +101,8 @@ def load_model(
     quant: str = "none",
     tensor_parallel: int = 1,
 ) -> TinyModel:
+    # What shared/capabilities.py says this port loads (the application's rules refused the rest first).
+    assert refusal("torch", dtype, quant, tensor_parallel) is None, refusal("torch", dtype, quant, tensor_parallel)
     if tensor_parallel > 1:
         from kvports.torch_impl.fast.parallel import PortCalls, load_parallel
 
