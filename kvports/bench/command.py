@@ -11,6 +11,8 @@ import platform
 import time
 from typing import Any
 
+import numpy as np
+
 from kvports import registry
 from kvports.bench.formats import Formats, format_name, parse_formats
 from kvports.bench.measure import load_average, threads_info
@@ -18,7 +20,7 @@ from kvports.bench.options import parse_choices, parse_sweep, parse_threads, res
 from kvports.bench.output import print_result
 from kvports.bench.plots import write_plots
 from kvports.bench.presets import bench_prompts, chat_turn_ids, load_bench_model
-from kvports.bench.rows import run_rows
+from kvports.bench.rows import RowSettings, run_rows
 from kvports.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, PEER_RUNNERS, RUNNERS, Runner, group_of
 from kvports.bench.targets import add_peer_ratios, targets
 from kvports.devices import prepare_tensor_parallel
@@ -110,17 +112,10 @@ def run(args: argparse.Namespace) -> int:
     frameworks = parse_choices(args.frameworks, FRAMEWORKS, "frameworks")
     modes = parse_choices(args.modes, MODES, "modes")
     formats = parse_formats(args.dtype, args.quant)
-    dtype, quant = formats.first  # the baselines', the peers' and the reference's
     check_bench_outputs(args.plot, args.csv, args.json)
     if "speculative" in modes and args.draft is None:
         raise UserError("--modes speculative needs --draft FILE (a smaller model) or --draft ngram")
-    runners = [runner for runner in RUNNERS if runner.framework in frameworks]
-    if args.compile:
-        runners.append(COMPILED_RUNNER)
-    if args.peers:
-        runners.extend(PEER_RUNNERS)
-    if args.group is not None:  # one group's rows in a process of its own (bench.rounds' child)
-        runners = [runner for runner in runners if group_of(runner) == args.group]
+    runners = chosen_runners(args, frameworks)
     timed = [runner for runner in runners if set(runner.modes) & set(modes) and not runner.peer]  # peers: CPU
     # A port without a single --dtype or --quant value's precision refuses it, as generate does.
     port_names = [framework for framework in frameworks if framework in registry.PORTS]
@@ -128,53 +123,102 @@ def run(args: argparse.Namespace) -> int:
     setups = bench_setups(timed, modes, formats, args)
     sweep: list[int] = []
     unusable: dict[str, str] = {}  # runner label -> why its rows cannot run
-
-    def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
-        sweep.extend(parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None))
-        longest = max([args.new_tokens, *sweep])
-        resolve_pp(args, config)
-        for listed in formats.dtypes:  # each format's model and run, one at a time
-            check_bench_run(config, modes, longest, listed, args.batch, args.prompt_len, args.new_tokens)
-            if args.pp:
-                if args.pp + 1 > config.max_seq_len:
-                    raise UserError(f"--pp {args.pp} + 1 new token exceeds max_seq_len {config.max_seq_len}")
-                check_bench_run(config, modes, 1, listed, args.batch, args.pp, 1)
-        for setup in setups:
-            unable = check_rules(setup, COMMAND_LINE, [("the model", config)])
-            if setup.tensor_parallel == 1:  # a split's own refusals only leave a port without split rows
-                unusable.update(
-                    {runner.label: unable[runner.framework] for runner in timed if runner.framework in unable}
-                )
-        prepare_tensor_parallel(max(args.tensor_parallel), args.device, frameworks)  # before a port starts JAX
-        unusable.update(port_problems(timed, args.device))
-
     port_formats = formats.offered(port_names)  # the formats some port will run, in the rows' order
     chat = None if args.chat is None else chat_turn_ids(args.weights, args.chat)  # its length is the prompt's
     if chat is not None:
         args.prompt_len = len(chat)
     # A GGUF file's 4-bit blocks too when a q4 row will run (a file without any refused, as --quant q4 alone).
     blocks = "q4" if ("q4" in {pair[1] for pair in port_formats}) else "none"
+
+    def check(config: ModelConfig) -> None:  # before any tensor is read or drawn
+        sweep.extend(check_bench_model(args, config, formats, modes, setups, timed, frameworks, unusable))
+
     preset, config, tensors = load_bench_model(
         args.preset, args.weights, formats.read_dtype, check, blocks, formats.dtypes
     )
     prompts = bench_prompts(config, args.batch, args.prompt_len, args.new_tokens, chat)  # [B, P]
-    draft_weights = None
-    if "speculative" in modes:
-        draft = Draft(args.draft, args.draft_tokens, args.ngram)
-        generation = GenerationConfig(args.new_tokens)
-        inputs = RunInputs(
-            frameworks[0], "speculative", generation, args.weights, formats.read_dtype, args.device, draft
-        )
-        check_draft("speculative", args.draft, args.draft_tokens, args.ngram, COMMAND_LINE)
-        check_ngram(args.ngram, args.prompt_len, args.new_tokens)
-        check_needed(args.prompt_len, args.new_tokens, args.draft_tokens, [("the model", config)])
-        draft_weights = read_draft(inputs, config, prompts, setups)  # read as the model is; each row casts it
+    draft_weights = bench_draft(args, frameworks, formats, modes, config, prompts, setups)
     pp_prompts = bench_prompts(config, args.batch, args.pp, 1) if args.pp else None  # [B, P']
     roofline = args.roofline or preset == "gpt2-small" or args.peers  # the peers' rows are held to it too
-    settings: dict[str, Any] = {
+    shared = (runners, modes, config, tensors, prompts, args, formats, sweep, roofline)
+    row_settings = RowSettings(*shared, draft_weights, unusable, pp_prompts)
+    settings = bench_settings(row_settings, preset, port_formats)
+    finish(measured(row_settings, settings), args)
+    return 0
+
+
+def chosen_runners(args: argparse.Namespace, frameworks: list[str]) -> list[Runner]:
+    """The rows' runners: the frameworks', the compiled row, the peers; one group's in a round's child."""
+    runners = [runner for runner in RUNNERS if runner.framework in frameworks]
+    if args.compile:
+        runners.append(COMPILED_RUNNER)
+    if args.peers:
+        runners.extend(PEER_RUNNERS)
+    if args.group is not None:  # one group's rows in a process of its own (bench.rounds' child)
+        runners = [runner for runner in runners if group_of(runner) == args.group]
+    return runners
+
+
+def check_bench_model(
+    args: argparse.Namespace,
+    config: ModelConfig,
+    formats: Formats,
+    modes: list[str],
+    setups: list[Setup],
+    timed: list[Runner],
+    frameworks: list[str],
+    unusable: dict[str, str],
+) -> list[int]:
+    """The bench's flags against the model's config, before any tensor is read or drawn: the sweep
+    (returned), each format's run, --pp, the rules (a runner they refuse joins `unusable`, with why)."""
+    sweep = parse_sweep(args.sweep, args.new_tokens, args.prompt_len, config, args.plot is not None)
+    longest = max([args.new_tokens, *sweep])
+    resolve_pp(args, config)
+    for listed in formats.dtypes:  # each format's model and run, one at a time
+        check_bench_run(config, modes, longest, listed, args.batch, args.prompt_len, args.new_tokens)
+        if args.pp:
+            if args.pp + 1 > config.max_seq_len:
+                raise UserError(f"--pp {args.pp} + 1 new token exceeds max_seq_len {config.max_seq_len}")
+            check_bench_run(config, modes, 1, listed, args.batch, args.pp, 1)
+    for setup in setups:
+        unable = check_rules(setup, COMMAND_LINE, [("the model", config)])
+        if setup.tensor_parallel == 1:  # a split's own refusals only leave a port without split rows
+            unusable.update({runner.label: unable[runner.framework] for runner in timed if runner.framework in unable})
+    prepare_tensor_parallel(max(args.tensor_parallel), args.device, frameworks)  # before a port starts JAX
+    unusable.update(port_problems(timed, args.device))
+    return sweep
+
+
+def bench_draft(
+    args: argparse.Namespace,
+    frameworks: list[str],
+    formats: Formats,
+    modes: list[str],
+    config: ModelConfig,
+    prompts: np.ndarray,
+    setups: list[Setup],
+) -> tuple[ModelConfig, dict[str, np.ndarray]] | None:
+    """The speculative rows' draft, checked and read as the model is (each row casts it); None
+    without speculative rows or for prompt lookup."""
+    if "speculative" not in modes:
+        return None
+    draft = Draft(args.draft, args.draft_tokens, args.ngram)
+    generation = GenerationConfig(args.new_tokens)
+    inputs = RunInputs(frameworks[0], "speculative", generation, args.weights, formats.read_dtype, args.device, draft)
+    check_draft("speculative", args.draft, args.draft_tokens, args.ngram, COMMAND_LINE)
+    check_ngram(args.ngram, args.prompt_len, args.new_tokens)
+    check_needed(args.prompt_len, args.new_tokens, args.draft_tokens, [("the model", config)])
+    return read_draft(inputs, config, prompts, setups)
+
+
+def bench_settings(rows: RowSettings, preset: str, port_formats: list[tuple[str, str]]) -> dict[str, Any]:
+    """The run's settings, as the JSON and the table's title report them."""
+    args, modes = rows.args, rows.modes
+    dtype, quant = rows.formats.first  # the baselines', the peers' and the reference's
+    return {
         "preset": preset,
-        "config": json.loads(config.to_json()),
-        "parameters": int(sum(a.size for a in float_tensors(tensors).values())),
+        "config": json.loads(rows.config.to_json()),
+        "parameters": int(sum(a.size for a in float_tensors(rows.tensors).values())),
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -186,13 +230,18 @@ def run(args: argparse.Namespace) -> int:
         "tensor_parallel": list(args.tensor_parallel),
         "repeats": args.repeats,
         "warmup": args.warmup,
-        "sweep": sweep,
-        "prompt": prompts[0].tolist(),
-        "draft": None if draft_weights is None and args.draft != "ngram" else str(args.draft),
+        "sweep": rows.sweep,
+        "prompt": rows.prompts[0].tolist(),
+        "draft": None if rows.draft_weights is None and args.draft != "ngram" else str(args.draft),
         "draft_tokens": args.draft_tokens if "speculative" in modes else None,
         "peers": args.peers,
         "chat": args.chat,
     }
+
+
+def measured(rows_settings: RowSettings, settings: dict[str, Any]) -> dict[str, Any]:
+    """Every row measured, plotted as each framework's rows exist, and the machine they ran on."""
+    args = rows_settings.args
     plots: list[str] = []
 
     def plot_so_far(rows: list[dict[str, Any]]) -> None:
@@ -204,22 +253,7 @@ def run(args: argparse.Namespace) -> int:
     use_threads(args.threads)
     start, load_before = time.perf_counter(), load_average()
     with make_progress(args.json or str(args.csv) == "-") as progress:
-        rows, machine_info = run_rows(
-            runners,
-            modes,
-            config,
-            tensors,
-            prompts,
-            args,
-            formats,
-            sweep,
-            roofline,
-            progress,
-            draft_weights,
-            unusable,
-            plot_so_far,
-            pp_prompts,
-        )
+        rows, machine_info = run_rows(rows_settings, progress, plot_so_far)
     for row in rows:
         row["threads"] = args.threads
     settings["versions"] = machine_info.pop("versions")
@@ -233,8 +267,7 @@ def run(args: argparse.Namespace) -> int:
         "bench_seconds": time.perf_counter() - start,
         "load_average": [load_before, load_average()],
     }
-    finish({"settings": settings, "machine": machine, "rows": rows}, args)
-    return 0
+    return {"settings": settings, "machine": machine, "rows": rows}
 
 
 def finish(result: dict[str, Any], args: argparse.Namespace) -> None:

@@ -29,6 +29,15 @@ PEERS_PROMPT = 512  # llama-bench's pp512
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`kvports bench`'s flags, in --help's order."""
+    add_run_arguments(parser)
+    add_row_arguments(parser)
+    add_output_arguments(parser)
+    add_batching_arguments(parser)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What runs: the model, the prompt and generation shapes, the frameworks and modes."""
     parser.add_argument(
         "--preset",
         choices=tuple(PRESETS),
@@ -78,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {','.join(MODES)} (default {','.join(DEFAULT_MODES)}; speculative needs "
         "--draft)",
     )
+
+
+def add_row_arguments(parser: argparse.ArgumentParser) -> None:
+    """The rows beside the ports' (torch.compile, the peers), the chat prompt, the warm-up, the formats."""
     parser.add_argument("--compile", action="store_true", help="add a torch.compile row (torch cached, compiled)")
     parser.add_argument(
         "--peers",
@@ -115,6 +128,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile's row runs every format torch runs; the baselines and --peers run once, at the first format "
         "(default none)",
     )
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where and how it runs (device, split, draft, threads, rounds), the sweep and roofline, and where
+    its results go."""
     add_device_argument(parser)
     add_tensor_parallel_argument(parser, several=True)
     parser.add_argument(
@@ -163,6 +181,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(  # set by bench.rounds on its children: one framework's rows, or the peers', alone
         "--group", default=None, choices=GROUPS, help=argparse.SUPPRESS
     )
+
+
+def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
+    """The continuous-batching benchmark's flags (`bench --requests`)."""
     batching = parser.add_argument_group("continuous batching (docs/BATCHING.md)")
     batching.add_argument(
         "--requests",

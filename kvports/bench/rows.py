@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import gc
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -117,179 +118,235 @@ def unavailable_row(
     }
 
 
+@dataclass(frozen=True)
+class RowSettings:
+    """What every row of one bench run shares: the runners and modes, the model and its prompts,
+    the flags. formats: the weight formats each port runs (the others run at the first);
+    draft_weights: the speculative rows' draft (None: prompt lookup); unusable: runners (by label)
+    that cannot run (a rule, or no way to reach --device), and why; pp_prompts [B, P']: the
+    prompt each row also prefills for its pp figure (None: none timed)."""
+
+    runners: list[Runner]
+    modes: list[str]
+    config: ModelConfig
+    tensors: dict[str, np.ndarray]
+    prompts: np.ndarray  # [B, P]
+    args: argparse.Namespace
+    formats: Formats
+    sweep: list[int]
+    roofline: bool
+    draft_weights: tuple[ModelConfig, dict[str, np.ndarray]] | None = None
+    unusable: dict[str, str] = field(default_factory=dict)
+    pp_prompts: np.ndarray | None = None
+
+
+@dataclass
+class Bandwidths:
+    """Each library's streaming bandwidth, measured by its matrix-vector probe on its device."""
+
+    bandwidth: dict[str, float] = field(default_factory=dict)
+    matvec: dict[str, list[float]] = field(default_factory=dict)
+    device: dict[str, str] = field(default_factory=dict)
+    probes: dict[str, Any] = field(default_factory=dict)  # library -> the module whose probe measured it
+    probed: int = 1  # times each probe ran
+
+    def measure(self, library: str, module: Any, device: str) -> None:
+        self.probes[library] = module
+        self.matvec[library] = module.matvec_seconds(*MATVEC_SHAPE, MATVEC_REPEATS, device)
+        self.bandwidth[library] = matvec_bandwidth(self.matvec[library])
+        self.device[library] = device
+
+    def measure_again(self) -> None:
+        """Once more, keeping each library's better figure (a probe another process disturbed)."""
+        for name, module in self.probes.items():
+            again = module.matvec_seconds(*MATVEC_SHAPE, MATVEC_REPEATS, self.device[name])
+            if matvec_bandwidth(again) > self.bandwidth[name]:
+                self.matvec[name], self.bandwidth[name] = again, matvec_bandwidth(again)
+        self.probed = 2
+
+
 def run_rows(
-    runners: list[Runner],
-    modes: list[str],
-    config: ModelConfig,
-    tensors: dict[str, np.ndarray],
-    prompts: np.ndarray,
-    args: argparse.Namespace,
-    formats: Formats,
-    sweep: list[int],
-    roofline: bool,
-    progress: Any,
-    draft_weights: tuple[ModelConfig, dict[str, np.ndarray]] | None = None,
-    unusable: dict[str, str] | None = None,
-    on_runner_done: Callable[[list[dict[str, Any]]], None] | None = None,
-    pp_prompts: np.ndarray | None = None,
+    settings: RowSettings, progress: Any, on_runner_done: Callable[[list[dict[str, Any]]], None] | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(rows, what the machine did: versions, bandwidths, the roofline's bytes per step).
-    formats: the weight formats each port runs (the others run at the first); draft_weights: the
-    speculative rows' draft (None: prompt lookup); unusable: runners (by label) that cannot run
-    (a rule, or no way to reach --device), and why; on_runner_done(rows so far) after each runner;
-    pp_prompts [B, P']: the prompt each row also prefills for its pp figure (None: none timed)."""
-    unusable = unusable or {}
-    B, P = prompts.shape
-    N = args.new_tokens
-    calls_per_mode = 2 * args.warmup + args.repeats + len(sweep)
-    runs = parallel_runs(runners, getattr(args, "tensor_parallel", (1,)), formats)
-    task = progress.add_task(
-        "bench", total=sum(calls_per_mode * len([m for m in runner.modes if m in modes]) for runner, _, _ in runs)
-    )
+    """(rows, what the machine did: versions, bandwidths, the roofline's bytes per step);
+    on_runner_done(rows so far) after each runner."""
+    args = settings.args
+    calls_per_mode = 2 * args.warmup + args.repeats + len(settings.sweep)
+    runs = parallel_runs(settings.runners, getattr(args, "tensor_parallel", (1,)), settings.formats)
+    modes_of = {id(runner): [mode for mode in runner.modes if mode in settings.modes] for runner, _, _ in runs}
+    task = progress.add_task("bench", total=sum(calls_per_mode * len(modes_of[id(runner)]) for runner, _, _ in runs))
 
     def tick(description: str) -> None:
         progress.update(task, advance=1, description=description)
 
     rows: list[dict[str, Any]] = []
-    bandwidth: dict[str, float] = {}
-    matvec: dict[str, list[float]] = {}
-    bandwidth_device: dict[str, str] = {}
-    probes: dict[str, Any] = {}  # library -> the module whose matvec_seconds measured it, for a second probe
-    if roofline:
+    bandwidths = Bandwidths()
+    if settings.roofline:
         # NumPy's bandwidth always: the CPU's roofline even when no other framework is installed.
         progress.update(task, description="numpy bandwidth")
-        probes["numpy"] = registry.load_port("numpy")
-        matvec["numpy"] = probes["numpy"].matvec_seconds(*MATVEC_SHAPE, MATVEC_REPEATS)
-        bandwidth["numpy"] = matvec_bandwidth(matvec["numpy"])
-        bandwidth_device["numpy"] = "cpu"
+        bandwidths.measure("numpy", registry.load_port("numpy"), "cpu")
     versions: dict[str, str] = {"numpy": np.__version__}
     for runner, tensor_parallel, (dtype, quant) in runs:
-        runner_modes = [mode for mode in runner.modes if mode in modes]
+        runner_modes = modes_of[id(runner)]
         if not runner_modes:
             continue
-        itemsize = compute_itemsize(dtype)
         device = args.device if runner.gpu else "cpu"
-        module, reason = import_runner(runner)
-        settle_threads()  # torch's pools exist once it is imported
-        if module is not None and runner.label in unusable:
-            module, reason = None, unusable[runner.label]
-        model, loaded = None, None
-        # A peer is handed the weights file (llama.cpp runs the GGUF itself) and the bench's thread count.
-        options = {"source": args.weights, "threads": peer_threads(), **dict(runner.options)} if runner.peer else {}
-        if quant != "none" and not runner.peer:
-            options["quant"] = quant  # a baseline without it fails to load: a row that says why
-        if module is not None:
-            try:
-                row_tensors = format_tensors(tensors, dtype, quant)
-                if own_rows(runner):  # its model is the run layer's
-                    loaded = loading.load_model(
-                        runner.framework,
-                        config,
-                        row_tensors,
-                        dtype,
-                        device,
-                        quant=quant,
-                        tensor_parallel=tensor_parallel,
-                        port=cast(Port, module),
-                    )
-                    model = loaded.model
-                else:
-                    model = module.load_model(config, row_tensors, dtype, device, **options)
-            except UserError as exc:  # a split beyond the port's devices: the line generate would refuse it with
-                reason = str(exc)
-            except Exception as exc:  # a missing GPU, or a config this baseline cannot run
-                reason = f"{type(exc).__name__}: {exc}"
+        module, model, loaded, reason = load_row_model(settings, runner, dtype, quant, device, tensor_parallel)
         if module is None or model is None:
             rows.extend(unavailable_row(runner, mode, reason, dtype, quant, tensor_parallel) for mode in runner_modes)
             progress.update(task, advance=calls_per_mode * len(runner_modes))
             continue
         versions.update(module.versions())
-        if roofline and runner.library not in bandwidth:
+        if settings.roofline and runner.library not in bandwidths.bandwidth:
             progress.update(task, description=f"{runner.library} bandwidth")
-            probes[runner.library] = module
-            matvec[runner.library] = module.matvec_seconds(*MATVEC_SHAPE, MATVEC_REPEATS, device)
-            bandwidth[runner.library] = matvec_bandwidth(matvec[runner.library])
-            bandwidth_device[runner.library] = device
+            bandwidths.measure(runner.library, module, device)
         for mode in runner_modes:
-            # The weight format the row computes on: a peer's own (llama.cpp's file: Q4_1, say, which names its
-            # row), else its dtype and quantization (formats.format_name).
-            weights = getattr(model, "weights", None) if runner.peer else format_name(dtype, quant)
-            row = {
-                "framework": runner.framework,
-                "variant": weights if runner.peer and runner.variant is None else runner.variant,
-                "mode": mode,
-                "weights": weights,
-                "available": True,
-                "device": device,
-                "dtype": dtype,
-                "quant": quant,
-                "route": loaded.route if loaded is not None else None,  # a port's linears' kernel (fallbacks show)
-                "tensor_parallel": tensor_parallel,
-            }
-            call = RowCall(mode, loaded)
-            if mode == "speculative":
-                assert loaded is not None  # only a port's rows are speculative
-                if draft_weights is not None:
-                    loaded.add_draft(str(args.draft), *draft_weights)
-                call = RowCall(mode, loaded, generating.Draft(str(args.draft), args.draft_tokens, args.ngram))
-            try:
-                row.update(measure_row(runner, module, model, call, prompts, args, sweep, tick, pp_prompts))
-            except Exception as exc:
-                if runner.variant is None and not runner.baseline and not runner.peer:
-                    raise  # a port that fails is a bug to see whole
-                # A baseline, a peer or the compiled row that cannot run this model (torch.compile failing to
-                # lower it, say) is a row that says why, not the end of the bench.
-                why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-                rows.append(unavailable_row(runner, mode, why, dtype, quant, tensor_parallel))
-                continue
-            row["kv_cache_bytes"] = cache_bytes_held(runner, mode, config, B, P, N, itemsize, args.draft_tokens)
-            row["note"] = note(runner, mode) if tensor_parallel == 1 else parallel_note(tensor_parallel, device)
-            rows.append(row)
+            rows.append(
+                runner_row(settings, runner, module, model, loaded, mode, (dtype, quant, device, tensor_parallel), tick)
+            )
         del model, loaded
         gc.collect()  # gpt2-small: free one framework's copy of the weights before the next loads
         if on_runner_done is not None:
             on_runner_done(rows)
-    # A decode step's bytes at each dtype a row computes in, and in each row's own weight format.
+    machine = machine_figures(settings, rows, bandwidths, lambda: progress.update(task, description="bandwidth again"))
+    add_comparisons(rows, settings.prompts.shape[1], keep_tokens=getattr(args, "group", None) is not None)
+    return rows, {"versions": versions, **machine}
+
+
+def load_row_model(
+    settings: RowSettings, runner: Runner, dtype: str, quant: str, device: str, tensor_parallel: int
+) -> tuple[Any, Any, loading.LoadedModel | None, str]:
+    """(the runner's module, its model, the run layer's LoadedModel for a port's own rows, the reason
+    it cannot run): a module or model of None is a row that says why."""
+    args = settings.args
+    module, reason = import_runner(runner)
+    settle_threads()  # torch's pools exist once it is imported
+    if module is not None and runner.label in settings.unusable:
+        module, reason = None, settings.unusable[runner.label]
+    model, loaded = None, None
+    # A peer is handed the weights file (llama.cpp runs the GGUF itself) and the bench's thread count.
+    options = {"source": args.weights, "threads": peer_threads(), **dict(runner.options)} if runner.peer else {}
+    if quant != "none" and not runner.peer:
+        options["quant"] = quant  # a baseline without it fails to load: a row that says why
+    if module is None:
+        return None, None, None, str(reason)
+    try:
+        row_tensors = format_tensors(settings.tensors, dtype, quant)
+        if own_rows(runner):  # its model is the run layer's
+            port = cast(Port, module)
+            config = settings.config
+            loaded = loading.load_model(
+                runner.framework,
+                config,
+                row_tensors,
+                dtype,
+                device,
+                quant=quant,
+                tensor_parallel=tensor_parallel,
+                port=port,
+            )
+            model = loaded.model
+        else:
+            model = module.load_model(settings.config, row_tensors, dtype, device, **options)
+    except UserError as exc:  # a split beyond the port's devices: the line generate would refuse it with
+        reason = str(exc)
+    except Exception as exc:  # a missing GPU, or a config this baseline cannot run
+        reason = f"{type(exc).__name__}: {exc}"
+    return module, model, loaded, str(reason)
+
+
+def runner_row(
+    settings: RowSettings,
+    runner: Runner,
+    module: Any,
+    model: Any,
+    loaded: loading.LoadedModel | None,
+    mode: str,
+    where: tuple[str, str, str, int],
+    tick: Callable[[str], None],
+) -> dict[str, Any]:
+    """One mode's row of a loaded runner: measured, or unavailable with the reason it failed.
+    where: (dtype, quant, device, tensor_parallel)."""
+    args = settings.args
+    dtype, quant, device, tensor_parallel = where
+    # The weight format the row computes on: a peer's own (llama.cpp's file: Q4_1, say, which names its
+    # row), else its dtype and quantization (formats.format_name).
+    weights = getattr(model, "weights", None) if runner.peer else format_name(dtype, quant)
+    row = {
+        "framework": runner.framework,
+        "variant": weights if runner.peer and runner.variant is None else runner.variant,
+        "mode": mode,
+        "weights": weights,
+        "available": True,
+        "device": device,
+        "dtype": dtype,
+        "quant": quant,
+        "route": loaded.route if loaded is not None else None,  # a port's linears' kernel (fallbacks show)
+        "tensor_parallel": tensor_parallel,
+    }
+    call = RowCall(mode, loaded)
+    if mode == "speculative":
+        assert loaded is not None  # only a port's rows are speculative
+        if settings.draft_weights is not None:
+            loaded.add_draft(str(args.draft), *settings.draft_weights)
+        call = RowCall(mode, loaded, generating.Draft(str(args.draft), args.draft_tokens, args.ngram))
+    try:
+        row.update(
+            measure_row(runner, module, model, call, settings.prompts, args, settings.sweep, tick, settings.pp_prompts)
+        )
+    except Exception as exc:
+        if runner.variant is None and not runner.baseline and not runner.peer:
+            raise  # a port that fails is a bug to see whole
+        # A baseline, a peer or the compiled row that cannot run this model (torch.compile failing to
+        # lower it, say) is a row that says why, not the end of the bench.
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        return unavailable_row(runner, mode, why, dtype, quant, tensor_parallel)
+    B, P = settings.prompts.shape
+    itemsize = compute_itemsize(dtype)
+    row["kv_cache_bytes"] = cache_bytes_held(
+        runner, mode, settings.config, B, P, args.new_tokens, itemsize, args.draft_tokens
+    )
+    row["note"] = note(runner, mode) if tensor_parallel == 1 else parallel_note(tensor_parallel, device)
+    return row
+
+
+def machine_figures(
+    settings: RowSettings, rows: list[dict[str, Any]], bandwidths: Bandwidths, again: Callable[[], None]
+) -> dict[str, Any]:
+    """The rooflines (written into the rows) and what the machine did: a decode step's bytes at each
+    dtype a row computes in and in each row's own weight format, the bandwidths, the probes."""
+    config, tensors = settings.config, settings.tensors
+    B, P = settings.prompts.shape
+    N = settings.args.new_tokens
     row_dtypes = dict.fromkeys(row["dtype"] for row in rows)
     floats = float_tensors(tensors)
     four_bit = frozenset(name for name in floats if q4_blocks(tensors, name) is not None)
-    step_bytes = (
-        {name: decode_bytes(config, floats, B, P, N, compute_itemsize(name)) for name in row_dtypes} if roofline else {}
-    )
-    format_bytes = (
-        {
-            weights: decode_bytes(
-                config, floats, B, P, N, compute_itemsize(format_of(weights)[0]), format_of(weights)[1], four_bit
-            )
-            for weights in dict.fromkeys(str(row["weights"]) for row in rows if row["available"])
-        }
-        if roofline
-        else {}
-    )
-    best = add_rooflines(rows, bandwidth, bandwidth_device, format_bytes)
-    probed = 1
+    step_bytes, format_bytes = {}, {}
+    if settings.roofline:
+        step_bytes = {name: decode_bytes(config, floats, B, P, N, compute_itemsize(name)) for name in row_dtypes}
+        for weights in dict.fromkeys(str(row["weights"]) for row in rows if row["available"]):
+            dtype, quant = format_of(weights)
+            format_bytes[weights] = decode_bytes(config, floats, B, P, N, compute_itemsize(dtype), quant, four_bit)
+    best = add_rooflines(rows, bandwidths.bandwidth, bandwidths.device, format_bytes)
     if any(row.get("roofline_ratio") is not None and row["roofline_ratio"] < 1 for row in rows):
         # Faster than the bandwidth allows: the probe ran while something else held the memory bus. Once more,
         # keeping each library's better figure; a row still below 1 is flagged in its note.
-        progress.update(task, description="bandwidth again")
-        for name, module in probes.items():
-            again = module.matvec_seconds(*MATVEC_SHAPE, MATVEC_REPEATS, bandwidth_device[name])
-            if matvec_bandwidth(again) > bandwidth[name]:
-                matvec[name], bandwidth[name] = again, matvec_bandwidth(again)
-        best = add_rooflines(rows, bandwidth, bandwidth_device, format_bytes)
-        probed = 2
-    machine = {
-        "bandwidth_gb_s": {f"{name} ({bandwidth_device[name]})": value / 1e9 for name, value in bandwidth.items()}
+        again()
+        bandwidths.measure_again()
+        best = add_rooflines(rows, bandwidths.bandwidth, bandwidths.device, format_bytes)
+    matvec = bandwidths.matvec
+    return {
+        "bandwidth_gb_s": {
+            f"{name} ({bandwidths.device[name]})": value / 1e9 for name, value in bandwidths.bandwidth.items()
+        }
         or None,
         "roofline_bandwidth_gb_s": {device: value / 1e9 for device, value in best.items()} or None,
-        "decode_bytes_per_step": step_bytes.get(formats.first[0]),
+        "decode_bytes_per_step": step_bytes.get(settings.formats.first[0]),
         "decode_bytes_per_step_by_dtype": step_bytes or None,
         "decode_bytes_per_step_by_format": format_bytes or None,
         "matvec": {"shape": list(MATVEC_SHAPE), "dtype": "float32", "seconds": matvec} if matvec else None,
-        "bandwidth_probes": probed if matvec else 0,
+        "bandwidth_probes": bandwidths.probed if matvec else 0,
     }
-    add_comparisons(rows, P, keep_tokens=getattr(args, "group", None) is not None)
-    return rows, {"versions": versions, **machine}
 
 
 DISTURBED = "below 1: decode ran faster than the bandwidth probe allows, so the probe was disturbed (measured twice)"
