@@ -3,8 +3,10 @@
 - `config`: ModelConfig, the hyperparameters every port reads; KV-cache sizes
 - `shapes`: the model's tensors by name and shape (the state_dict every port's TinyModel holds)
 - `generation`: how to generate (sampling settings, stop ids, seeds), the shared random draws, padding
-- `quant`: int8 and 4-bit codes, made once for every port that quantizes
+- `quantization`: int8 and 4-bit codes, made once for every port that quantizes
 - `checks`: the checks the ports' own calls make (generation settings, chunk sizes, key/value layout)
+- `capabilities`: what each port can run (modes, precisions, devices), one record each
+- `cpu`: the CPU's instruction sets, asked once, for the routes that need them
 - `contract`: what a port must provide (`Port`), and a bench baseline (`Baseline`)
 - `errors`, `files`: the one-line user error, and files written atomically
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism in the torch port (torch_impl/parallel.py): a model sharded over two gloo
+"""Tensor parallelism in the torch port (torch_impl/fast/parallel.py): a model sharded over two gloo
 ranks gives the tokens one process gives, in float64, in every mode; a rank that fails or dies
 ends every rank. Slow: each sharded model spawns two interpreters that import torch."""
 

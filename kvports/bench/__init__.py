@@ -17,8 +17,9 @@ must read (weights plus the KV cache so far) over this machine's streaming bandw
 measured in the same run by a large float32 matrix-vector product.
 
 One module per job:
-- `arguments`: the command's flags and their checks
+- `options`: the command's flags and their checks
 - `presets`: the model and prompts timed (the seed's, or GPT-2 small as published with random weights)
+- `formats`: the weight formats (--dtype and --quant lists) each port runs
 - `runners`: what is timed (the ports, the baselines, the torch.compile row) and the notes on each
 - `measure`: the clocks: one row's timings, bandwidth, the bytes a decode step reads
 - `rows`: every runner x mode, run and compared (speed-ups, tokens agreeing, rooflines)
@@ -28,7 +29,8 @@ One module per job:
 - `plots`: the PNGs, rewritten as each framework's rows finish
 - `rounds`: `--threads N1,N2` and `--rounds R`: a process per round and thread count, interleaved, merged
 - `command`: the subcommand, tying these together
-- `batching`: `--requests N` (and `kvports batch --bench`): continuous batching against one request at a time
+- `serving`: `bench --serve`, kvports serve (and llama.cpp's server) under concurrent clients
+- `throughput`: `--requests N` (and `kvports batch --bench`): continuous batching against one request at a time
 """
 
 from kvports.bench.command import run

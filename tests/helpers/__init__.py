@@ -10,4 +10,5 @@ import GOLDEN`). conftest.py holds only fixtures and the session's settings.
 - hf_reference.py: tiny models built with transformers' own classes, run by its own generate
 - gguf_files.py: GGUF files written by the gguf library as llama.cpp writes them
 - parallel.py: tensor parallelism's runs in a subprocess with 4 simulated JAX devices
+- checker.py, compiles.py, servers.py, slow_serve.py: the checker's plug-ins, compile counting, running servers
 """

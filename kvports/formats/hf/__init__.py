@@ -6,7 +6,7 @@ Export: our weights (or a GGUF file's) -> a gpt2, llama or mistral directory tra
 Text: prompts in and tokens out through a local tokenizer.json.
 
 One module per job:
-- `config`: config.json fields <-> ModelConfig (mapped, checked, or refused by name)
+- `hf_config`: config.json fields <-> ModelConfig (mapped, checked, or refused by name)
 - `checkpoint`: reading a directory's config.json, and its safetensors shards through the one reader
 - `tensors`: Hugging Face tensor names and layouts <-> ours (an import's plan, checked from the headers)
 - `importer`: `import_hf`, the three above in order
