@@ -123,10 +123,10 @@ SLOWEST_FILES = (
     "test_tensor_parallel.py",  # its fixture waits on a subprocess compiling every split
     "test_tensor_parallel_torch.py",  # two ranks spawned per model, each importing torch
     "test_smollm2.py",
-    "test_bench.py",
+    "bench/test_bench.py",
     "test_accepted.py",  # every accepted format through three load paths, batch and serve
     "test_generation.py",
-    "test_batching.py",
+    "batching/test_batching.py",
     "test_speculative.py",
     "test_sampling.py",
     "test_docs.py",  # every command output pasted in the docs, run again
