@@ -29,6 +29,7 @@ One module per job:
 - `plots`: the PNGs, rewritten as each framework's rows finish
 - `rounds`: `--threads N1,N2` and `--rounds R`: a process per round and thread count, interleaved, merged
 - `command`: the subcommand, tying these together
+- `serve_command`, `requests_command`: `bench --serve` and `bench --requests`, the commands behind them
 - `serving`: `bench --serve`, kvports serve (and llama.cpp's server) under concurrent clients
 - `throughput`: `--requests N` (and `kvports batch --bench`): continuous batching against one request at a time
 """

@@ -75,34 +75,16 @@ def port_problems(runners: list[Runner], device: str) -> dict[str, str]:
     }
 
 
-def run_batching(args: argparse.Namespace) -> int:
-    """`kvports bench --requests N`: `kvports batch --bench`'s two workloads, N requests each."""
-    from kvports.bench.options import add_arguments, batching_inputs
-    from kvports.bench.throughput import run_bench
-
-    bench_parser = argparse.ArgumentParser()
-    add_arguments(bench_parser)
-    defaults = vars(bench_parser.parse_args([]))  # every bench flag at its default
-    return run_bench(batching_inputs(args, defaults, registry.PORTS))
-
-
-def run_serving(args: argparse.Namespace) -> int:
-    """`kvports bench --serve`: kvports serve per port (and llama.cpp's server) under concurrent clients."""
-    from kvports.bench.options import add_arguments
-    from kvports.bench.serving import SERVING_FLAGS, run_serving, serving_inputs
-
-    bench_parser = argparse.ArgumentParser()
-    add_arguments(bench_parser)
-    defaults = vars(bench_parser.parse_args([]))  # every bench flag at its default
-    changed = [name for name, value in defaults.items() if name not in SERVING_FLAGS and getattr(args, name) != value]
-    return run_serving(serving_inputs(args, changed))
-
-
 def run(args: argparse.Namespace) -> int:
+    """`kvports bench`: the rows here; `--serve` and `--requests` are commands of their own."""
     if args.serve:
-        return run_serving(args)
+        from kvports.bench import serve_command
+
+        return serve_command.run(args)
     if args.requests is not None:
-        return run_batching(args)
+        from kvports.bench import requests_command
+
+        return requests_command.run(args)
     resolve_counts(args)
     check_bench_counts(args.batch, args.prompt_len, args.new_tokens, args.repeats, args.warmup)
     counts = parse_threads(args.threads)

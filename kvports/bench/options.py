@@ -36,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_batching_arguments(parser)
 
 
+def bench_defaults() -> dict[str, object]:
+    """Every bench flag at its default: what `--serve` and `--requests` hold the other flags to."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return vars(parser.parse_args([]))
+
+
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """What runs: the model, the prompt and generation shapes, the frameworks and modes."""
     parser.add_argument(
