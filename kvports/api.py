@@ -123,15 +123,18 @@ class Model:
         """One conversation ([{"role", "content"}, ...]) rendered by the model's own chat template, with
         the prompt that opens the assistant's turn, then `generate`'s with its options; the reply is
         `.answer[0]` (special tokens left out)."""
-        return self.generate(self.chat_prompt(messages), generation, **options)
+        return self.generate(self.templated(messages), generation, **options)
 
-    def chat_prompt(self, messages: Messages) -> ChatPrompt:
-        from kvports.formats.chat import check_messages
+    def templated(self, messages: Messages) -> ChatPrompt:
+        """A conversation's prompt ids in the model's chat template (`batching.request.chat_prompt`)."""
+        from kvports.batching.request import chat_prompt
 
         if self.tokenizer is None:
             raise UserError(f"messages need a model with a tokenizer and a chat template; {self.describe()} has none")
-        checked = check_messages(list(messages) if isinstance(messages, (list, tuple)) else messages, "messages")
-        return ChatPrompt(loading.chat_ids(self.weights, checked, self.tokenizer))
+        given = list(messages) if isinstance(messages, (list, tuple)) else messages
+        return ChatPrompt(
+            chat_prompt(given, lambda checked: loading.chat_ids(self.weights, checked, self.tokenizer), API)
+        )
 
     def stream(
         self,
@@ -151,7 +154,7 @@ class Model:
             raise UserError(f"stream() yields text: it needs a model with a tokenizer; {self.describe()} has none")
         if messages is not None and prompt is not None:
             raise UserError("give stream() a prompt or messages=, not both")
-        given = self.chat_prompt(messages) if messages is not None else prompt
+        given = self.templated(messages) if messages is not None else prompt
         if given is not None and not isinstance(given, (str, ChatPrompt)) and len(prompt_rows(given)) != 1:
             raise UserError("stream() takes one prompt: ids, text or messages=, not a batch")
         check_arguments(on_token=options.get("on_token"))
