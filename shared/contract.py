@@ -169,7 +169,8 @@ class Port(Timed, Protocol):
         values). Each row's next token `[B]` (greedy at temperature 0; PAD where its logits held an inf or a
         NaN), the pool for the next step (JAX donates the one passed in), and with `logprobs` K (not None)
         the chosen tokens' log-probabilities `[B]` and the K likeliest ids and their log-probabilities
-        `[B, K]` (log-softmax of the raw logits, before temperature, top-k and top-p), else None."""
+        `[B, K]` (log-softmax of the raw logits, before temperature, top-k and top-p:
+        `shared.generation.token_logprobs`, on the host, from the step's logits `paged.py` returns), else None."""
         ...
 
 
