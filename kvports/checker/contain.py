@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -63,14 +64,16 @@ class Contained:
         self.linux = sys.platform.startswith("linux") and os.path.isdir("/proc")
         self.me, self.session = os.getpid(), os.getsid(0)
         self.before = {pid for pid, (ppid, _) in processes().items() if ppid == self.me} if self.linux else set()
-        self.child: int | None = None
+        self.child: subprocess.Popen | None = None
 
-    def started(self, pid: int) -> None:
-        self.child = pid
+    def started(self, child: subprocess.Popen) -> None:
+        self.child = child
 
     def theirs(self, table: dict[int, tuple[int, int]]) -> set[int]:
-        """The child's descendants, and the orphans among them this process adopted; the child itself too."""
-        roots = {self.child} if self.child in table else set()
+        """The child's descendants, and the orphans among them this process adopted; the child itself
+        too, until its Popen has reaped it (its number may be another process's after that)."""
+        child = self.child
+        roots = {child.pid} if child is not None and child.returncode is None and child.pid in table else set()
         roots |= {
             pid
             for pid, (ppid, session) in table.items()
@@ -85,15 +88,18 @@ class Contained:
     def end(self) -> None:
         """Kill the child's process group, then every process of theirs, reaping those this process
         adopted, until none is left (or PASSES rounds of a tree that keeps forking)."""
-        if self.child is None:
+        child = self.child
+        if child is None:
             return
-        with contextlib.suppress(OSError):
-            os.killpg(self.child, signal.SIGKILL)
+        if child.poll() is None:  # not reaped: its number is still its process group's
+            with contextlib.suppress(OSError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.kill()
         if not self.linux:
             return
         for _ in range(PASSES):
             table = processes()
-            left = self.theirs(table) - {self.child}  # the child itself: its Popen reaps it
+            left = self.theirs(table) - {child.pid}  # the child itself: its Popen reaps it
             if not left:
                 return
             for pid in left:

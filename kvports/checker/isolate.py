@@ -98,10 +98,11 @@ class Worker:
         finally:
             for fd in (requests_read, replies_write, output_write):
                 os.close(fd)
-        processes.started(self.child.pid)
+        processes.started(self.child)
         for fd in (self.requests, self.replies, self.output):
             os.set_blocking(fd, False)
-        self.buffer, self.replies_open, self.output_open = b"", True, True
+        self.buffer, self.scanned = bytearray(), 0  # what the child sent, not yet a whole line; how far read for one
+        self.replies_open, self.output_open = True, True
         self.copied, self.dropped = 0, 0
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -132,14 +133,15 @@ class Worker:
 
     def line(self) -> bytes | None:
         """The next whole line the child sent, if there is one; Malformed past MAX_LINE."""
-        end = self.buffer.find(b"\n")
-        if end < 0:
-            if len(self.buffer) > wire.MAX_LINE:
-                raise wire.Malformed(f"a reply longer than {wire.MAX_LINE} bytes")
-            return None
-        line, self.buffer = self.buffer[:end], self.buffer[end + 1 :]
-        if len(line) > wire.MAX_LINE:
+        end = self.buffer.find(b"\n", self.scanned)
+        if max(end, len(self.buffer) if end < 0 else 0) > wire.MAX_LINE:
             raise wire.Malformed(f"a reply longer than {wire.MAX_LINE} bytes")
+        if end < 0:
+            self.scanned = len(self.buffer)  # the next look starts where this one ended
+            return None
+        line = bytes(self.buffer[:end])
+        del self.buffer[: end + 1]
+        self.scanned = 0
         return line
 
     def drain(self) -> None:
@@ -168,16 +170,16 @@ class Worker:
 
     def started(self) -> None:
         """The child's first line, once it has started (before any of the implementation runs)."""
-        if self.answer("the checker's process", b"", STARTUP) != "ready":
+        if self.answer("the checker's process", b"", STARTUP, "did not start") != "ready":
             raise Stopped("the checker's process", "did not start")
 
-    def answer(self, function: str, request: bytes, seconds: float) -> Any:
+    def answer(self, function: str, request: bytes, seconds: float, late: str = "did not return") -> Any:
         pending, deadline = memoryview(request), time.monotonic() + seconds
         with as_stopped(function):
             while (line := self.line()) is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise Stopped(function, f"did not return within {seconds:g} s", TIMEOUT)
+                    raise Stopped(function, f"{late} within {seconds:g} s", TIMEOUT)
                 readers = [fd for fd, on in ((self.replies, self.replies_open), (self.output, self.output_open)) if on]
                 ready, writable, _ = select.select(readers, [self.requests] if pending else [], [], min(left, TICK))
                 if writable:
@@ -196,7 +198,7 @@ class Worker:
             return self.reply(line)
 
     def line_ready(self) -> bool:
-        return b"\n" in self.buffer or len(self.buffer) > wire.MAX_LINE
+        return self.buffer.find(b"\n", self.scanned) >= 0 or len(self.buffer) > wire.MAX_LINE
 
     def gone(self) -> str:
         """How the child ended; it may have closed its end of the channel and still run."""
@@ -252,7 +254,7 @@ class Remote:
 
     def build(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: str) -> Any:
         function = "TinyModel()" if self.kind == "post" else "load"
-        packed = {name: wire.pack(array) for name, array in weights.items()}
+        packed = {name: given(array) for name, array in weights.items()}
         fields = {"config": dataclasses.asdict(config), "weights": packed, "dtype": dtype}
         model = self.worker.ask(function, request("build", **fields))
         with as_stopped(function):
@@ -262,26 +264,26 @@ class Remote:
 
     def full(self, model: Any, tokens: np.ndarray) -> tuple[np.ndarray, str]:
         function = self.full_name
-        reply = self.worker.ask(function, request("full", model=model, tokens=wire.pack(tokens)))
+        reply = self.worker.ask(function, request("full", model=model, tokens=given(tokens)))
         with as_stopped(function):
             return wire.unpack(wire.field(reply, "logits", dict, "the reply"), "its logits")
 
     def step(self, model: Any, tokens: np.ndarray, state: Any) -> tuple[np.ndarray, str, Any]:
         function = self.step_name
-        reply = self.worker.ask(function, request("step", model=model, tokens=wire.pack(tokens), state=state))
+        reply = self.worker.ask(function, request("step", model=model, tokens=given(tokens), state=state))
         with as_stopped(function):
             logits, low = wire.unpack(wire.field(reply, "logits", dict, "the reply"), "its logits")
             return logits, low, wire.field(reply, "state", int, "the reply")
 
     def generate(self, model: Any, prompt: np.ndarray, n: int, mode: str) -> np.ndarray:
         function = f"generate_{mode}"
-        reply = self.worker.ask(function, request("generate", model=model, prompt=wire.pack(prompt), n=n, mode=mode))
+        reply = self.worker.ask(function, request("generate", model=model, prompt=given(prompt), n=n, mode=mode))
         with as_stopped(function):
             return wire.unpack(wire.field(reply, "tokens", dict, "the reply"), "its tokens")[0]
 
     def prefill(self, model: Any, prompt: np.ndarray) -> tuple[str, Calls | None]:
         function = "generate_cached" if self.kind == "post" else "step"
-        reply = self.worker.ask(function, request("prefill", model=model, prompt=wire.pack(prompt)))
+        reply = self.worker.ask(function, request("prefill", model=model, prompt=given(prompt)))
         with as_stopped(function):
             wire.field(reply, "function", str, "the reply")
             calls = wire.field(reply, "calls", (list, type(None)), "the reply")
@@ -310,6 +312,11 @@ class Remote:
 
 def request(op: str, **fields: Any) -> dict[str, Any]:
     return {"op": op, **fields}
+
+
+def given(array: np.ndarray) -> dict[str, Any]:
+    """An input of a call (weights, tokens), whatever its size: the parent's own."""
+    return wire.pack(array, limit=None)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,10 @@ from typing import Any
 
 import numpy as np
 
-MAX_LINE = 64 << 20  # bytes in one reply: 30 times the largest array a check asks for (float64 [1, 512, 500])
+# Bytes in one reply: 3 times the largest a check asks for (float64 logits [1, 512, 500] in base64). JSON's
+# objects take up to ~20 times their text's bytes (a list of empty lists): 8 MiB stays within ~200 MB.
+MAX_LINE = 8 << 20
+MAX_ARRAY = 4 << 20  # bytes of an array's values the child sends; a larger one (a wrong shape) goes as its shape
 MAX_DIMS = 8
 # The types an array may travel in; bfloat16 (no NumPy type of its own) as uint16 bit patterns.
 INTEGERS = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
@@ -42,18 +45,21 @@ def decode(line: bytes) -> Any:
         raise Malformed(f"not a JSON line ({type(error).__name__})") from None
 
 
-def pack(array: np.ndarray, low: str = "") -> dict[str, Any]:
+def pack(array: np.ndarray, low: str = "", limit: int | None = MAX_ARRAY) -> dict[str, Any]:
     """An array as it travels: low ("bfloat16", "float16") its values' 16-bit type. A type that cannot
-    travel (an object array from ragged lists, complex numbers, text) goes as its shape alone, and
-    arrives as an array of objects: the logits' check then says it is not floats."""
+    travel (an object array from ragged lists, complex numbers, text), or an array of more than
+    `limit` bytes (the child's replies: MAX_ARRAY; the parent's requests: None), goes as its shape
+    alone and arrives as an array of objects: the logits' check then says its shape is not the one
+    asked for, or that it is not floats."""
+    array = np.asarray(array)
+    if (limit is not None and array.nbytes > limit) or array.dtype.name not in DTYPES:
+        return {"array": None, "dtype": "object", "shape": list(array.shape)}
     array = np.ascontiguousarray(array)
     if low == "bfloat16":
         bits = (array.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
         return {"array": base64.b64encode(bits.tobytes()).decode(), "dtype": "bfloat16", "shape": list(array.shape)}
     if low == "float16":
         array = array.astype(np.float16)
-    if array.dtype.name not in DTYPES:
-        return {"array": None, "dtype": "object", "shape": list(array.shape)}
     return {"array": base64.b64encode(array.tobytes()).decode(), "dtype": array.dtype.name, "shape": list(array.shape)}
 
 
