@@ -102,12 +102,19 @@ def test_what_is_not_a_reply_fails_the_call_it_answered_and_is_no_traceback(caps
     assert last_row(report)["detail"].startswith("sent what is not a reply"), last_row(report)
 
 
-def test_the_checkers_stdout_is_not_its_file_descriptor_1_while_the_implementation_runs(capfd, tmp_path):
+def kvports_check(*argv: object) -> subprocess.CompletedProcess:
+    """`kvports check ARGV --json` as a process of its own, its stdout a pipe (as a caller reading the
+    report has it); 120 s: far above a --quick check's time on a loaded machine, far below 600 s."""
+    command = [sys.executable, "-m", "kvports.cli", "check", *map(str, argv), "--json"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_the_checkers_stdout_is_not_its_file_descriptor_1_while_the_implementation_runs(tmp_path):
     # The implementation writes to its parent's file descriptor 1, through /proc: --json's stdout stays one object.
     code = 'import os\nwith open(f"/proc/{os.getppid()}/fd/1", "a") as stdout:\n    stdout.write("forged\\n")'
-    exit_status, out, err = run_cli(capfd, "check", hostile(tmp_path, FULL, code), "--quick", "--json")
-    assert exit_status == 0 and json.loads(out)["ok"], out[:200]
-    assert "forged" in err  # it went to stderr, with the implementation's other output
+    result = kvports_check(hostile(tmp_path, FULL, code), "--quick")
+    assert result.returncode == 0 and json.loads(result.stdout)["ok"], result.stdout[:200]
+    assert "forged" in result.stderr  # it went to stderr, with the implementation's other output
 
 
 def pid_in(path) -> int:
@@ -159,10 +166,8 @@ if holder == 0:
     os._exit(0)
 with open({str(pid_file)!r}, "w") as out:
     out.write(str(holder))"""
-    command = [sys.executable, "-m", "kvports.cli", "check", hostile(tmp_path, LOAD, code), "--quick", "--timeout", "5"]
     with killed_after(pid_file):
-        # 120 s: a minute and more above this check's time on a loaded machine, and far below the 600 s it waited.
-        result = subprocess.run([*map(str, command), "--json"], capture_output=True, text=True, timeout=120)
+        result = kvports_check(hostile(tmp_path, LOAD, code), "--quick", "--timeout", "5")
         assert result.returncode == 0 and json.loads(result.stdout)["ok"], result.stderr[-2000:]
         assert running([pid_in(pid_file)], wait=5) == []
 
