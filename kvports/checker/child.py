@@ -1,4 +1,4 @@
-"""The child process isolate.py starts: `python -m kvports.checker.child REQUESTS REPLIES` imports
+"""The child process isolate.py starts (its CHILD: child_main(REQUESTS, REPLIES)): it imports
 the implementation and answers the checker's requests, one JSON line each (wire.py), on the
 pipes REQUESTS and REPLIES. It runs the driver (plugin.py) only: each request is one call of the
 implementation's code, each reply the values it returned ({"value": ...}), the error it raised

@@ -57,6 +57,14 @@ MAX_USER_ERROR = 2000  # characters of the child's refusal shown (it names param
 FUNCTIONS = ("TinyModel.forward", "full", "step")  # what a driver may call its forwards (plugin.py)
 
 
+# The child imports the kvports this process runs (`python -m` would look in the working directory first,
+# where another checkout's kvports may be).
+CHILD = (
+    f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
+    "from kvports.checker.child import child_main; sys.exit(child_main(sys.argv[1:]))"
+)
+
+
 def ended(returncode: int) -> str:
     """How a process ended, in words."""
     if returncode < 0:
@@ -85,7 +93,7 @@ class Worker:
         requests_read, self.requests = os.pipe()
         self.replies, replies_write = os.pipe()
         self.output, output_write = os.pipe()
-        command = [sys.executable, "-m", "kvports.checker.child", str(requests_read), str(replies_write)]
+        command = [sys.executable, "-c", CHILD, str(requests_read), str(replies_write)]
         try:
             self.child = subprocess.Popen(
                 command,
