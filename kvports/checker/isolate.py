@@ -178,7 +178,11 @@ class Worker:
 
     def started(self) -> None:
         """The child's first line, once it has started (before any of the implementation runs)."""
-        if self.answer("the checker's process", b"", STARTUP, "did not start") != "ready":
+        try:
+            ready = self.answer("the checker's process", b"", STARTUP, "did not start")
+        except Stopped as stop:  # it is the process: it "ended", not "ended the process"
+            raise Stopped(stop.function, stop.how.replace("ended the process", "ended"), stop.status) from None
+        if ready != "ready":
             raise Stopped("the checker's process", "did not start")
 
     def answer(self, function: str, request: bytes, seconds: float, late: str = "did not return") -> Any:

@@ -111,8 +111,8 @@ def seconds(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The checks run in a child process whose stdout and stderr come back on stderr:
-    # stdout is the report (and --json's one object).
+    # The implementation's calls run in a child process whose stdout and stderr come back on stderr;
+    # the checks and the verdict are this process's: stdout is the report (and --json's one object).
     report = run_isolated(args.implementation, args.family, args.quick, args.timeout)
     if args.json:
         print(json.dumps(report.as_dict()))
