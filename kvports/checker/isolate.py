@@ -278,20 +278,20 @@ class Remote:
         function = self.full_name
         reply = self.worker.ask(function, request("full", model=model, tokens=given(tokens)))
         with as_stopped(function):
-            return wire.unpack(wire.field(reply, "logits", dict, "the reply"), "its logits")
+            return wire.unpack(wire.member(reply, "logits", "the reply"), "its logits")
 
     def step(self, model: Any, tokens: np.ndarray, state: Any) -> tuple[np.ndarray, str, Any]:
         function = self.step_name
         reply = self.worker.ask(function, request("step", model=model, tokens=given(tokens), state=state))
         with as_stopped(function):
-            logits, low = wire.unpack(wire.field(reply, "logits", dict, "the reply"), "its logits")
+            logits, low = wire.unpack(wire.member(reply, "logits", "the reply"), "its logits")
             return logits, low, wire.field(reply, "state", int, "the reply")
 
     def generate(self, model: Any, prompt: np.ndarray, n: int, mode: str) -> np.ndarray:
         function = f"generate_{mode}"
         reply = self.worker.ask(function, request("generate", model=model, prompt=given(prompt), n=n, mode=mode))
         with as_stopped(function):
-            return wire.unpack(wire.field(reply, "tokens", dict, "the reply"), "its tokens")[0]
+            return wire.unpack(wire.member(reply, "tokens", "the reply"), "its tokens")[0]
 
     def prefill(self, model: Any, prompt: np.ndarray) -> tuple[str, Calls | None]:
         function = "generate_cached" if self.kind == "post" else "step"

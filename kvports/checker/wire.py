@@ -93,11 +93,16 @@ def natural(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 40
 
 
-def field(message: Any, name: str, kind: type | tuple[type, ...], what: str) -> Any:
-    """message[name], which must be of `kind`; Malformed otherwise."""
+def member(message: Any, name: str, what: str) -> Any:
+    """message[name], of any type; Malformed where message is no object holding it."""
     if not isinstance(message, dict) or name not in message:
         raise Malformed(f"{what} has no {name!r}")
-    value = message[name]
+    return message[name]
+
+
+def field(message: Any, name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    """message[name], which must be of `kind`; Malformed otherwise."""
+    value = member(message, name, what)
     if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _kinds(kind)):
         raise Malformed(f"{what}'s {name!r} is not a {_kinds(kind)[0].__name__}")
     return value
