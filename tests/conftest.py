@@ -135,6 +135,7 @@ SLOWEST_FILES = (
     "test_quant.py",
     "test_check.py",
     "checker/test_isolation.py",  # a child process per check, each importing the checker
+    "checker/test_verdict.py",  # a hostile implementation per test, each in a checker child
     "test_jax_compilation.py",
     "test_random_configs.py",
     "commands/test_compare_figures.py",

@@ -9,9 +9,12 @@
   `step(model, tokens [B, T], state) -> (logits [B, T, V], state)` (state None: a new cache).
 
 A file is imported under a private module name, so its `if __name__ == "__main__":` block
-does not run. Everything that makes a plug-in unusable (no such file, a syntax error, a
-missing function, wrong parameter names, a first call that fails or returns the wrong
-shape or NaN) is a UserError, found before any check runs.
+does not run. A driver (Post, Adapter) is the only code that calls the implementation's: each
+of its methods makes one call (building the post's model: two) and returns values only (NumPy
+arrays, booleans, names), or raises ImplementationError (the implementation raised) or
+UserError (it cannot be used). The checks (implementation.py) hold those values to what they
+must be; under `kvports check` the driver runs in a child process (child.py) and only its
+values come back.
 """
 
 from __future__ import annotations
@@ -32,76 +35,99 @@ from typing import Any
 
 import numpy as np
 
+from kvports.checker.wire import LOW_PRECISION, Malformed
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError, echo, echo_path
 
 POST = ("TinyModel", "generate_naive", "generate_cached")
 ADAPTER = ("load", "full", "step")
-LOW_PRECISION = ("bfloat16", "float16")  # logits an implementation may compute in, held at their own precision
+# What an exception is, as the checks tell them apart (SystemExit, KeyboardInterrupt, MemoryError, a
+# RuntimeError or ValueError (a shape), another Exception, another BaseException).
+CATEGORIES = ("exit", "interrupt", "memory", "value", "error", "other")
+MAX_TEXT = 300  # characters of an implementation's text (an exception's message) a line shows
 _imported = 0  # a private module name per file imported
-_listeners: list[Callable[[dict[str, Any]], None]] = []  # who hears each call start and end (the child process)
 
 
-def notify(event: dict[str, Any]) -> None:
-    """Tell whoever listens (isolate.py's child: its parent, which times each call) what runs now."""
-    for listener in _listeners:
-        listener(event)
-
-
-@contextlib.contextmanager
-def listening(listener: Callable[[dict[str, Any]], None]) -> Iterator[None]:
-    _listeners.append(listener)
-    try:
-        yield
-    finally:
-        _listeners.remove(listener)
-
-
-class ImplementationError(Exception):
-    """The implementation raised while a check ran it: which function, what it said, a hint."""
-
-    def __init__(self, function: str, error: BaseException):
-        self.function, self.error = function, error
-        self.after_first_chunk = False
-        super().__init__(f"{function} raised {type(error).__name__}: {one_line(error)}")
-
-    @property
-    def line(self) -> str:
-        """The implementation's own line where it raised (file:line), if the traceback has one."""
-        frames = [frame for frame in traceback.extract_tb(self.error.__traceback__) if "kvports" not in frame.filename]
-        return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
-
-    def hint(self) -> str:
-        message = str(self.error)
-        if "Sizes of tensors must match except in dimension 0" in message or "must have same number of dim" in message:
-            return "torch.cat joins along dim 0 unless told; a new token [B, 1] joins the history [B, T] with dim=1"
-        if "'NoneType' object has no attribute" in message:
-            return "the naive path passes no cache: check for None before using one"
-        if isinstance(self.error, (RuntimeError, ValueError)) and ("size" in message or "shape" in message):
-            return "a shape that fits the first call but not the next: check how the cache grows"
-        if isinstance(self.error, SystemExit):
-            return "a function under check must return its result, not end the process (sys.exit, exit(), quit())"
-        if isinstance(self.error, KeyboardInterrupt):
-            return "the implementation raised KeyboardInterrupt itself; a checked function must return"
-        if isinstance(self.error, MemoryError):
-            return "an allocation far larger than the model needs: check the shapes of the buffers it makes"
-        return "run the function by hand on this input to see the traceback"
-
-
-@contextlib.contextmanager
-def marked(start: int) -> Iterator[None]:
-    """An error raised by a cached call after the first (the prefill) says so: the cache broke it."""
-    try:
-        yield
-    except ImplementationError as error:
-        error.after_first_chunk = start > 0
-        raise
+def printable(text: str, limit: int = MAX_TEXT) -> str:
+    """Text the implementation chose, as a terminal may show it: every character that is not printable
+    (an escape sequence's ESC, a carriage return, a lone surrogate) escaped as Python writes it (\\x1b),
+    at most `limit` characters."""
+    text = text[: limit * 2]
+    escaped = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return escaped[:limit]
 
 
 def one_line(error: BaseException) -> str:
     if isinstance(error, SystemExit):
-        return f"exit status {error.code!r}" if not isinstance(error.code, str) else error.code[:300]
-    return " ".join(str(error).split())[:300] or type(error).__name__
+        return f"exit status {error.code!r}" if not isinstance(error.code, str) else printable(error.code)
+    try:
+        text = str(error)
+    except Exception:  # an exception whose __str__ raises
+        text = ""
+    return printable(" ".join(text.split())) or printable(type(error).__name__)
+
+
+def category(error: BaseException) -> str:
+    kinds: tuple[type | tuple[type, ...], ...] = (SystemExit, KeyboardInterrupt, MemoryError)
+    kinds += ((RuntimeError, ValueError), Exception, BaseException)
+    return next(name for name, kind in zip(CATEGORIES, kinds, strict=True) if isinstance(error, kind))
+
+
+class ImplementationError(Exception):
+    """The implementation raised while a check ran it: which function, the exception's type, message
+    and the implementation's own line (file:line), and what it is (CATEGORIES); a hint. Plain
+    values, so that it crosses from the child process to the checker as it is."""
+
+    def __init__(self, function: str, kind: str, message: str, line: str = "", what: str = "error"):
+        self.function, self.kind, self.message, self.line, self.what = function, kind, message, line, what
+        self.after_first_chunk = False
+        super().__init__(f"{function} raised {kind}: {message}")
+
+    @classmethod
+    def caught(cls, function: str, error: BaseException) -> ImplementationError:
+        frames = [frame for frame in traceback.extract_tb(error.__traceback__) if "kvports" not in frame.filename]
+        line = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+        return cls(function, printable(type(error).__name__), one_line(error), printable(line), category(error))
+
+    def as_dict(self) -> dict[str, str]:
+        names = ("function", "kind", "message", "line", "what")
+        return {name: getattr(self, name) for name in names}
+
+    @classmethod
+    def received(cls, record: Any) -> ImplementationError:
+        """The error a child process sent, its text escaped again (it is the implementation's to choose)."""
+        names = ("function", "kind", "message", "line", "what")
+        texts = (
+            isinstance(record, dict) and set(record) == set(names) and all(isinstance(record[n], str) for n in names)
+        )
+        if not texts:
+            raise Malformed("an error that is not {function, kind, message, line, what} as text")
+        if record["what"] not in CATEGORIES:
+            raise Malformed(f"an error of no known kind ({printable(record['what'], 40)})")
+        function, kind, message, line = (printable(record[name]) for name in names[:4])
+        return cls(function, kind, message, line, record["what"])
+
+    @property
+    def cache_like(self) -> bool:
+        """An error a cache that grows wrong raises on the call after the prefill (a cat along the wrong
+        axis, an index past a buffer); not an exit, an interrupt or an allocation."""
+        return self.what in ("value", "error")
+
+    def hint(self) -> str:
+        message = self.message
+        if "Sizes of tensors must match except in dimension 0" in message or "must have same number of dim" in message:
+            return "torch.cat joins along dim 0 unless told; a new token [B, 1] joins the history [B, T] with dim=1"
+        if "'NoneType' object has no attribute" in message:
+            return "the naive path passes no cache: check for None before using one"
+        if self.what == "value" and ("size" in message or "shape" in message):
+            return "a shape that fits the first call but not the next: check how the cache grows"
+        if self.what == "exit":
+            return "a function under check must return its result, not end the process (sys.exit, exit(), quit())"
+        if self.what == "interrupt":
+            return "the implementation raised KeyboardInterrupt itself; a checked function must return"
+        if self.what == "memory":
+            return "an allocation far larger than the model needs: check the shapes of the buffers it makes"
+        return "run the function by hand on this input to see the traceback"
 
 
 def dtype_name(array: Any) -> str:
@@ -137,6 +163,16 @@ def first_output(out: Any) -> Any:
     if isinstance(out, tuple) or (isinstance(out, list) and out and not np.isscalar(out[0]) and np.ndim(out[0]) != 2):
         return out[0]
     return out
+
+
+def logits_of(function: str, out: Any) -> tuple[np.ndarray, str]:
+    """A forward's logits as NumPy, and the 16-bit type they came in ("" for none)."""
+    raw = first_output(out)
+    try:
+        return to_numpy(raw), dtype_name(raw) if dtype_name(raw) in LOW_PRECISION else ""
+    except Exception as error:  # not an array of any kind
+        kind = printable(type(raw).__name__)
+        raise UserError(f"{function} returned a {kind}, not logits: {one_line(error)}") from None
 
 
 def tokens_of(args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -185,29 +221,25 @@ def import_target(target: str | ModuleType) -> ModuleType:
             raise UserError(f"cannot import implementation {echo_path(target)} (not a Python file)")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickling look their module up by name
-        notify({"event": "call", "function": f"import {path.name}"})
         try:
             with on_path(str(path.resolve().parent)):  # its own folder, as `python FILE` has: siblings import
                 spec.loader.exec_module(module)
         except SyntaxError as exc:
             del sys.modules[name]
-            raise UserError(f"cannot import {echo_path(target)}: line {exc.lineno}: {exc.msg}") from None
+            message = printable(str(exc.msg))
+            raise UserError(f"cannot import {echo_path(target)}: line {exc.lineno}: {message}") from None
         except BaseException as exc:
             del sys.modules[name]
-            raise UserError(f"cannot import {echo_path(target)}: {type(exc).__name__}: {one_line(exc)}") from None
-        finally:
-            notify({"event": "return"})
+            kind = printable(type(exc).__name__)
+            raise UserError(f"cannot import {echo_path(target)}: {kind}: {one_line(exc)}") from None
         return module
-    notify({"event": "call", "function": f"import {target}"})
     try:
         with on_path(os.getcwd()):  # a console script's path lacks the folder it runs in
             return importlib.import_module(target)
     except SyntaxError as exc:
-        raise UserError(f"cannot import {echo(target)}: line {exc.lineno}: {exc.msg}") from None
+        raise UserError(f"cannot import {echo(target)}: line {exc.lineno}: {printable(str(exc.msg))}") from None
     except BaseException as exc:
-        raise UserError(f"cannot import {echo(target)}: {type(exc).__name__}: {one_line(exc)}") from None
-    finally:
-        notify({"event": "return"})
+        raise UserError(f"cannot import {echo(target)}: {printable(type(exc).__name__)}: {one_line(exc)}") from None
 
 
 def check_names(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], who: str) -> None:
@@ -224,90 +256,15 @@ def check_names(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int
             raise UserError(f"{who}'s parameter {name!r} has shape {list(found[name])}, the seed's is {list(shape)}")
 
 
-class Implementation:
-    """What the checks call, the same for both interfaces. NumPy in, NumPy out."""
-
-    kind = ""
-    framework = ""  # "torch" where the implementation is a torch module (the reference is then torch's)
-    logits_dtype = ""  # bfloat16 or float16 where the implementation's logits come back in one
-    last_only = False  # step gave a prompt's last position only: the others are not compared
-    label = ""
-
-    def build(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: str) -> Any:
-        raise NotImplementedError
-
-    def full(self, model: Any, tokens: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
-
-    def can_step(self, model: Any) -> bool:
-        return True
-
-    def cached(self, model: Any, tokens: np.ndarray, chunks: list[int]) -> np.ndarray:
-        """tokens [B, T] fed in chunks into one cache (the first chunk the prefill); logits [B, T, V]."""
-        raise NotImplementedError
-
-    def generators(self) -> tuple[str, ...]:
-        return ("naive", "cached")
-
-    def generate(self, model: Any, prompt: np.ndarray, n: int, mode: str) -> np.ndarray:
-        """Greedy tokens [B, P + n]."""
-        raise NotImplementedError
-
-    @contextlib.contextmanager
-    def counting_forwards(self, model: Any) -> Iterator[list[tuple[tuple[int, ...], float]] | None]:
-        """The shapes of the model's forward calls (and when each ended) while inside; None when
-        the calls cannot be seen from outside."""
-        yield None
-
-    def prefill_call(self, model: Any, prompt: np.ndarray) -> str:
-        """Run the cached path's prefill on prompt [B, P] (and its first token); which function ran."""
-        raise NotImplementedError
-
-    def training(self, model: Any) -> bool:
-        return bool(getattr(model, "training", False)) and has_dropout(model)
-
-    def to_eval(self, model: Any) -> None:
-        pass
-
-    def checked_logits(self, function: str, out: Any, B: int, T: int, V: int) -> np.ndarray:
-        """The logits a call returned as NumPy [B, T, V], or a UserError: the wrong shape, not floats, not finite."""
-        raw = first_output(out)
-        logits = to_numpy(raw)
-        if dtype_name(raw) in LOW_PRECISION:  # held at its own precision, and told so
-            self.logits_dtype = dtype_name(raw)
-        if logits.shape != (B, T, V):
-            raise UserError(
-                f"{function} returned logits of shape {list(logits.shape)}, expected [B, T, V] = {[B, T, V]}"
-            )
-        if not np.issubdtype(logits.dtype, np.floating):
-            raise UserError(f"{function} returned logits of dtype {logits.dtype}, expected floats")
-        if not np.isfinite(logits).all():
-            b, t, v = np.argwhere(~np.isfinite(logits))[0]
-            raise UserError(
-                f"{function} returned non-finite logits ({logits[b, t, v]} at row {b}, position {t}, id {v})"
-            )
-        return logits
-
-
-def has_dropout(model: Any) -> bool:
-    modules = getattr(model, "modules", None)
-    if modules is None:
-        return True
-    return any(type(m).__name__.startswith("Dropout") and getattr(m, "p", 0) > 0 for m in modules())
-
-
 def call(function: str, fn: Callable[..., Any], *args: Any) -> Any:
     """The implementation's own code runs only through here: whatever it raises (SystemExit and
-    KeyboardInterrupt included) is its verdict, and a listener times each call."""
-    notify({"event": "call", "function": function})
+    KeyboardInterrupt included) is its verdict."""
     try:
         return fn(*args)
     except UserError:
         raise
     except BaseException as exc:
-        raise ImplementationError(function, exc) from exc
-    finally:
-        notify({"event": "return"})
+        raise ImplementationError.caught(function, exc) from exc
 
 
 def loaded_torch(label: str) -> ModuleType:
@@ -319,20 +276,79 @@ def loaded_torch(label: str) -> ModuleType:
     return torch
 
 
-class Post(Implementation):
-    """The post's file: a torch TinyModel and its two generators."""
+def has_dropout(model: Any) -> bool:
+    modules = getattr(model, "modules", None)
+    if modules is None:
+        return True
+    return any(type(m).__name__.startswith("Dropout") and getattr(m, "p", 0) > 0 for m in modules())
 
-    kind = "post"
-    framework = "torch"
+
+Calls = list[tuple[tuple[int, ...], float]]  # a forward call's tokens shape, and when it ended (seconds)
+
+
+class Driver:
+    """The implementation's functions, one call per method, values out. NumPy in."""
+
+    kind = ""
+    framework = ""  # "torch" where the implementation is a torch module (the reference is then torch's)
+    full_name = step_name = ""  # what the checks call the full forward and the cached one
 
     def __init__(self, module: ModuleType, label: str):
         self.module, self.label = module, label
 
     def build(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: str) -> Any:
+        raise NotImplementedError
+
+    def full(self, model: Any, tokens: np.ndarray) -> tuple[np.ndarray, str]:
+        """Logits (unchecked: implementation.py checks them) and their 16-bit type, as logits_of."""
+        raise NotImplementedError
+
+    def step(self, model: Any, tokens: np.ndarray, state: Any) -> tuple[np.ndarray, str, Any]:
+        """One cached call: state None starts a new cache; the logits, their 16-bit type, the next state."""
+        raise NotImplementedError
+
+    def generate(self, model: Any, prompt: np.ndarray, n: int, mode: str) -> np.ndarray:
+        """What the post's generator returned, as an array (the adapter's generators are loops over full and step)."""
+        raise NotImplementedError
+
+    def can_step(self, model: Any) -> bool:
+        return True
+
+    def training(self, model: Any) -> bool:
+        return bool(getattr(model, "training", False)) and has_dropout(model)
+
+    def to_eval(self, model: Any) -> None:
+        pass
+
+    def prefill(self, model: Any, prompt: np.ndarray) -> tuple[str, Calls | None]:
+        """The cached path's prefill on prompt [B, P] (and its first token): which function ran, and the
+        model's forward calls meanwhile (None where they cannot be seen from outside), timed from its start."""
+        start = time.perf_counter()
+        with self.counting_forwards(model) as calls:
+            function = self.prefill_call(model, prompt)
+        return function, None if calls is None else [(shape, end - start) for shape, end in calls]
+
+    @contextlib.contextmanager
+    def counting_forwards(self, model: Any) -> Iterator[Calls | None]:
+        yield None
+
+    def prefill_call(self, model: Any, prompt: np.ndarray) -> str:
+        raise NotImplementedError
+
+
+class Post(Driver):
+    """The post's file: a torch TinyModel and its two generators."""
+
+    kind = "post"
+    framework = "torch"
+    full_name = step_name = "TinyModel.forward"
+
+    def build(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: str) -> Any:
         torch = loaded_torch(self.label)
         model = call("TinyModel()", self.module.TinyModel)
         if not isinstance(model, torch.nn.Module):
-            raise UserError(f"TinyModel() in {self.label} is a {type(model).__name__}, not a torch.nn.Module")
+            name = printable(type(model).__name__)
+            raise UserError(f"TinyModel() in {echo_path(self.label)} is a {name}, not a torch.nn.Module")
         found = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
         check_names({name: array.shape for name, array in weights.items()}, found, "TinyModel")
         model = model.to(getattr(torch, dtype))
@@ -341,11 +357,10 @@ class Post(Implementation):
             model.load_state_dict,
             {k: torch.from_numpy(np.array(v)) for k, v in weights.items()},
         )
-        self.V = config.vocab_size
         self.blocks = len(getattr(model, "blocks", [])) or config.n_layers
         return model
 
-    def run_forward(self, model: Any, tokens: np.ndarray, caches: list | None) -> np.ndarray:
+    def run_forward(self, model: Any, tokens: np.ndarray, caches: list | None) -> tuple[np.ndarray, str]:
         """forward(idx, caches) as the post calls it: caches a list of one dict per block for the
         cached path; for the full forward a list of None per block (the post's generate_naive), or
         nothing where forward's second parameter has a default."""
@@ -355,10 +370,10 @@ class Post(Implementation):
         with torch.no_grad():
             idx = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
             args = (idx,) if caches is None else (idx, caches)
-            logits = call(f"{type(model).__name__}.forward", model, *args)
-        return self.checked_logits("TinyModel.forward", logits, tokens.shape[0], tokens.shape[1], self.V)
+            out = call(f"{printable(type(model).__name__)}.forward", model, *args)
+        return logits_of(self.full_name, out)
 
-    def full(self, model: Any, tokens: np.ndarray) -> np.ndarray:
+    def full(self, model: Any, tokens: np.ndarray) -> tuple[np.ndarray, str]:
         return self.run_forward(model, tokens, None)
 
     @staticmethod
@@ -375,50 +390,41 @@ class Post(Implementation):
         parameters = self.parameters(model)
         return len(parameters) >= 2 and parameters[1].default is inspect.Parameter.empty
 
-    def cached(self, model: Any, tokens: np.ndarray, chunks: list[int]) -> np.ndarray:
-        caches: list[dict] = [{} for _ in range(self.blocks)]
-        pieces, start = [], 0
-        for size in chunks:
-            with marked(start):
-                pieces.append(self.run_forward(model, tokens[:, start : start + size], caches))
-            start += size
-        return np.concatenate(pieces, axis=1)
+    def step(self, model: Any, tokens: np.ndarray, state: Any) -> tuple[np.ndarray, str, Any]:
+        caches = [{} for _ in range(self.blocks)] if state is None else state
+        return (*self.run_forward(model, tokens, caches), caches)
 
     def generate(self, model: Any, prompt: np.ndarray, n: int, mode: str) -> np.ndarray:
         torch = loaded_torch(self.label)
         name = f"generate_{mode}"
         with torch.no_grad():
             out = call(name, getattr(self.module, name), model, torch.from_numpy(np.asarray(prompt, np.int64)), n)
-        tokens = to_numpy(out[0] if isinstance(out, (tuple, list)) else out)
-        B, P = prompt.shape
-        if tokens.shape == (B, n):
-            tokens = np.concatenate([prompt, tokens], axis=1)
-        if tokens.shape != (B, P + n):
-            raise ImplementationError(
-                name, ValueError(f"returned tokens of shape {list(tokens.shape)}, not {[B, P + n]}")
-            )
-        return tokens
+        return to_numpy(out[0] if isinstance(out, (tuple, list)) else out)
 
     @contextlib.contextmanager
-    def counting_forwards(self, model: Any) -> Iterator[list[tuple[tuple[int, ...], float]] | None]:
+    def counting_forwards(self, model: Any) -> Iterator[Calls | None]:
         with hooked(model) as calls:
             yield calls
 
     def prefill_call(self, model: Any, prompt: np.ndarray) -> str:
-        self.generate(model, prompt, 1, "cached")
+        torch = loaded_torch(self.label)
+        with torch.no_grad():
+            idx = torch.from_numpy(np.asarray(prompt, np.int64))
+            call("generate_cached", self.module.generate_cached, model, idx, 1)
         return "generate_cached"
 
     def to_eval(self, model: Any) -> None:
         model.eval()
 
 
-class Adapter(Implementation):
+class Adapter(Driver):
     """load / full / step, any framework."""
 
     kind = "adapter"
+    full_name, step_name = "full", "step"
 
     def __init__(self, module: ModuleType, label: str):
-        self.module, self.label = module, label
+        super().__init__(module, label)
         self.framework = "torch" if "torch" in sys.modules and self._uses_torch(module) else "other"
 
     @staticmethod
@@ -426,58 +432,27 @@ class Adapter(Implementation):
         return any(getattr(value, "__name__", "") == "torch" for value in vars(module).values())
 
     def build(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: str) -> Any:
-        self.V = config.vocab_size
         given = dataclasses.asdict(config)
         given["ffn_hidden"], given["n_kv_heads"] = config.ffn_dim, config.kv_heads  # filled in: no guessing
         return call("load", self.module.load, given, {k: v.copy() for k, v in weights.items()})
 
-    def full(self, model: Any, tokens: np.ndarray) -> np.ndarray:
-        logits = call("full", self.module.full, model, np.array(tokens, dtype=np.int64))
-        return self.checked_logits("full", logits, tokens.shape[0], tokens.shape[1], self.V)
+    def full(self, model: Any, tokens: np.ndarray) -> tuple[np.ndarray, str]:
+        return logits_of("full", call("full", self.module.full, model, np.array(tokens, dtype=np.int64)))
 
-    def one_step(self, model: Any, tokens: np.ndarray, state: Any) -> tuple[np.ndarray, Any]:
+    def step(self, model: Any, tokens: np.ndarray, state: Any) -> tuple[np.ndarray, str, Any]:
         out = call("step", self.module.step, model, np.array(tokens, dtype=np.int64), state)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise UserError(f"step returned a {type(out).__name__}, expected a pair (logits [B, T, V], state)")
-        B, T = tokens.shape
-        if T > 1 and shape_of(first_output(out[0]))[:2] == (B, 1):  # a prompt's last position only (a loop inside?)
-            self.last_only = True
-            logits = np.full((B, T, self.V), np.nan)  # [B, T, V]: NaN where nothing came back, never compared
-            logits[:, -1:] = self.checked_logits("step", out[0], B, 1, self.V)
-            return logits, out[1]
-        return self.checked_logits("step", out[0], B, T, self.V), out[1]
-
-    def cached(self, model: Any, tokens: np.ndarray, chunks: list[int]) -> np.ndarray:
-        state, pieces, start = None, [], 0
-        for size in chunks:
-            with marked(start):
-                logits, state = self.one_step(model, tokens[:, start : start + size], state)
-            pieces.append(logits)
-            start += size
-        return np.concatenate(pieces, axis=1)
-
-    def generate(self, model: Any, prompt: np.ndarray, n: int, mode: str) -> np.ndarray:
-        tokens = np.array(prompt, dtype=np.int64)
-        if mode == "naive":
-            for _ in range(n):
-                token = self.full(model, tokens)[:, -1].argmax(-1)[:, None]  # [B, 1]
-                tokens = np.concatenate([tokens, token], axis=1)
-            return tokens
-        logits, state = self.one_step(model, tokens, None)
-        for i in range(n):
-            token = logits[:, -1].argmax(-1)[:, None]  # [B, 1]
-            tokens = np.concatenate([tokens, token], axis=1)
-            if i < n - 1:
-                logits, state = self.one_step(model, token, state)
-        return tokens
+            name = printable(type(out).__name__)
+            raise UserError(f"step returned a {name}, expected a pair (logits [B, T, V], state)")
+        return (*logits_of("step", out[0]), out[1])
 
     @contextlib.contextmanager
-    def counting_forwards(self, model: Any) -> Iterator[list[tuple[tuple[int, ...], float]] | None]:
+    def counting_forwards(self, model: Any) -> Iterator[Calls | None]:
         if callable(getattr(model, "register_forward_pre_hook", None)):  # a torch module: its hooks see every call
             with hooked(model) as seen:
                 yield seen
             return
-        calls: list[tuple[tuple[int, ...], float]] = []
+        calls: Calls = []
         forward = getattr(model, "forward", None)
         if not callable(forward) or isinstance(model, type):
             yield None
@@ -499,11 +474,8 @@ class Adapter(Implementation):
             del model.forward
 
     def prefill_call(self, model: Any, prompt: np.ndarray) -> str:
-        self.one_step(model, prompt, None)
+        call("step", self.module.step, model, np.array(prompt, dtype=np.int64), None)
         return "step"
-
-    def generators(self) -> tuple[str, ...]:
-        return ("naive", "cached")
 
 
 @contextlib.contextmanager
@@ -530,7 +502,9 @@ def hooked(model: Any) -> Iterator[list[tuple[tuple[int, ...], float]]]:
             handle.remove()
 
 
-def load_implementation(target: str | ModuleType) -> Implementation:
+def load_implementation(target: str | ModuleType) -> Driver:
+    """The driver for an implementation (a file path, a module name or a module); UserError where it
+    has neither interface."""
     module = import_target(target)
     label = target if isinstance(target, str) else module.__name__
     post = [name for name in POST if callable(getattr(module, name, None))]

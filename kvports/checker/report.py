@@ -76,16 +76,22 @@ class Report:
         return f"{self.implementation}: {len(failed)} check(s) FAIL; " + " | ".join(self.explanations)
 
     def table(self) -> Any:
+        """The rows as a rich table; their text (an exception's message among it) is shown as it is,
+        never read as rich's markup."""
+        from rich.markup import escape
         from rich.table import Table
 
         table = Table(
-            title=f"kvports check {self.implementation} ({self.interface} interface), {self.family} model; "
-            f"reference: {self.reference}",
+            title=escape(
+                f"kvports check {self.implementation} ({self.interface} interface), {self.family} model; "
+                f"reference: {self.reference}"
+            ),
             box=None,
         )
         for column in ("check", "status", "figure", "where"):
             table.add_column(column)
         styles = {PASS: "green", NOISE: "green", NOISE_F32: "green", FAIL: "bold red", TIMEOUT: "bold red", SKIP: "dim"}
         for check in self.checks:
-            table.add_row(check.name, f"[{styles[check.status]}]{check.status}[/]", check.detail, check.where or "-")
+            status = f"[{styles[check.status]}]{check.status}[/]"
+            table.add_row(escape(check.name), status, escape(check.detail), escape(check.where or "-"))
         return table

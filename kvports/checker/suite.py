@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import time
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -24,8 +23,8 @@ import numpy as np
 from kvports import generating, loading, registry
 from kvports.agreement import NEAR_TIE, compare_tokens, top2_margin
 from kvports.checker import variants
-from kvports.checker.plugin import Implementation, ImplementationError, load_implementation
-from kvports.checker.plugin import notify as plugin_notify
+from kvports.checker.implementation import Implementation
+from kvports.checker.plugin import ImplementationError, load_implementation
 from kvports.checker.report import FAIL, NOISE, NOISE_F32, PASS, SKIP, Check, Report, failing
 from kvports.formats.weights import gpt2_init_weights, load_weights
 from kvports.shared.config import ModelConfig
@@ -169,10 +168,9 @@ class Checker:
         self.references: dict[str, loading.LoadedModel] = {}
         self.failed_runs: list[FailedRun] = []  # cached runs that differ from the implementation's own full forward
         self.failed_tokens: list[tuple[Check, np.ndarray, np.ndarray]] = []  # generate_cached FAILs
-        self.raised_at: set[tuple[str, str, type]] = set()  # (function, file:line, exception type) explained
+        self.raised_at: set[tuple[str, str, str]] = set()  # (function, file:line, exception type) explained
         self.explained: set[str] = set()  # checks whose failure has its own line (an exception)
         self.batches_taken: set[int] = set()  # batch sizes the full forward took
-        plugin_notify({"event": "begin", "report": self.report.as_dict()})
 
     # -- the reference ---------------------------------------------------------------------
     def reference(self, dtype: str) -> loading.LoadedModel:
@@ -189,16 +187,13 @@ class Checker:
 
     def add(self, check: Check) -> Check:
         self.report.checks.append(check)
-        plugin_notify({"event": "check", "check": check.as_dict()})
         return check
 
     def raised(self, name: str, error: ImplementationError, diagnosis: str | None = None) -> None:
         line = error.line
         self.explained.add(name)
-        seen = (error.function, line, type(error.error))
-        check = Check(
-            name, FAIL, f"raised {type(error.error).__name__}", error.function + (f" ({line})" if line else "")
-        )
+        seen = (error.function, line, error.kind)
+        check = Check(name, FAIL, f"raised {error.kind}", error.function + (f" ({line})" if line else ""))
         check.diagnosis = diagnosis
         self.add(check)
         if seen in self.raised_at and diagnosis is None:  # the same slip again, from another check
@@ -207,7 +202,7 @@ class Checker:
         self.explain(
             diagnosis,
             (f"{diagnosis}: " if diagnosis else "")
-            + f"{error.function} raised {type(error.error).__name__} ({name}"
+            + f"{error.function} raised {error.kind} ({name}"
             + (f", {line}" if line else "")
             + f"): {str(error).split(': ', 1)[-1][:200]}; hint: "
             + (variants.FIXES[diagnosis] if diagnosis else error.hint()),
@@ -220,7 +215,6 @@ class Checker:
         if diagnosis is not None:
             self.report.diagnoses.append(diagnosis)
         self.report.explanations.append(line)
-        plugin_notify({"event": "explain", "diagnosis": diagnosis, "line": line})
 
     # -- the checks ------------------------------------------------------------------------
     def run(self) -> Report:
@@ -292,10 +286,8 @@ class Checker:
     def prefill(self, model: Any) -> None:
         name = "prefill: one forward for the prompt"
         prompt = random_tokens(self.config, 1, 16, 3)
-        start = time.perf_counter()
         try:
-            with self.impl.counting_forwards(model) as calls:
-                function = self.impl.prefill_call(model, prompt)
+            function, calls = self.impl.prefill(model, prompt)
         except ImplementationError as error:
             return self.raised(name, error)
         if calls is None:
@@ -305,7 +297,7 @@ class Checker:
         for count, (shape, end) in enumerate(calls, 1):
             seen += shape[1] if len(shape) > 1 else 1
             if seen >= prompt.shape[1]:
-                ended = count, end - start
+                ended = count, end
                 break
         if not calls or ended is None:
             self.add(Check(name, SKIP, f"{function} made {len(calls)} forward call(s), fewer than the prompt needs"))
@@ -397,7 +389,7 @@ class Checker:
         if batch > 1 and (batch not in self.batches_taken or name.startswith("full")):
             self.add(Check(name, SKIP, f"batch {batch} not taken: {str(error)[:100]}"))
         elif isinstance(error, ImplementationError):
-            broke = "cached" in name and error.after_first_chunk and cache_error(error.error)
+            broke = "cached" in name and error.after_first_chunk and error.cache_like
             self.raised(name, error, "cache_update" if broke else None)
         else:
             self.add(Check(name, FAIL, str(error)[:120]))
@@ -500,12 +492,6 @@ class Checker:
                 return
 
 
-def cache_error(error: BaseException) -> bool:
-    """An error a cache that grows wrong raises on the call after the prefill (a cat along the wrong
-    axis, an index past a buffer); not an exit, an interrupt or an allocation."""
-    return isinstance(error, Exception) and not isinstance(error, MemoryError)
-
-
 @contextlib.contextmanager
 def stdout_to_stderr() -> Iterator[None]:
     """Whatever runs inside writes to stderr, from Python (sys.stdout) or native code (file descriptor 1):
@@ -529,17 +515,31 @@ def stdout_to_stderr() -> Iterator[None]:
 
 def run_check(target: str | ModuleType, family: str = "seed", quick: bool = False) -> Report:
     """Every check on an implementation (a file path, a module name or a module), in this process:
-    the report. UserError where the plug-in cannot be used at all. isolate.py runs it in a child
-    process, where an exit, a crash or a hang cannot take the checker down with it."""
+    the report. UserError where the plug-in cannot be used at all. isolate.py runs the
+    implementation in a child process instead, where an exit, a crash or a hang cannot take the
+    checker down with it, nor anything it does reach the checks."""
+    refuse_family(family)
+    with stdout_to_stderr():
+        implementation = Implementation(load_implementation(target))
+        label = target if isinstance(target, str) else target.__name__
+        return checked(checker_for(implementation, family, label, quick))
+
+
+def refuse_family(family: str) -> None:
     if family not in FAMILIES:
         raise UserError(f"--family {family!r} is not one of {', '.join(FAMILIES)}")
-    with stdout_to_stderr():
-        implementation = load_implementation(target)
-        if implementation.kind == "post" and family != "seed":
-            raise UserError(f"the post's interface (TinyModel) runs the seed's model only, not --family {family}")
-        label = target if isinstance(target, str) else target.__name__
-        checker = Checker(implementation, family, label, quick)
-        try:
-            return checker.run()
-        except ImplementationError as error:  # building the model, or its first forward on the seed's prompt
-            raise UserError(f"{error} ({error.line}); hint: {error.hint()}" if error.line else str(error)) from None
+
+
+def checker_for(implementation: Implementation, family: str, label: str, quick: bool) -> Checker:
+    if implementation.kind == "post" and family != "seed":
+        raise UserError(f"the post's interface (TinyModel) runs the seed's model only, not --family {family}")
+    return Checker(implementation, family, label, quick)
+
+
+def checked(checker: Checker) -> Report:
+    """The checker's report; UserError where the implementation cannot be used (building its model,
+    or its first forward on the seed's prompt, fails)."""
+    try:
+        return checker.run()
+    except ImplementationError as error:
+        raise UserError(f"{error} ({error.line}); hint: {error.hint()}" if error.line else str(error)) from None

@@ -111,20 +111,22 @@ def seconds(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The checks run in a child process whose stdout and stderr come back on stderr:
-    # stdout is the report (and --json's one object).
+    # The implementation's calls run in a child process whose stdout and stderr come back on stderr;
+    # the checks and the verdict are this process's: stdout is the report (and --json's one object).
     report = run_isolated(args.implementation, args.family, args.quick, args.timeout)
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
+        from rich.markup import escape
+
         from kvports.terminal import console_for
 
         table = report.table()
         console = console_for(table)
         console.print(table)
         for line in report.explanations:
-            console.print(f"[bold red]diagnosis[/]: {line}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]diagnosis[/]: {escape(line)}", highlight=False, soft_wrap=True)
         for line in report.notes:
-            console.print(f"note: {line}", highlight=False, soft_wrap=True)
+            console.print(f"note: {escape(line)}", highlight=False, soft_wrap=True)
         print("ok: every check passes" if report.ok else "FAILED: see the diagnosis above")
     return 0 if report.ok else 1
