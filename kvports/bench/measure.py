@@ -30,7 +30,7 @@ def median(values: Sequence[float]) -> float:
 
 @dataclass
 class RowCall:
-    """How a row generates: a port's model through the run layer (`run.generate`, any mode; with
+    """How a row generates: a port's model through the run layer (`generating.generate`, any mode; with
     mode "speculative" its draft loaded onto it beforehand), or a baseline's or a peer's own
     `generate(..., mode)`."""
 

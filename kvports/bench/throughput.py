@@ -3,7 +3,7 @@
 Two workloads (greedy, random token ids, seeded):
 - `mixed`: prompts of 16-256 tokens, 16-128 new tokens each. Batched: every request queued at
   once and run by the engine; sequential: each one through the same port's cached path
-  (`run.generate`, mode cached, one prompt), one after another. Requests/s, tokens/s,
+  (`generating.generate`, mode cached, one prompt), one after another. Requests/s, tokens/s,
   the speed-up, and how many requests got the same tokens both ways.
 - `prefix`: every request is one 256-token prefix plus its own 16-64 tokens, 16-64 new tokens;
   batched with and without prefix caching: prefill tokens computed and time to first token.
@@ -210,7 +210,7 @@ def run_workloads(
     reasons: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per framework x workload; a framework without a usable port (`ports`: imported by
-    `run.usable_ports`) gets a row saying why (`reasons`: a rule of `check_rules`, not installed, no GPU)."""
+    `loading.usable_ports`) gets a row saying why (`reasons`: a rule of `check_rules`, not installed, no GPU)."""
     import gc
 
     ports, reasons = ports or {}, reasons or {}
