@@ -89,7 +89,7 @@ gpu-check:
 	$(PYTHON) tools/gpu_check.py
 
 # What .ci/run runs.
-ci: lint test check-numpy-only check-own-torch
+ci: lint test check-numpy-only check-own-torch check-floors
 
 # docs/BENCH.md. On a machine shared with other work, OMP_NUM_THREADS=1 make bench.
 bench: setup
