@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 # A second virtualenv holding kvports alone (no torch, no JAX): the NumPy-only install.
 NUMPY_VENV ?= build/numpy-only-venv
 
-.PHONY: setup demo model test test-fast lint check-numpy-only check-own-torch gpu-check ci bench plots clean
+.PHONY: setup demo model test test-fast lint check-numpy-only check-own-torch check-floors gpu-check ci bench plots clean
 
 setup: $(VENV)/.installed
 
@@ -65,13 +65,31 @@ check-numpy-only:
 check-own-torch: setup
 	$(BIN)/python tools/check_own_torch.py
 
+# The release floors run, not read: the oldest torch, JAX and Flax kvports says the ports run on
+# (kvports/registry.py MINIMUM, through tools/floor_constraints.py) into a virtualenv of their own, with
+# kvports and its test dependencies beside them (the constraints keep pip from upgrading a floor), then the
+# port tests there: every port's model and loops, sampling, speculative, quantization, bfloat16's routes
+# and every accepted combination. From the package index only; PyPI's torch for Linux x86-64 is a CUDA
+# build (about 3 GB with its nvidia-* libraries, which it links at import, GPU or not).
+FLOORS_VENV ?= build/floors-venv
+FLOOR_TESTS ?= tests/test_generation.py tests/test_loops.py tests/test_sampling.py tests/test_speculative.py \
+	tests/test_pitfalls.py tests/test_quant.py tests/test_torch_linear.py tests/test_cpu_routes.py tests/test_accepted.py
+
+check-floors:
+	rm -rf $(FLOORS_VENV)
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(PYTHON) tools/floor_constraints.py > $(FLOORS_VENV)/constraints.txt
+	$(FLOORS_VENV)/bin/python -m pip install --quiet -c $(FLOORS_VENV)/constraints.txt torch jax flax -e '.[jax,serve,test]'
+	$(FLOORS_VENV)/bin/python -m pip list --format freeze | grep -iE '^(torch|jax|jaxlib|flax)=='
+	$(FLOORS_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile $(FLOOR_TESTS)
+
 # On a machine with an NVIDIA GPU, with the Python that has its own CUDA torch and JAX and kvports beside them
 # (README, Install: make gpu-check PYTHON=python): one report, exit 1 on any disagreement, 2 without a GPU.
 gpu-check:
 	$(PYTHON) tools/gpu_check.py
 
 # What .ci/run runs.
-ci: lint test check-numpy-only check-own-torch
+ci: lint test check-numpy-only check-own-torch check-floors
 
 # docs/BENCH.md. On a machine shared with other work, OMP_NUM_THREADS=1 make bench.
 bench: setup

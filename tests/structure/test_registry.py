@@ -65,8 +65,8 @@ def test_numpy_needs_nothing_but_numpy():
     ("name", "package", "release", "refusal"),
     [
         ("jax", "flax", "0.12.0", r"flax 0\.12\.0 is older than 0\.12\.1, which kvports needs \(nnx\.List, Variable"),
-        ("torch", "torch", "2.5.1+cu121", r"torch 2\.5\.1\+cu121 is older than 2\.6, .*: pip install 'torch>=2\.6'"),
-        ("torch", "torch", "2.6.0+cu124", None),  # a machine's own CUDA build, new enough
+        ("torch", "torch", "2.6.0+cu124", r"torch 2\.6\.0\+cu124 is older than 2\.7, .*: pip install 'torch>=2\.7'"),
+        ("torch", "torch", "2.7.0+cu126", None),  # a machine's own CUDA build, new enough
     ],
 )
 def test_a_framework_older_than_the_ports_need_makes_its_port_unavailable_naming_the_release(
