@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvports.formats.hf.hf_config import config_from_hf
+from kvports.families import describe
+from kvports.formats.hf.exporter import hf_refusal
+from kvports.formats.hf.hf_config import config_from_hf, llama_hf_config
 from kvports.shared.errors import UserError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_configs"
@@ -95,3 +97,20 @@ def test_a_field_that_only_names_things_is_accepted(field):
 def test_gpt2_n_special_other_than_zero_is_refused():
     with pytest.raises(UserError, match="n_special=2"):
         config_from_hf({**read("gpt2-medium"), "n_special": 2})
+
+
+def test_llama_3_rope_scaling_survives_the_way_back_to_a_config_json():
+    config = config_from_hf(read("Llama-3.2-1B"))
+    assert config_from_hf(llama_hf_config(config, "float32")) == config
+
+
+def test_a_family_llama_cannot_express_is_refused_on_the_way_back():
+    assert hf_refusal(config_from_hf(read("Qwen2.5-0.5B"))) == (
+        "a qwen2 model: kvports writes Llama and Mistral directories only"
+    )
+
+
+def test_the_description_names_the_family_and_its_switches():
+    qwen3 = config_from_hf({**read("Qwen2.5-0.5B"), "model_type": "qwen3", "head_dim": 128, "num_key_value_heads": 7})
+    assert describe(qwen3) == "qwen3 model (GQA 14q/7kv, qk-norm, tied head)"
+    assert describe(config_from_hf(read("Llama-3.2-1B"))) == "llama3 model (GQA 32q/8kv, RoPE llama3 x32, tied head)"

@@ -484,7 +484,19 @@ def llama_refusal(config: ModelConfig) -> str | None:
         return "Llama and Mistral have RoPE, RMSNorm and SwiGLU"
     if config.sliding_window is not None and (config.attn_bias or config.ffn_bias):
         return "transformers' Mistral has no biases"
+    if config.family not in ("llama", "llama3", "mistral"):
+        return f"a {config.family} model: kvports writes Llama and Mistral directories only"
+    if config.rope_scaling != "none" and config.sliding_window is not None:
+        return f"rope_scaling={config.rope_scaling!r}: kvports writes scaled RoPE for Llama only"
     return None
+
+
+def rope_parameters(config: ModelConfig) -> dict:
+    """rope_parameters as transformers 5 writes them: rope_fields, inverted."""
+    params: dict[str, Any] = {"rope_type": "default" if config.rope_scaling == "none" else config.rope_scaling}
+    params["rope_theta"] = config.rope_theta
+    names = {"linear": {"factor": "rope_factor"}, "llama3": LLAMA3_ROPE}.get(config.rope_scaling, {})
+    return params | {key: getattr(config, ours) for key, ours in names.items()}
 
 
 def llama_hf_config(config: ModelConfig, dtype: str) -> dict:
@@ -503,7 +515,7 @@ def llama_hf_config(config: ModelConfig, dtype: str) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": rope_parameters(config),
         "tie_word_embeddings": config.tie_embeddings,
         "attention_dropout": config.dropout,
         "use_cache": True,
