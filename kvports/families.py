@@ -28,5 +28,7 @@ def describe(config: ModelConfig) -> str:
         parts.append("qk-norm")
     if config.rope_scaling != "none":
         parts.append(f"RoPE {config.rope_scaling} x{config.rope_factor:g}")
+    if config.rope_freq_factors:
+        parts.append(f"RoPE divided by factors up to {max(config.rope_freq_factors):g}")
     parts.append("tied head" if config.tie_embeddings else "untied head")
     return f"{config.family} model ({', '.join(parts)})"

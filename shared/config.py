@@ -93,6 +93,7 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_len / low are divided by rope_factor,
     rope_high_freq_factor: float = 4.0  # those below original_len / high kept, those between blended
     rope_original_len: int = 8192  # llama3: the context the model was pretrained at
+    rope_freq_factors: tuple[float, ...] = ()  # a divisor per frequency: a GGUF file's rope_freqs (llama.cpp's llama3)
     dropout: float = 0.0  # training-only; generation always runs in eval mode
     eos_token_ids: tuple[int, ...] = ()  # where generation stops by default (a converted checkpoint's eos_token_id)
     bos_token_id: int | None = None  # a converted checkpoint's, kept so `convert --to-hf` writes it back
@@ -140,7 +141,7 @@ class ModelConfig:
             return "qwen3"
         if self.qkv_bias and not self.attn_bias:
             return "qwen2"
-        if self.rope_scaling == "llama3":
+        if self.rope_scaling == "llama3" or self.rope_freq_factors:
             return "llama3"
         return "mistral" if self.sliding_window is not None else "llama"
 
@@ -194,6 +195,15 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not low <= value <= high:
                 raise UserError(f"config field {name}={echo(value)} must be in [{low:g}, {high:g}]")
+        factors = self.rope_freq_factors
+        if (
+            not isinstance(factors, tuple)
+            or factors
+            and (len(factors) != self.head_dim // 2 or not all(finite_number(f) and f > 0 for f in factors))
+        ):
+            raise UserError(
+                f"config field rope_freq_factors={echo(factors)} must be {self.head_dim // 2} finite numbers > 0"
+            )
         if self.rope_scaling == "llama3" and not self.rope_low_freq_factor < self.rope_high_freq_factor:
             raise UserError(
                 f"config rope_low_freq_factor={echo(self.rope_low_freq_factor)} must be below "
@@ -262,7 +272,7 @@ class ModelConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise UserError(f"config metadata has unknown field {echo(unknown[0])} (known: {', '.join(sorted(known))})")
-        for name in ("eos_token_ids", "global_layers"):
+        for name in ("eos_token_ids", "global_layers", "rope_freq_factors"):
             if isinstance(data.get(name), list):  # JSON has lists, the frozen config tuples
                 data = {**data, name: tuple(data[name])}
         for name in (

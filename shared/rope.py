@@ -18,6 +18,8 @@ def rope_frequencies(config: ModelConfig, window: int | None = None) -> np.ndarr
     local = window is not None and config.rope_local_theta is not None
     theta = config.rope_local_theta if local and config.rope_local_theta is not None else config.rope_theta
     inv_freq = 1.0 / (theta ** (np.arange(0, Dh, 2, dtype=np.float64) / Dh))  # [Dh/2]
+    if config.rope_freq_factors and not local:  # a GGUF file's divisors, as llama.cpp applies them
+        inv_freq = inv_freq / np.asarray(config.rope_freq_factors, dtype=np.float64)  # [Dh/2]
     if local or config.rope_scaling == "none":
         return inv_freq
     if config.rope_scaling == "linear":

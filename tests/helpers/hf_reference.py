@@ -141,6 +141,21 @@ FAMILY_CASES: dict[str, Case] = {
         seed=13,
         prompt=(1, 5),
     ),
+    # Gemma 3 as llama.cpp runs it (its GGUF file holds neither layer_types nor query_pre_attn_scalar):
+    # every sixth layer global, the scores scaled by 1 / sqrt(head_dim).
+    "gemma3-six-layers": Case(
+        "gemma3",
+        (
+            ("num_key_value_heads", 2),
+            ("head_dim", 8),
+            ("num_hidden_layers", 6),
+            ("sliding_window", 3),
+            ("query_pre_attn_scalar", 8),
+            ("rope_parameters", GEMMA3_ROPE),
+        ),
+        seed=15,
+        prompt=(1, 6),
+    ),
     "phi3-window-gqa": Case("phi3", (("num_key_value_heads", 2), ("sliding_window", 4)), seed=14, prompt=(1, 6)),
 }
 
