@@ -22,18 +22,24 @@ def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> ja
 
 
 def scaled_dot_product_attention(
-    query: jax.Array, key: jax.Array, value: jax.Array, attn_mask: jax.Array | None = None, enable_gqa: bool = False
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    attn_mask: jax.Array | None = None,
+    enable_gqa: bool = False,
+    scale: float | None = None,
 ) -> jax.Array:
     """torch's F.scaled_dot_product_attention, as the model calls it: query [B, H, T, Dh] over key
     and value [B, Hkv, S, Dh]; attn_mask [B, 1, T, S] (one mask for every head), True = visible;
-    Hkv < H only with enable_gqa."""
+    Hkv < H only with enable_gqa; scale None: 1 / sqrt(Dh)."""
     B, H, T, Dh = query.shape
     Hkv = key.shape[1]
     if Hkv != H and not enable_gqa:
         raise ValueError(f"{H} query heads over {Hkv} key/value heads needs enable_gqa=True")
     # GQA by grouping: each group of G = H / Hkv query heads shares one k/v head, nothing is copied.
     q = query.reshape(B, Hkv, H // Hkv, T, Dh)  # [B, Hkv, G, T, Dh]
-    scores = jnp.einsum("bkgtd,bksd->bkgts", q, key) / math.sqrt(Dh)  # [B, Hkv, G, T, S]
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q, key)  # [B, Hkv, G, T, S]
+    scores = scores / math.sqrt(Dh) if scale is None else scores * scale
     if attn_mask is not None:
         scores = jnp.where(attn_mask[:, :, None], scores, -jnp.inf)  # [B, Hkv, G, T, S]
     # [B, Hkv, G, T, S]: bfloat16 scores exponentiated and summed in float32

@@ -22,12 +22,14 @@ from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.typing import DTypeLike
 
 import kvports.jax_impl.functional as F
 from kvports.shared.config import ModelConfig, cache_slots
+from kvports.shared.rope import rope_frequencies
 
 
 @jax.tree_util.register_dataclass
@@ -53,18 +55,18 @@ class KVCache:
         array: under jit the column is traced, so whether they wrap is not known."""
         return (column + jnp.arange(count, dtype=jnp.int32)) % self.keys.shape[3]  # [count]
 
-    def mask(self, positions: jax.Array, padded: bool) -> jax.Array:
-        """Which keys each of this chunk's queries sees: [B, 1, T, S'], over every slot (shapes are
-        static under jit), the empty ones masked."""
+    def mask(self, positions: jax.Array, padded: bool, window: Optional[int]) -> jax.Array:
+        """Which keys each of this chunk's queries sees through `window`: [B, 1, T, S'], over every
+        slot (shapes are static under jit), the empty ones masked."""
         B, T = positions.shape
         if not self.writes_first(T):
             key_positions = jnp.concatenate(
                 [self.slot_positions, jnp.broadcast_to(positions, (self.slot_positions.shape[0], T))], axis=1
             )
-            return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
+            return attention_mask(positions, key_positions, window)  # [B, 1, T, S']
         # [B, S]: as this chunk's write leaves them
         key_positions = self.slot_positions.at[:, self.slot_index(self.length, T)].set(positions)
-        return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
+        return attention_mask(positions, key_positions, window)  # [B, 1, T, S']
 
     def update(self, layer: int, k: jax.Array, v: jax.Array) -> Tuple[jax.Array, jax.Array, KVCache]:
         """Write this chunk's k and v at their slots; the keys and values to attend over, and the
@@ -115,7 +117,7 @@ def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: DTypeLike
         values=jnp.zeros(shape, dtype=dtype),
         slot_positions=jnp.full((batch, slots), -1, dtype=jnp.int32),
         length=jnp.zeros((), dtype=jnp.int32),
-        window=config.sliding_window,
+        window=config.ring_window,
     )
 
 
@@ -145,9 +147,9 @@ def attention_mask(query_positions: jax.Array, key_positions: jax.Array, window:
 Rope = Tuple[jax.Array, jax.Array]
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype: DTypeLike) -> Rope:
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float64) / head_dim))  # [Dh/2]
-    angles = positions.astype(jnp.float64)[:, None, :, None] * inv_freq  # [B, 1, T, Dh/2]: one table for every head
+def rope_tables(positions: jax.Array, frequencies: np.ndarray, dtype: DTypeLike) -> Rope:
+    # frequencies [Dh/2] float64, shared.rope's: plain, or Llama 3's scaled ones
+    angles = positions.astype(jnp.float64)[:, None, :, None] * frequencies  # [B, 1, T, Dh/2]: one table for every head
     angles = jnp.concatenate([angles, angles], axis=-1)  # [B, 1, T, Dh]
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
@@ -181,11 +183,11 @@ def make_norm(config: ModelConfig, dtype: DTypeLike, rngs: nnx.Rngs) -> nnx.Modu
 
 class FeedForward(nnx.Module):
     """Seed: Sequential(Linear(d, 4d), GELU(), Linear(4d, d)); `0` and `2` keep its names.
-    SwiGLU fuses gate and up into `0` (gate first), as qkv fuses q, k and v."""
+    SwiGLU and Gemma's GELU-gated MLP fuse gate and up into `0` (gate first), as qkv fuses q, k and v."""
 
     def __init__(self, config: ModelConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.activation = config.activation
-        gated = 2 if config.activation == "swiglu" else 1
+        gated = 2 if config.gated else 1
         setattr(
             self,
             "0",
@@ -207,10 +209,10 @@ class FeedForward(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = getattr(self, "0")(x)  # [B, T, ffn_dim] (swiglu: [B, T, 2 * ffn_dim])
-        if self.activation == "swiglu":
+        h = getattr(self, "0")(x)  # [B, T, ffn_dim] (gated: [B, T, 2 * ffn_dim])
+        if self.activation in ("swiglu", "geglu_tanh"):
             gate, up = jnp.split(h, 2, axis=-1)  # [B, T, ffn_dim] each
-            h = jax.nn.silu(gate) * up
+            h = (jax.nn.silu(gate) if self.activation == "swiglu" else jax.nn.gelu(gate, approximate=True)) * up
         elif self.activation == "gelu_tanh":
             h = jax.nn.gelu(h, approximate=True)
         else:
@@ -222,13 +224,22 @@ class Block(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: DTypeLike, rngs: nnx.Rngs):
         self.config = config
         self.ln1, self.ln2 = make_norm(config, dtype, rngs), make_norm(config, dtype, rngs)
-        self.qkv = nnx.Linear(
-            config.d_model, config.qkv_dim, use_bias=config.attn_bias, dtype=dtype, param_dtype=dtype, rngs=rngs
-        )
+        bias = config.attn_bias or config.qkv_bias
+        self.qkv = nnx.Linear(config.d_model, config.qkv_dim, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.proj = nnx.Linear(
-            config.d_model, config.d_model, use_bias=config.attn_bias, dtype=dtype, param_dtype=dtype, rngs=rngs
+            config.n_heads * config.head_dim,
+            config.d_model,
+            use_bias=config.attn_bias,
+            dtype=dtype,
+            param_dtype=dtype,
+            rngs=rngs,
         )
         self.ffn = FeedForward(config, dtype=dtype, rngs=rngs)
+        if config.qk_norm:  # Qwen3, Gemma 3: each head's queries and keys normalised over Dh
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, dtype=dtype)
+        if config.post_norms:  # Gemma 3: attention's output and the MLP's normalised too
+            self.ln1_post, self.ln2_post = make_norm(config, dtype, rngs), make_norm(config, dtype, rngs)
         self.dropout = nnx.Dropout(config.dropout, rngs=rngs)  # pitfall 3: active only in train mode
 
     def attention(
@@ -242,21 +253,25 @@ class Block(nnx.Module):
         q = q.reshape(B, T, H, Dh).transpose(0, 2, 1, 3)  # [B, H, T, Dh]
         k = k.reshape(B, T, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, T, Dh]
         v = v.reshape(B, T, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, T, Dh]
+        if config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # [B, H, T, Dh], [B, Hkv, T, Dh]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v, cache = cache.update(layer, k, v)  # [B, Hkv, S', Dh]: the cache, this chunk written in
         # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)  # [B, H, T, Dh]
-        out = out.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)  # [B, T, H Dh] (= D): the heads side by side
+        # [B, H, T, Dh]; scale None: 1 / sqrt(Dh)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv, scale=config.attn_scale)
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)  # [B, T, H Dh]: the heads side by side
         return self.proj(out), cache  # [B, T, D]
 
     def __call__(
         self, x: jax.Array, rope: Optional[Rope], mask: Optional[jax.Array], cache: Optional[KVCache], layer: int
     ) -> Tuple[jax.Array, Optional[KVCache]]:
-        attended, cache = self.attention(self.ln1(x), rope, mask, cache, layer)
-        x = x + self.dropout(attended)  # [B, T, D]
-        return x + self.dropout(self.ffn(self.ln2(x))), cache  # [B, T, D]
+        h, cache = self.attention(self.ln1(x), rope, mask, cache, layer)  # [B, T, D]
+        x = x + self.dropout(self.ln1_post(h) if self.config.post_norms else h)  # [B, T, D]
+        h = self.ffn(self.ln2(x))  # [B, T, D]
+        return x + self.dropout(self.ln2_post(h) if self.config.post_norms else h), cache  # [B, T, D]
 
 
 class TinyModel(nnx.Module):
@@ -289,18 +304,23 @@ class TinyModel(nnx.Module):
         start = 0 if cache is None else cache.length
         positions = token_positions(start, T, pad)  # [B, T] ([1, T] without padding)
         x = self.emb(tokens)  # [B, T, D]
-        rope = None
+        x = x * jnp.asarray(
+            config.embed_scale, dtype=x.dtype
+        )  # [B, T, D]: Gemma 3's sqrt(D), rounded as transformers does
         if config.positions == "learned":
             x = x + self.pos(jnp.maximum(positions, 0))  # [B, T, D]; padding borrows position 0, its outputs unused
-        else:
-            rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [B, 1, T, Dh]
-        mask: Optional[jax.Array]
-        if cache is None:
-            mask = attention_mask(positions, positions, config.sliding_window)  # [B, 1, T, T]
-        else:
-            mask = cache.mask(positions, pad is not None)  # [B, 1, T, S']
+        windows = [config.layer_window(layer) for layer in range(config.n_layers)]  # None: the layer sees every key
+        rope: dict[Optional[int], Rope] = {}  # by window: Gemma 3's two kinds of layer have two RoPE bases
+        mask: dict[Optional[int], Optional[jax.Array]] = {}
+        for window in set(windows):
+            if config.positions == "rope":
+                rope[window] = rope_tables(positions, rope_frequencies(config, window), x.dtype)  # 2 x [B, 1, T, Dh]
+            if cache is None:
+                mask[window] = attention_mask(positions, positions, window)  # [B, 1, T, T]
+            else:
+                mask[window] = cache.mask(positions, pad is not None, window)  # [B, 1, T, S']
         for layer, block in enumerate(self.blocks):
-            x, cache = block(x, rope, mask, cache, layer)  # [B, T, D]
+            x, cache = block(x, rope.get(windows[layer]), mask[windows[layer]], cache, layer)  # [B, T, D]
         if cache is not None:
             cache = cache.advance(positions)
         if logits_to_keep:

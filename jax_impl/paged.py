@@ -67,16 +67,15 @@ class PagedKVCache:
     length: jax.Array  # [B, 1] int32: each row's tokens already in the pool, where its positions start
     # Static shapes: every token has a slot, padding's in block NB (out of range, so its write is dropped).
     slots: tuple[jax.Array, jax.Array]  # (pool block, offset in it) of each token, [B, T] each
-    window: int | None = dataclasses.field(metadata=dict(static=True))  # the sliding window, or None
 
     def key_positions(self, positions: jax.Array) -> jax.Array:
         """[B, S']: slot s holds position s, up to each row's last position in this chunk; -1 after."""
         slots = jnp.arange(self.block_tables.shape[1] * self.keys.shape[2], dtype=jnp.int32)[None, :]  # [1, S']
         return jnp.where(slots <= positions[:, -1:], slots, -1)  # [B, S']: every row's last column is a real token
 
-    def mask(self, positions: jax.Array, padded: bool) -> jax.Array:
+    def mask(self, positions: jax.Array, padded: bool, window: int | None) -> jax.Array:
         """Which keys each of this chunk's queries sees: [B, 1, T, S']. Never None: rows differ in length."""
-        return attention_mask(positions, self.key_positions(positions), self.window)  # [B, 1, T, S']
+        return attention_mask(positions, self.key_positions(positions), window)  # [B, 1, T, S']
 
     def update(self, layer: int, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, PagedKVCache]:
         """Write this chunk's k and v into their blocks; each row's blocks gathered, [B, Hkv, S', Dh],
@@ -102,7 +101,7 @@ class PagedKVCache:
 
 
 def paged_cache(
-    pool: BlockPool, block_tables: jax.Array, start: jax.Array, pad: jax.Array | None, T: int, window: int | None
+    pool: BlockPool, block_tables: jax.Array, start: jax.Array, pad: jax.Array | None, T: int
 ) -> PagedKVCache:
     """The cache a step of T tokens a row runs against: rows start at `start` [B] (tokens already in
     the pool); pad [B] counts each row's left padding (None: none)."""
@@ -112,9 +111,7 @@ def paged_cache(
     num_blocks, block_size = pool.keys.shape[1], pool.keys.shape[2]
     blocks = jnp.take_along_axis(block_tables, jnp.maximum(positions, 0) // block_size, axis=1)  # [B, T]
     blocks = jnp.where(real, blocks, num_blocks)  # [B, T]: padding to block NB, dropped
-    return PagedKVCache(
-        pool.keys, pool.values, jnp.maximum(block_tables, 0), length, (blocks, positions % block_size), window
-    )
+    return PagedKVCache(pool.keys, pool.values, jnp.maximum(block_tables, 0), length, (blocks, positions % block_size))
 
 
 def paged_step(
@@ -155,7 +152,7 @@ def _paged_forward(
     pad: jax.Array,
 ) -> tuple[jax.Array, BlockPool]:
     model = merge_model(static, leaves)
-    cache = paged_cache(pool, block_tables, start, pad, tokens.shape[1], model.config.sliding_window)
+    cache = paged_cache(pool, block_tables, start, pad, tokens.shape[1])
     logits, cache = model(jnp.maximum(tokens, 0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: only its logits leave the program.
     return logits[:, -1], dataclasses.replace(pool, keys=cache.keys, values=cache.values)  # [B, V]

@@ -103,6 +103,12 @@ def _parameter_slots(model: TinyModel) -> dict[str, tuple[nnx.Variable, bool]]:
         linear(f"blocks.{i}.proj", block.proj)
         linear(f"blocks.{i}.ffn.0", getattr(block.ffn, "0"))
         linear(f"blocks.{i}.ffn.2", getattr(block.ffn, "2"))
+        if config.qk_norm:
+            slots[f"blocks.{i}.q_norm.weight"] = (block.q_norm.weight, False)
+            slots[f"blocks.{i}.k_norm.weight"] = (block.k_norm.weight, False)
+        if config.post_norms:
+            norm(f"blocks.{i}.ln1_post", block.ln1_post)
+            norm(f"blocks.{i}.ln2_post", block.ln2_post)
     norm("ln", model.ln)
     if not config.tie_embeddings:
         linear("head", model.head)

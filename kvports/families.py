@@ -18,9 +18,17 @@ def attention_kind(config: ModelConfig) -> str:
 
 
 def describe(config: ModelConfig) -> str:
-    """e.g. 'mistral model (GQA 4q/2kv, window 4, untied head)'."""
+    """e.g. 'mistral model (GQA 4q/2kv, window 4, untied head)', 'qwen3 model (GQA 16q/8kv, qk-norm, tied head)'."""
     parts = [attention_kind(config)]
     if config.sliding_window is not None:
-        parts.append(f"window {config.sliding_window}")
+        windowed = config.n_layers - len(set(config.global_layers))
+        within = f" in {windowed} of {config.n_layers} layers" if config.global_layers else ""
+        parts.append(f"window {config.sliding_window}{within}")
+    if config.qk_norm:
+        parts.append("qk-norm")
+    if config.rope_scaling != "none":
+        parts.append(f"RoPE {config.rope_scaling} x{config.rope_factor:g}")
+    if config.rope_freq_factors:
+        parts.append(f"RoPE divided by factors up to {max(config.rope_freq_factors):g}")
     parts.append("tied head" if config.tie_embeddings else "untied head")
     return f"{config.family} model ({', '.join(parts)})"

@@ -70,11 +70,16 @@ def split(x: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
 
 
 def scaled_dot_product_attention(
-    query: np.ndarray, key: np.ndarray, value: np.ndarray, attn_mask: np.ndarray | None = None, enable_gqa: bool = False
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    enable_gqa: bool = False,
+    scale: float | None = None,
 ) -> np.ndarray:
     """torch's F.scaled_dot_product_attention, as the model calls it: query [B, H, T, Dh] over key
     and value [B, Hkv, S, Dh]; attn_mask [B, 1, T, S] (one mask for every head), True = visible;
-    Hkv < H only with enable_gqa."""
+    Hkv < H only with enable_gqa; scale None: 1 / sqrt(Dh)."""
     B, H, T, Dh = query.shape
     Hkv = key.shape[1]
     if Hkv != H and not enable_gqa:
@@ -84,7 +89,7 @@ def scaled_dot_product_attention(
     G, S = H // Hkv, key.shape[2]
     q = query.reshape(B, Hkv, G * T, Dh)  # [B, Hkv, G T, Dh]
     scores = (q @ key.swapaxes(-2, -1)).reshape(B, Hkv, G, T, S)  # [B, Hkv, G, T, S]
-    scores *= 1.0 / math.sqrt(Dh)
+    scores *= 1.0 / math.sqrt(Dh) if scale is None else scale
     if attn_mask is not None:
         np.copyto(scores, -np.inf, where=~attn_mask[:, :, None])  # [B, Hkv, G, T, S]: in place
     probs = softmax(scores, axis=-1, out=scores)  # [B, Hkv, G, T, S]

@@ -23,6 +23,7 @@ from numpy.typing import DTypeLike
 import kvports.numpy_impl.functional as F
 import kvports.numpy_impl.nn as nn
 from kvports.shared.config import ModelConfig, cache_slots
+from kvports.shared.rope import rope_frequencies
 
 
 @dataclass
@@ -53,21 +54,22 @@ class KVCache:
             return slice(column % slots, column % slots + count)
         return np.arange(column, column + count) % slots  # [count]
 
-    def mask(self, positions: np.ndarray, padded: bool) -> Optional[np.ndarray]:
-        """Which keys each of this chunk's queries sees: [B, 1, T, S'], or None when all of them do."""
+    def mask(self, positions: np.ndarray, padded: bool, window: Optional[int]) -> Optional[np.ndarray]:
+        """Which keys each of this chunk's queries sees through `window` (a layer's; the ring's is
+        self.window): [B, 1, T, S'], or None when all of them do."""
         B, T = positions.shape
         if not self.writes_first(T):
             filled = self.filled(0)
             key_positions = np.concatenate(
                 [self.slot_positions[:, :filled], np.broadcast_to(positions, (self.slot_positions.shape[0], T))], axis=1
             )
-            return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
+            return attention_mask(positions, key_positions, window)  # [B, 1, T, S']
         filled = self.filled(T)
-        if T == 1 and not padded and (self.window is None or filled <= self.window):
+        if T == 1 and not padded and (window is None or filled <= window):
             return None  # one new token over the slots filled so far: every one is visible
         key_positions = self.slot_positions.copy()  # [B, S]: as this chunk's write leaves them
         key_positions[:, self.slot_index(self.length, T)] = positions
-        return attention_mask(positions, key_positions[:, :filled], self.window)  # [B, 1, T, S']
+        return attention_mask(positions, key_positions[:, :filled], window)  # [B, 1, T, S']
 
     def update(self, layer: int, k: np.ndarray, v: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """Write this chunk's k and v at their slots; the keys and values to attend over."""
@@ -112,7 +114,7 @@ def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: DTypeLike
         values=np.zeros(shape, dtype=dtype),
         slot_positions=np.full((batch, slots), -1, dtype=np.int64),
         length=0,
-        window=config.sliding_window,
+        window=config.ring_window,
     )
 
 
@@ -141,9 +143,9 @@ def attention_mask(query_positions: np.ndarray, key_positions: np.ndarray, windo
 Rope = Tuple[np.ndarray, np.ndarray]
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float, dtype: DTypeLike) -> Rope:
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))  # [Dh/2]
-    angles = positions.astype(np.float64)[:, None, :, None] * inv_freq  # [B, 1, T, Dh/2]: one table for every head
+def rope_tables(positions: np.ndarray, frequencies: np.ndarray, dtype: DTypeLike) -> Rope:
+    # frequencies [Dh/2] float64, shared.rope's: plain, or Llama 3's scaled ones
+    angles = positions.astype(np.float64)[:, None, :, None] * frequencies  # [B, 1, T, Dh/2]: one table for every head
     angles = np.concatenate([angles, angles], axis=-1)  # [B, 1, T, Dh]
     return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
 
@@ -174,19 +176,19 @@ def make_norm(config: ModelConfig) -> nn.Module:
 
 class FeedForward(nn.Module):
     """Seed: Sequential(Linear(d, 4d), GELU(), Linear(4d, d)); `0` and `2` keep its names.
-    SwiGLU fuses gate and up into `0` (gate first), as qkv fuses q, k and v."""
+    SwiGLU and Gemma's GELU-gated MLP fuse gate and up into `0` (gate first), as qkv fuses q, k and v."""
 
     def __init__(self, config: ModelConfig):
         self.activation = config.activation
-        gated = 2 if config.activation == "swiglu" else 1
+        gated = 2 if config.gated else 1
         setattr(self, "0", nn.Linear(config.d_model, gated * config.ffn_dim, bias=config.ffn_bias))
         setattr(self, "2", nn.Linear(config.ffn_dim, config.d_model, bias=config.ffn_bias))
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        h = getattr(self, "0")(x)  # [B, T, ffn_dim] (swiglu: [B, T, 2 * ffn_dim])
-        if self.activation == "swiglu":
+        h = getattr(self, "0")(x)  # [B, T, ffn_dim] (gated: [B, T, 2 * ffn_dim])
+        if self.activation in ("swiglu", "geglu_tanh"):
             gate, up = F.split(h, [h.shape[-1] // 2] * 2)  # [B, T, ffn_dim] each
-            h = F.silu(gate) * up
+            h = (F.silu(gate) if self.activation == "swiglu" else F.gelu_tanh(gate)) * up
         elif self.activation == "gelu_tanh":
             h = F.gelu_tanh(h)
         else:
@@ -199,9 +201,14 @@ class Block(nn.Module):
         self.config = config
         # Construction order is the seed's, so named_parameters lists the state_dict order.
         self.ln1, self.ln2 = make_norm(config), make_norm(config)
-        self.qkv = nn.Linear(config.d_model, config.qkv_dim, bias=config.attn_bias)
-        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.attn_bias)
+        self.qkv = nn.Linear(config.d_model, config.qkv_dim, bias=config.attn_bias or config.qkv_bias)
+        self.proj = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=config.attn_bias)
         self.ffn = FeedForward(config)
+        if config.qk_norm:  # Qwen3, Gemma 3: each head's queries and keys normalised over Dh
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+        if config.post_norms:  # Gemma 3: attention's output and the MLP's normalised too
+            self.ln1_post, self.ln2_post = make_norm(config), make_norm(config)
         self.dropout = nn.Dropout(config.dropout, rng)  # pitfall 3: active only in train mode
 
     def attention(
@@ -214,20 +221,25 @@ class Block(nn.Module):
         q = q.reshape(B, T, H, Dh).transpose(0, 2, 1, 3)  # [B, H, T, Dh]
         k = k.reshape(B, T, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, T, Dh]
         v = v.reshape(B, T, Hkv, Dh).transpose(0, 2, 1, 3)  # [B, Hkv, T, Dh]
+        if config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # [B, H, T, Dh], [B, Hkv, T, Dh]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, Hkv, S', Dh]: the cache, this chunk written in
         # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)  # [B, H, T, Dh]
-        out = out.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)  # [B, T, H Dh] (= D): the heads side by side
+        # [B, H, T, Dh]; scale None: 1 / sqrt(Dh)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv, scale=config.attn_scale)
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)  # [B, T, H Dh]: the heads side by side
         return self.proj(out)  # [B, T, D]
 
     def forward(
         self, x: np.ndarray, rope: Optional[Rope], mask: Optional[np.ndarray], cache: Optional[KVCache], layer: int
     ) -> np.ndarray:
-        x = x + self.dropout(self.attention(self.ln1(x), rope, mask, cache, layer))  # [B, T, D]
-        return x + self.dropout(self.ffn(self.ln2(x)))  # [B, T, D]
+        h = self.attention(self.ln1(x), rope, mask, cache, layer)  # [B, T, D]
+        x = x + self.dropout(self.ln1_post(h) if self.config.post_norms else h)  # [B, T, D]
+        h = self.ffn(self.ln2(x))  # [B, T, D]
+        return x + self.dropout(self.ln2_post(h) if self.config.post_norms else h)  # [B, T, D]
 
 
 class TinyModel(nn.Module):
@@ -256,18 +268,23 @@ class TinyModel(nn.Module):
         start = 0 if cache is None else cache.length
         positions = token_positions(start, T, pad)  # [B, T] ([1, T] without padding)
         x = self.emb(tokens)  # [B, T, D]
-        rope = None
+        x = x * np.asarray(
+            config.embed_scale, dtype=x.dtype
+        )  # [B, T, D]: Gemma 3's sqrt(D), rounded as transformers does
         if config.positions == "learned":
             x = x + self.pos(np.maximum(positions, 0))  # [B, T, D]; padding borrows position 0, its outputs unused
-        else:
-            rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [B, 1, T, Dh]
-        mask: Optional[np.ndarray]
-        if cache is None:
-            mask = attention_mask(positions, positions, config.sliding_window)  # [B, 1, T, T]
-        else:
-            mask = cache.mask(positions, pad is not None)  # [B, 1, T, S'], or None
+        windows = [config.layer_window(layer) for layer in range(config.n_layers)]  # None: the layer sees every key
+        rope: dict[Optional[int], Rope] = {}  # by window: Gemma 3's two kinds of layer have two RoPE bases
+        mask: dict[Optional[int], Optional[np.ndarray]] = {}
+        for window in set(windows):
+            if config.positions == "rope":
+                rope[window] = rope_tables(positions, rope_frequencies(config, window), x.dtype)  # 2 x [B, 1, T, Dh]
+            if cache is None:
+                mask[window] = attention_mask(positions, positions, window)  # [B, 1, T, T]
+            else:
+                mask[window] = cache.mask(positions, pad is not None, window)  # [B, 1, T, S'], or None
         for layer, block in enumerate(self.blocks):
-            x = block(x, rope, mask, cache, layer)  # [B, T, D]
+            x = block(x, rope.get(windows[layer]), mask[windows[layer]], cache, layer)  # [B, T, D]
         if cache is not None:
             cache = cache.advance(positions)
         if logits_to_keep:

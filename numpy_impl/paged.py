@@ -52,16 +52,15 @@ class PagedKVCache:
     written: tuple[np.ndarray, np.ndarray]
     slots: tuple[np.ndarray, np.ndarray]  # (pool block, offset in it) of each real token, [W] each
     gathered: tuple[np.ndarray, np.ndarray]  # [B * M, bs, Hkv, Dh] each: every row's blocks, refilled by each layer
-    window: int | None  # the sliding window, or None
 
     def key_positions(self, positions: np.ndarray) -> np.ndarray:
         """[B, S']: slot s holds position s, up to each row's last position in this chunk; -1 after."""
         slots = np.arange(self.block_tables.shape[1] * self.keys.shape[2])[None, :]  # [1, S']
         return np.where(slots <= positions[:, -1:], slots, -1)  # [B, S']: every row's last column is a real token
 
-    def mask(self, positions: np.ndarray, padded: bool) -> np.ndarray:
+    def mask(self, positions: np.ndarray, padded: bool, window: int | None) -> np.ndarray:
         """Which keys each of this chunk's queries sees: [B, 1, T, S']. Never None: rows differ in length."""
-        return attention_mask(positions, self.key_positions(positions), self.window)  # [B, 1, T, S']
+        return attention_mask(positions, self.key_positions(positions), window)  # [B, 1, T, S']
 
     def update(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Write this chunk's k and v into their blocks; each row's blocks gathered, [B, Hkv, S', Dh]."""
@@ -88,7 +87,7 @@ class PagedKVCache:
 
 
 def paged_cache(
-    pool: BlockPool, block_tables: np.ndarray, start: np.ndarray, pad: np.ndarray | None, T: int, window: int | None
+    pool: BlockPool, block_tables: np.ndarray, start: np.ndarray, pad: np.ndarray | None, T: int
 ) -> PagedKVCache:
     """The cache a step of T tokens a row runs against: rows start at `start` [B] (tokens already in
     the pool); pad [B] counts each row's left padding (None: none)."""
@@ -109,7 +108,6 @@ def paged_cache(
         (rows, columns),
         (blocks, real_positions % block_size),
         gathered,
-        window,
     )
 
 
@@ -136,7 +134,7 @@ def paged_step(
     B, T = tokens.shape
     pad = (tokens == PAD).sum(axis=1)  # [B]
     pad = pad if pad.any() else None  # decode steps and equal-length prefills skip the padding arithmetic
-    cache = paged_cache(pool, block_tables, start, pad, T, model.config.sliding_window)
+    cache = paged_cache(pool, block_tables, start, pad, T)
     logits, _ = model(np.maximum(tokens, 0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: its logits choose the next token [B].
     next_tokens = sample_rows(logits[:, -1], temperature, top_k, top_p, uniform)  # [B]

@@ -1,6 +1,7 @@
 """What the three ports share, framework-neutral: NumPy and nothing of the application.
 
 - `config`: ModelConfig, the hyperparameters every port reads; KV-cache sizes
+- `rope`: RoPE's frequencies for a layer (plain, Llama 3's scaling, Gemma 3's local base)
 - `shapes`: the model's tensors by name and shape (the state_dict every port's TinyModel holds)
 - `generation`: how to generate (sampling settings, stop ids, seeds), the shared random draws, padding
 - `quantization`: int8 and 4-bit codes, made once for every port that quantizes

@@ -12,20 +12,25 @@ from kvports.shared.config import ModelConfig
 
 def layer_shapes(config: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Block i's tensors, in the seed's state_dict order."""
-    D = config.d_model
-    gated = 2 if config.activation == "swiglu" else 1
+    D, Dh = config.d_model, config.head_dim
+    gated = 2 if config.gated else 1
     shapes: dict[str, tuple[int, ...]] = {}
     for norm in ("ln1", "ln2"):
         shapes.update(norm_shapes(config, f"blocks.{i}.{norm}"))
     for name, n_out, n_in, bias in (
-        ("qkv", config.qkv_dim, D, config.attn_bias),
-        ("proj", D, D, config.attn_bias),
+        ("qkv", config.qkv_dim, D, config.attn_bias or config.qkv_bias),
+        ("proj", D, config.n_heads * Dh, config.attn_bias),
         ("ffn.0", gated * config.ffn_dim, D, config.ffn_bias),
         ("ffn.2", D, config.ffn_dim, config.ffn_bias),
     ):
         shapes[f"blocks.{i}.{name}.weight"] = (n_out, n_in)
         if bias:
             shapes[f"blocks.{i}.{name}.bias"] = (n_out,)
+    if config.qk_norm:
+        shapes.update({f"blocks.{i}.q_norm.weight": (Dh,), f"blocks.{i}.k_norm.weight": (Dh,)})
+    if config.post_norms:
+        for norm in ("ln1_post", "ln2_post"):
+            shapes.update(norm_shapes(config, f"blocks.{i}.{norm}"))
     return shapes
 
 

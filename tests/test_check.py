@@ -284,7 +284,7 @@ def test_the_documented_rope_permutation_lets_interleaved_pairs_compute_the_same
     rng = np.random.default_rng(0)
     w, x, positions = rng.normal(size=(H * Dh, D)), rng.normal(size=(T, D)), np.arange(3, 3 + T)
     heads = (x @ w.T).reshape(T, H, Dh).transpose(1, 0, 2)[None]  # [1, H, T, Dh]
-    half_split = variants.rotate(heads, positions, theta)
+    half_split = variants.rotate(heads, positions, 1 / theta ** (np.arange(Dh // 2) / (Dh // 2)))
     permuted = w.reshape(H, 2, Dh // 2, D).transpose(0, 2, 1, 3).reshape(H * Dh, D)
     pairs = (x @ permuted.T).reshape(T, H, Dh // 2, 2)  # [T, H, Dh/2, 2]: (2i, 2i + 1)
     angles = positions[:, None] / theta ** (np.arange(Dh // 2) / (Dh // 2))  # [T, Dh/2]

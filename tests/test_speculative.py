@@ -11,7 +11,7 @@ import pytest
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig, pad_prompts
-from tests.helpers.models import LLAMA_PARTS, random_weights
+from tests.helpers.models import LLAMA_PARTS, TINY_FAMILIES, random_weights
 from tests.helpers.ports import calling_internals
 
 BASE = ModelConfig(vocab_size=48, d_model=32, n_heads=4, n_layers=2, max_seq_len=96)
@@ -19,6 +19,10 @@ ATTENTION = {
     "mha": BASE,
     "gqa": dataclasses.replace(BASE, n_kv_heads=2, **LLAMA_PARTS),
     "window": dataclasses.replace(BASE, n_kv_heads=1, sliding_window=5, **LLAMA_PARTS),  # shorter than the generation
+    # Gemma 3's switches: a global layer (0, which the one-layer draft keeps) and a windowed one (no ring).
+    "gemma3": dataclasses.replace(
+        TINY_FAMILIES["gemma3"], vocab_size=48, max_seq_len=96, sliding_window=5, global_layers=(0,)
+    ),
 }
 # Repetitive rows, so prompt lookup finds something; of different lengths, so rows accept differently.
 PROMPTS = pad_prompts([[3, 7, 9, 3, 7, 9, 3, 7], [11, 4, 11, 4, 11], [30, 2, 8, 30, 2, 8, 30, 2]])[0]

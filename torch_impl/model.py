@@ -15,11 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kvports.shared.config import ModelConfig, cache_slots
+from kvports.shared.rope import rope_frequencies
 
 
 @dataclass
@@ -50,21 +52,22 @@ class KVCache:
             return slice(column % slots, column % slots + count)
         return (column + torch.arange(count)) % slots  # [count]
 
-    def mask(self, positions: torch.Tensor, padded: bool) -> Optional[torch.Tensor]:
-        """Which keys each of this chunk's queries sees: [B, 1, T, S'], or None when all of them do."""
+    def mask(self, positions: torch.Tensor, padded: bool, window: Optional[int]) -> Optional[torch.Tensor]:
+        """Which keys each of this chunk's queries sees through `window` (a layer's; the ring's is
+        self.window): [B, 1, T, S'], or None when all of them do."""
         B, T = positions.shape
         if not self.writes_first(T):
             filled = self.filled(0)
             key_positions = torch.cat(
                 [self.slot_positions[:, :filled], positions.expand(self.slot_positions.shape[0], T)], dim=1
             )
-            return attention_mask(positions, key_positions, self.window)  # [B, 1, T, S']
+            return attention_mask(positions, key_positions, window)  # [B, 1, T, S']
         filled = self.filled(T)
-        if T == 1 and not padded and (self.window is None or filled <= self.window):
+        if T == 1 and not padded and (window is None or filled <= window):
             return None  # one new token over the slots filled so far: every one is visible
         key_positions = self.slot_positions.clone()  # [B, S]: as this chunk's write leaves them
         key_positions[:, self.slot_index(self.length, T)] = positions
-        return attention_mask(positions, key_positions[:, :filled], self.window)  # [B, 1, T, S']
+        return attention_mask(positions, key_positions[:, :filled], window)  # [B, 1, T, S']
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write this chunk's k and v at their slots; the keys and values to attend over."""
@@ -110,7 +113,7 @@ def init_cache(config: ModelConfig, batch: int, total_len: int, dtype: torch.dty
         values=torch.zeros(shape, dtype=dtype),
         slot_positions=torch.full((batch, slots), -1, dtype=torch.int64),
         length=0,
-        window=config.sliding_window,
+        window=config.ring_window,
     )
 
 
@@ -139,9 +142,11 @@ def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, w
 Rope = Tuple[torch.Tensor, torch.Tensor]
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> Rope:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [Dh/2]
-    angles = positions.to(torch.float64)[:, None, :, None] * inv_freq  # [B, 1, T, Dh/2]: one table for every head
+def rope_tables(positions: torch.Tensor, frequencies: np.ndarray, dtype: torch.dtype) -> Rope:
+    # frequencies [Dh/2] float64, shared.rope's: plain, or Llama 3's scaled ones
+    angles = positions.to(torch.float64)[:, None, :, None] * torch.from_numpy(
+        frequencies
+    )  # [B, 1, T, Dh/2]: one table for every head
     angles = torch.cat([angles, angles], dim=-1)  # [B, 1, T, Dh]
     return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
 
@@ -160,9 +165,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The other ports' lines in one fused op (a batch-1 step is ~60 norms of a few us each): it
-        # accumulates bfloat16 in float32 as they do, and scales before rounding to bfloat16.
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # [B, T, D]
+        h = x.to(torch.promote_types(x.dtype, torch.float32))  # [B, T, D]: bfloat16 accumulates in float32
+        return (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight  # [B, T, D]
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -173,20 +177,20 @@ def make_norm(config: ModelConfig) -> nn.Module:
 
 class FeedForward(nn.Module):
     """Seed: Sequential(Linear(d, 4d), GELU(), Linear(4d, d)); `0` and `2` keep its names.
-    SwiGLU fuses gate and up into `0` (gate first), as qkv fuses q, k and v."""
+    SwiGLU and Gemma's GELU-gated MLP fuse gate and up into `0` (gate first), as qkv fuses q, k and v."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.activation = config.activation
-        gated = 2 if config.activation == "swiglu" else 1
+        gated = 2 if config.gated else 1
         self.add_module("0", nn.Linear(config.d_model, gated * config.ffn_dim, bias=config.ffn_bias))
         self.add_module("2", nn.Linear(config.ffn_dim, config.d_model, bias=config.ffn_bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = getattr(self, "0")(x)  # [B, T, ffn_dim] (swiglu: [B, T, 2 * ffn_dim])
-        if self.activation == "swiglu":
+        h = getattr(self, "0")(x)  # [B, T, ffn_dim] (gated: [B, T, 2 * ffn_dim])
+        if self.activation in ("swiglu", "geglu_tanh"):
             gate, up = h.chunk(2, dim=-1)  # [B, T, ffn_dim] each
-            h = F.silu(gate) * up
+            h = (F.silu(gate) if self.activation == "swiglu" else F.gelu(gate, approximate="tanh")) * up
         elif self.activation == "gelu_tanh":
             h = F.gelu(h, approximate="tanh")
         else:
@@ -200,9 +204,14 @@ class Block(nn.Module):
         self.config = config
         # Construction order is the seed's: it fixes which random numbers each weight gets.
         self.ln1, self.ln2 = make_norm(config), make_norm(config)
-        self.qkv = nn.Linear(config.d_model, config.qkv_dim, bias=config.attn_bias)
-        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.attn_bias)
+        self.qkv = nn.Linear(config.d_model, config.qkv_dim, bias=config.attn_bias or config.qkv_bias)
+        self.proj = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=config.attn_bias)
         self.ffn = FeedForward(config)
+        if config.qk_norm:  # Qwen3, Gemma 3: each head's queries and keys normalised over Dh
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+        if config.post_norms:  # Gemma 3: attention's output and the MLP's normalised too
+            self.ln1_post, self.ln2_post = make_norm(config), make_norm(config)
         self.dropout = nn.Dropout(config.dropout)  # pitfall 3: active only in train mode
 
     def attention(
@@ -215,20 +224,25 @@ class Block(nn.Module):
         q = q.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
         k = k.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
         v = v.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
+        if config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # [B, H, T, Dh], [B, Hkv, T, Dh]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, Hkv, S', Dh]: the cache, this chunk written in
         # GQA: each group of G = H / Hkv query heads shares one k/v head, without copying k and v.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)  # [B, H, T, Dh]
-        out = out.transpose(1, 2).reshape(B, T, H * Dh)  # [B, T, H Dh] (= D): the heads side by side
+        # [B, H, T, Dh]; scale None: 1 / sqrt(Dh)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv, scale=config.attn_scale)
+        out = out.transpose(1, 2).reshape(B, T, H * Dh)  # [B, T, H Dh]: the heads side by side
         return self.proj(out)  # [B, T, D]
 
     def forward(
         self, x: torch.Tensor, rope: Optional[Rope], mask: Optional[torch.Tensor], cache: Optional[KVCache], layer: int
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.ln1(x), rope, mask, cache, layer))  # [B, T, D]
-        return x + self.dropout(self.ffn(self.ln2(x)))  # [B, T, D]
+        h = self.attention(self.ln1(x), rope, mask, cache, layer)  # [B, T, D]
+        x = x + self.dropout(self.ln1_post(h) if self.config.post_norms else h)  # [B, T, D]
+        h = self.ffn(self.ln2(x))  # [B, T, D]
+        return x + self.dropout(self.ln2_post(h) if self.config.post_norms else h)  # [B, T, D]
 
 
 class TinyModel(nn.Module):
@@ -257,18 +271,23 @@ class TinyModel(nn.Module):
         start = 0 if cache is None else cache.length
         positions = token_positions(start, T, pad)  # [B, T] ([1, T] without padding)
         x = self.emb(tokens)  # [B, T, D]
-        rope = None
+        x = x * torch.tensor(
+            config.embed_scale, dtype=x.dtype
+        )  # [B, T, D]: Gemma 3's sqrt(D), rounded as transformers does
         if config.positions == "learned":
             x = x + self.pos(positions.clamp(min=0))  # [B, T, D]; padding borrows position 0, its outputs unused
-        else:
-            rope = rope_tables(positions, config.head_dim, config.rope_theta, x.dtype)  # 2 x [B, 1, T, Dh]
-        mask: Optional[torch.Tensor]
-        if cache is None:
-            mask = attention_mask(positions, positions, config.sliding_window)  # [B, 1, T, T]
-        else:
-            mask = cache.mask(positions, pad is not None)  # [B, 1, T, S'], or None
+        windows = [config.layer_window(layer) for layer in range(config.n_layers)]  # None: the layer sees every key
+        rope: dict[Optional[int], Rope] = {}  # by window: Gemma 3's two kinds of layer have two RoPE bases
+        mask: dict[Optional[int], Optional[torch.Tensor]] = {}
+        for window in set(windows):
+            if config.positions == "rope":
+                rope[window] = rope_tables(positions, rope_frequencies(config, window), x.dtype)  # 2 x [B, 1, T, Dh]
+            if cache is None:
+                mask[window] = attention_mask(positions, positions, window)  # [B, 1, T, T]
+            else:
+                mask[window] = cache.mask(positions, pad is not None, window)  # [B, 1, T, S'], or None
         for layer, block in enumerate(self.blocks):
-            x = block(x, rope, mask, cache, layer)  # [B, T, D]
+            x = block(x, rope.get(windows[layer]), mask[windows[layer]], cache, layer)  # [B, T, D]
         if cache is not None:
             cache = cache.advance(positions)
         if logits_to_keep:

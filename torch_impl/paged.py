@@ -55,16 +55,15 @@ class PagedKVCache:
     written: tuple[torch.Tensor, torch.Tensor]
     slots: tuple[torch.Tensor, torch.Tensor]  # (pool block, offset in it) of each real token, [W] each
     gathered: tuple[torch.Tensor, torch.Tensor]  # [B * M, bs, Hkv, Dh] each: every row's blocks, refilled by each layer
-    window: int | None  # the sliding window, or None
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """[B, S']: slot s holds position s, up to each row's last position in this chunk; -1 after."""
         slots = torch.arange(self.block_tables.shape[1] * self.keys.shape[2])[None, :]  # [1, S']
         return torch.where(slots <= positions[:, -1:], slots, -1)  # [B, S']: every row's last column is a real token
 
-    def mask(self, positions: torch.Tensor, padded: bool) -> torch.Tensor:
+    def mask(self, positions: torch.Tensor, padded: bool, window: int | None) -> torch.Tensor:
         """Which keys each of this chunk's queries sees: [B, 1, T, S']. Never None: rows differ in length."""
-        return attention_mask(positions, self.key_positions(positions), self.window)  # [B, 1, T, S']
+        return attention_mask(positions, self.key_positions(positions), window)  # [B, 1, T, S']
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this chunk's k and v into their blocks; each row's blocks gathered, [B, Hkv, S', Dh]."""
@@ -96,7 +95,6 @@ def paged_cache(
     start: torch.Tensor,
     pad: torch.Tensor | None,
     T: int,
-    window: int | None,
 ) -> PagedKVCache:
     """The cache a step of T tokens a row runs against: rows start at `start` [B] (tokens already in
     the pool); pad [B] counts each row's left padding (None: none)."""
@@ -117,7 +115,6 @@ def paged_cache(
         (rows, columns),
         (blocks, real_positions % block_size),
         gathered,
-        window,
     )
 
 
@@ -144,7 +141,7 @@ def paged_step(
     B, T = tokens.shape
     pad = (tokens == PAD).sum(dim=1)  # [B]
     pad = pad if bool(pad.any()) else None  # decode steps and equal-length prefills skip the padding arithmetic
-    cache = paged_cache(pool, block_tables, start, pad, T, model.config.sliding_window)
+    cache = paged_cache(pool, block_tables, start, pad, T)
     logits, _ = model(tokens.clamp(min=0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: its logits choose the next token [B].
     next_tokens = sample_rows(logits[:, -1], temperature, top_k, top_p, uniform)  # [B]

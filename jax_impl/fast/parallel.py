@@ -79,7 +79,7 @@ def split_model(
     for name in list(tensors):
         if re.fullmatch(r"blocks\.\d+\.qkv\.(weight|bias)", name):
             tensors[name] = shard_major(tensors[name], qkv_groups(config), tensor_parallel)
-        elif re.fullmatch(r"blocks\.\d+\.ffn\.0\.(weight|bias)", name) and config.activation == "swiglu":
+        elif re.fullmatch(r"blocks\.\d+\.ffn\.0\.(weight|bias)", name) and config.gated:
             tensors[name] = shard_major(tensors[name], [config.ffn_dim] * 2, tensor_parallel)
     return config, tensors, lambda name: NamedSharding(mesh, partition_spec(name))
 
@@ -121,7 +121,7 @@ def regroup_fused(model: nnx.Module, tensor_parallel: int) -> nnx.Module:
     config = model.config
     for block in model.blocks:
         block.qkv = ShardMajorLinear(block.qkv, qkv_groups(config), tensor_parallel)
-        if config.activation == "swiglu":
+        if config.gated:
             gate_up = ShardMajorLinear(getattr(block.ffn, "0"), [config.ffn_dim] * 2, tensor_parallel)
             setattr(block.ffn, "0", gate_up)
     return model

@@ -15,6 +15,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
@@ -31,7 +32,7 @@ from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError
 from kvports.shared.generation import GenerationConfig
 
-FAMILIES = ("seed", "gpt2", "gpt2-window", "llama", "mistral")
+FAMILIES = ("seed", "gpt2", "gpt2-window", "llama", "mistral", "llama3", "qwen2", "qwen3", "gemma3")
 SEED_PROMPT = np.array([[160, 248, 104, 209, 394]], dtype=np.int64)  # [1, 5]: the seed's demo prompt
 GOLDEN_TOKENS = 100  # the seed's README generates 100 tokens; tests/helpers/models.py GOLDEN holds them
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}  # |logit diff| float noise may reach (float32 ports sit near 1e-6)
@@ -54,19 +55,48 @@ FAMILY_PARTS = {
     + ", q/k/v order in qkv, the head tied to emb, the sliding window (W keys including the current token)",
     "llama": _LLAMA_PARTS + ", q/k/v order in qkv, the untied head",
     "mistral": _LLAMA_PARTS + ", the sliding window (W keys including the current token), the head tied to emb",
+    "llama3": _LLAMA_PARTS + ", Llama 3's RoPE frequencies (low ones divided by rope_factor, middle ones blended)",
+    "qwen2": _LLAMA_PARTS + ", the biases on q, k and v (none on proj), the head tied to emb",
+    "qwen3": _LLAMA_PARTS
+    + ", q_norm and k_norm (RMSNorm over each head's Dh, before RoPE), head_size 16 (q is H x 16)",
+    "gemma3": _LLAMA_PARTS.replace("SwiGLU", "GELU(tanh)-gated MLP")
+    + ", embeddings times embed_scale, qk-norm, ln1_post/ln2_post on attention's and the MLP's outputs, "
+    "the scale attn_scale, window 4 in layer 0 (RoPE base rope_local_theta) and none in layer 1, the head tied",
 }
 # What correct code commonly computes in float32 inside a float64 run, family by family.
 FLOAT32_PARTS = {family: "LayerNorm/GELU/softmax" for family in ("seed", "gpt2", "gpt2-window")}
-FLOAT32_PARTS |= {"llama": "RMSNorm/RoPE/softmax", "mistral": "RMSNorm/RoPE/softmax"}
+FLOAT32_PARTS |= {
+    family: "RMSNorm/RoPE/softmax" for family in ("llama", "mistral", "llama3", "qwen2", "qwen3", "gemma3")
+}
 _LLAMA = dict(positions="rope", norm="rmsnorm", activation="swiglu", attn_bias=False, ffn_bias=False)
 SMALL = dict(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=48)
+LLAMA = ModelConfig(**SMALL, **_LLAMA, n_kv_heads=2)  # type: ignore[arg-type]
 # The other families at a test's size: tied GPT-2 (and with a window of 4: a window without RoPE),
-# GQA Llama, Mistral with a window of 4.
+# GQA Llama, Mistral with a window of 4, and the families built on Llama, each with its switches.
 FAMILY_CONFIGS = {
     "gpt2": ModelConfig(**SMALL, activation="gelu_tanh", tie_embeddings=True),  # type: ignore[arg-type]
     "gpt2-window": ModelConfig(**SMALL, activation="gelu_tanh", tie_embeddings=True, sliding_window=4),  # type: ignore[arg-type]
-    "llama": ModelConfig(**SMALL, **_LLAMA, n_kv_heads=2),  # type: ignore[arg-type]
+    "llama": LLAMA,
     "mistral": ModelConfig(**SMALL, **_LLAMA, n_kv_heads=2, sliding_window=4, tie_embeddings=True),  # type: ignore[arg-type]
+    # Llama 3's scaling with original_len 16 at Dh 8: one frequency kept, one blended, two divided.
+    "llama3": replace(LLAMA, rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0, rope_original_len=16),
+    "qwen2": replace(LLAMA, qkv_bias=True, tie_embeddings=True),
+    "qwen3": replace(LLAMA, qk_norm=True, head_size=16),
+    "gemma3": replace(
+        LLAMA,
+        activation="geglu_tanh",
+        n_kv_heads=1,
+        head_size=16,
+        qk_norm=True,
+        post_norms=True,
+        embed_scale=float(np.float32(np.sqrt(32))),  # sqrt(d_model), rounded to float32 as transformers does
+        attn_scale=24**-0.5,
+        sliding_window=4,
+        global_layers=(1,),
+        rope_theta=1000000.0,
+        rope_local_theta=10000.0,
+        tie_embeddings=True,
+    ),
 }
 
 

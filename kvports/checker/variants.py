@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvports.shared.config import ModelConfig
+from kvports.shared.rope import rope_frequencies
 
 
 @dataclass(frozen=True)
@@ -97,20 +98,23 @@ def dense(x: np.ndarray, weights: dict, prefix: str) -> np.ndarray:
     return y if bias is None else y + bias
 
 
-def rotate(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """RoPE, half-split (Hugging Face's Llama layout): x [B, H, T, Dh], positions [T]."""
+def rotate(x: np.ndarray, positions: np.ndarray, frequencies: np.ndarray) -> np.ndarray:
+    """RoPE, half-split (Hugging Face's Llama layout): x [B, H, T, Dh], positions [T], frequencies [Dh/2]."""
     half = x.shape[-1] // 2
-    angles = positions[:, None] / theta ** (np.arange(half) / half)  # [T, Dh/2]
+    angles = positions[:, None] * frequencies  # [T, Dh/2]
     cos, sin = np.cos(angles), np.sin(angles)
     first, second = x[..., :half], x[..., half:]
     return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)  # [B, H, T, Dh]
 
 
 def mlp(x: np.ndarray, weights: dict, prefix: str, config: ModelConfig) -> np.ndarray:
-    h = dense(x, weights, prefix + ".0")  # [B, T, F] (swiglu: [B, T, 2F], gate first)
+    h = dense(x, weights, prefix + ".0")  # [B, T, F] (gated: [B, T, 2F], gate first)
     if config.activation == "swiglu":
         gate, up = np.split(h, 2, axis=-1)
         h = gate / (1 + np.exp(-gate)) * up
+    elif config.activation == "geglu_tanh":
+        gate, up = np.split(h, 2, axis=-1)
+        h = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3))) * up
     elif config.activation == "gelu_tanh":
         h = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))
     else:
@@ -120,11 +124,11 @@ def mlp(x: np.ndarray, weights: dict, prefix: str, config: ModelConfig) -> np.nd
     return dense(h, weights, prefix + ".2")  # [B, T, D]
 
 
-def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray) -> np.ndarray:
-    """q [B, H, T, Dh] over k, v [B, Hkv, S, Dh]; visible [T, S]."""
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray, scale: float | None) -> np.ndarray:
+    """q [B, H, T, Dh] over k, v [B, Hkv, S, Dh]; visible [T, S]; scale None: 1 / sqrt(Dh)."""
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [B, H, S, Dh]
-    scores = q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1])  # [B, H, T, S]
+    scores = q @ k.swapaxes(-1, -2) * (1 / np.sqrt(q.shape[-1]) if scale is None else scale)  # [B, H, T, S]
     scores = np.where(visible, scores, -np.inf)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     return (weights / weights.sum(-1, keepdims=True)) @ v  # [B, H, T, Dh]
@@ -141,7 +145,7 @@ def forward(
     variant = None if mistake is None else mistake.variant
     start = 0 if variant == "position_offset" else start
     positions = np.arange(start, start + T)  # [T]
-    x = weights["emb.weight"][tokens]  # [B, T, D]
+    x = weights["emb.weight"][tokens] * config.embed_scale  # [B, T, D]
     if config.positions == "learned":
         x = x + weights["pos.weight"][positions]
     for i, cache in enumerate(caches):
@@ -149,8 +153,12 @@ def forward(
         qkv = dense(layer_norm(x, weights, p + ".ln1", config), weights, p + ".qkv")  # [B, T, (H + 2 Hkv) Dh]
         qkv = qkv.reshape(B, T, H + 2 * Hkv, Dh).transpose(0, 2, 1, 3)  # [B, H + 2 Hkv, T, Dh]
         q, k, v = np.split(qkv, [H, H + Hkv], axis=1)
+        if config.qk_norm:
+            q, k = layer_norm(q, weights, p + ".q_norm", config), layer_norm(k, weights, p + ".k_norm", config)
+        window = config.layer_window(i)
         if config.positions == "rope":
-            q, k = rotate(q, positions, config.rope_theta), rotate(k, positions, config.rope_theta)
+            frequencies = rope_frequencies(config, window)
+            q, k = rotate(q, positions, frequencies), rotate(k, positions, frequencies)
         old_k, old_v = cache.get("k", k[:, :, :0]), cache.get("v", v[:, :, :0])  # [B, Hkv, S_old, Dh]
         if variant == "cache_slot_zero":
             keys = np.zeros((B, Hkv, length + T, Dh))  # [B, Hkv, S, Dh]: the buffer, filled up to the cache length
@@ -172,11 +180,13 @@ def forward(
         query = np.arange(T)[:, None] + (0 if variant == "mask_offset" else S - T)  # [T, 1]: index among the keys
         key = np.arange(S)[None, :]  # [1, S]
         visible = key <= query
-        if config.sliding_window is not None:
-            visible &= key > query - config.sliding_window
-        out = attend(q, keys, values, visible).transpose(0, 2, 1, 3).reshape(B, T, H * Dh)  # [B, T, D]
-        x = x + dense(out, weights, p + ".proj")
-        x = x + mlp(layer_norm(x, weights, p + ".ln2", config), weights, p + ".ffn", config)  # [B, T, D]
+        if window is not None:
+            visible &= key > query - window
+        out = attend(q, keys, values, visible, config.attn_scale)  # [B, H, T, Dh]
+        out = dense(out.transpose(0, 2, 1, 3).reshape(B, T, H * Dh), weights, p + ".proj")  # [B, T, D]
+        x = x + (layer_norm(out, weights, p + ".ln1_post", config) if config.post_norms else out)
+        out = mlp(layer_norm(x, weights, p + ".ln2", config), weights, p + ".ffn", config)  # [B, T, D]
+        x = x + (layer_norm(out, weights, p + ".ln2_post", config) if config.post_norms else out)
     head = weights["emb.weight"] if config.tie_embeddings else weights["head.weight"]  # [V, D]
     return layer_norm(x, weights, "ln", config) @ head.T  # [B, T, V]
 

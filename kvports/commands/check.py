@@ -46,7 +46,9 @@ Weights (the seed's state_dict names; Linear weights (out, in)):
   blocks.{i}.ffn.0.{weight,bias} [F, D] (SwiGLU: gate then up, [2F, D]),
   blocks.{i}.ffn.2.{weight,bias} [D, F], ln.{weight,bias}, head.weight [V, D]
   (absent when the head is tied). RMSNorm families have no .bias on norms, Llama and
-  Mistral none on linears. config: kvports' ModelConfig as a dict (vocab_size, d_model,
+  Mistral none on linears; qwen2 has qkv.bias; qwen3 and gemma3 add blocks.{i}.q_norm.weight
+  and k_norm.weight [Dh], gemma3 blocks.{i}.ln1_post.weight and ln2_post.weight [D] (its
+  norms' (1 + w) already folded into the weight). config: kvports' ModelConfig as a dict (vocab_size, d_model,
   n_heads, n_kv_heads, n_layers, max_seq_len, norm, norm_eps, positions, rope_theta,
   activation, ffn_hidden, tie_embeddings, sliding_window, ...), with n_kv_heads and
   ffn_hidden (F) filled in.
@@ -63,6 +65,12 @@ Conventions:
              gpt2-window  gpt2's, with a window of 4
              llama V 64, D 32, H 4, Hkv 2, L 2, 48 positions, F 128, RMSNorm, RoPE, SwiGLU
              mistral  llama's, tied, with a window of 4
+             llama3  llama's, RoPE theta 500000 scaled (llama3: factor 8, original length 16)
+             qwen2  llama's, tied, biases on q, k and v (not proj)
+             qwen3  llama's, qk-norm, head size 16 (q 64 wide, proj 64 -> 32)
+             gemma3  llama's, MQA, head size 16, qk-norm, post-norms, GELU(tanh)-gated MLP,
+                    embeddings x sqrt(32), scale 24**-0.5, window 4 in layer 0 (RoPE base
+                    10000), layer 1 global (base 1e6), tied
 
 Rows: pass (identical), noise (within float noise, or a near-tie), noise-f32 (a float64 row
 off by float32's noise while every float32 row passes: the implementation computes in float32

@@ -154,10 +154,10 @@ def test_fp16_checkpoint_casts_with_dtype(llama_dir):
         ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling="),
         (
             "rope_parameters",
-            {"rope_theta": 10000.0, "rope_type": "llama3", "factor": 8.0},
-            'rope_parameters.rope_type="llama3"',
+            {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 8.0},
+            'rope_parameters.rope_type="yarn"',
         ),
-        ("head_dim", 8, "head_dim=8"),
+        ("head_dim", 7, "head_dim=7"),  # RoPE rotates pairs: an odd head size has none for its last dim
         ("hidden_act", "gelu", 'hidden_act="gelu"'),
         ("sliding_window", 4, "sliding_window=4"),  # Llama has no window: transformers would ignore it
         ("qk_layernorm", True, "qk_layernorm=true"),

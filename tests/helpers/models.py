@@ -133,6 +133,24 @@ TINY_FAMILIES = {
     ),
     "llama": _LLAMA,
     "mistral": dataclasses.replace(_LLAMA, sliding_window=4, tie_embeddings=True),
+    # The families built on Llama, at the same size: Qwen3's head size 16 (not 32 / 4) and qk-norm;
+    # Gemma 3's every switch, a windowed layer and a global one.
+    "qwen3": dataclasses.replace(_LLAMA, head_size=16, qk_norm=True),
+    "gemma3": dataclasses.replace(
+        _LLAMA,
+        n_kv_heads=1,
+        head_size=16,
+        qk_norm=True,
+        post_norms=True,
+        activation="geglu_tanh",
+        embed_scale=5.656854152679443,  # sqrt(32) in float32, as transformers rounds it
+        attn_scale=24**-0.5,
+        sliding_window=3,
+        global_layers=(1,),
+        rope_local_theta=10000.0,
+        rope_theta=1000000.0,
+        tie_embeddings=True,
+    ),
 }
 
 

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PORTS = ("torch_impl", "jax_impl", "numpy_impl")
 LESSONS = ("model.py", "sampling.py", "generate.py")
-MAX_LINES = {"model.py": 320, "sampling.py": 320, "generate.py": 320}
+MAX_LINES = {"model.py": 340, "sampling.py": 320, "generate.py": 320}
 # What only makes a model faster, smaller or split across devices: fast/'s business, never the lesson's.
 OUTSIDE = re.compile(r"shards|quant|parallel|onednn", re.IGNORECASE)
 

@@ -39,9 +39,9 @@ class CompiledKVCache(KVCache):
     def slot_index(self, column: torch.Tensor, count: int) -> torch.Tensor:
         return (column + torch.arange(count)) % self.keys.shape[3]  # [count]: a traced column may wrap
 
-    def mask(self, positions: torch.Tensor, padded: bool) -> torch.Tensor:
+    def mask(self, positions: torch.Tensor, padded: bool, window: int | None) -> torch.Tensor:
         # Never None: the empty slots are attended too, so they must be masked even when no row is padded.
-        mask = super().mask(positions, padded=True)  # [B, 1, T, S]
+        mask = super().mask(positions, True, window)  # [B, 1, T, S]
         assert mask is not None
         return mask
 

@@ -83,13 +83,13 @@ def shard(model: Any, mesh: Any, n: int, rank: int) -> Any:
 
     config = model.config
     H, Hkv, Dh, F = config.n_heads, config.kv_heads, config.head_dim, config.ffn_dim
-    gated = config.activation == "swiglu"
+    gated = config.gated  # SwiGLU, GELU-gated: gate and up fused in ffn.0
     qkv_blocks: list[int] = []  # heads of the fused [H + 2 Hkv] head axis, rank after rank
     ffn_blocks: list[int] = []  # slices F / n wide of the first product's output, rank after rank
     for r in range(n):
         queries, kv = rank_heads(config, n, r)
         qkv_blocks += [*queries, *(H + j for j in kv), *(H + Hkv + j for j in kv)]
-        ffn_blocks += [r, n + r] if gated else [r]  # SwiGLU: the rank's gate slice, then its up slice
+        ffn_blocks += [r, n + r] if gated else [r]  # gated: the rank's gate slice, then its up slice
     qkv_rows, ffn_rows = block_rows(qkv_blocks, Dh), block_rows(ffn_blocks, F // n)
     model.requires_grad_(False)
     for block in model.blocks:

@@ -41,7 +41,9 @@ SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12
 STRING, ARRAY, UINT32 = 8, 9, 4
 # What kvports dequantizes, each with the library's own dequantizer; every other type is refused by name.
 READABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-# The llama.* keys read; any other one could change the model, and is refused by name.
+# The architectures kvports reads, as llama.cpp's convert_hf_to_gguf.py names them.
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+# The <architecture>.* keys read; any other one could change the model, and is refused by name.
 LLAMA_KEYS = {
     "block_count",
     "context_length",
@@ -57,6 +59,14 @@ LLAMA_KEYS = {
     "rope.scaling.type",
     "vocab_size",
 }
+ARCH_KEYS = {
+    "gemma3": LLAMA_KEYS | {"rope.freq_base_swa", "attention.sliding_window"},
+    # original_context_length matters only to the longrope factors (rope_factors_long/short), refused as tensors.
+    "phi3": LLAMA_KEYS | {"attention.sliding_window", "rope.scaling.original_context_length"},
+}
+# llama.cpp's Gemma 3 (src/llama-model.cpp): every sixth layer global, the others windowed; the file
+# does not say so.
+GEMMA3_GLOBAL_EVERY = 6
 
 
 def is_gguf(path: os.PathLike) -> bool:
@@ -360,61 +370,86 @@ class Metadata:
 
 
 def gguf_config(reader: Any, source: str) -> ModelConfig:
-    """The `llama.*` metadata as a ModelConfig (family llama), or one `error:` line naming the key."""
+    """The `<architecture>.*` metadata as a ModelConfig, or one `error:` line naming the key.
+    Each architecture is a family's switches on the one model, as llama.cpp runs it."""
     meta = Metadata(reader, source)
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise meta.refuse("general.architecture", arch, "kvports reads GGUF files of architecture 'llama' only")
+    if arch not in ARCHITECTURES:
+        known = ", ".join(ARCHITECTURES)
+        raise meta.refuse("general.architecture", arch, f"kvports reads GGUF files of architecture {known}")
+    p = f"{arch}."
     for key in reader.fields:
-        if key.startswith("llama.") and key[len("llama.") :] not in LLAMA_KEYS:
+        if key.startswith(p) and key[len(p) :] not in ARCH_KEYS.get(arch, LLAMA_KEYS):
             raise meta.refuse(
-                key, meta.get(key), "kvports does not model this llama field; refusing rather than ignoring it"
+                key, meta.get(key), f"kvports does not model this {arch} field; refusing rather than ignoring it"
             )
-    scaling = meta.get("llama.rope.scaling.type", "none")
+    scaling = meta.get(p + "rope.scaling.type", "none")
     if scaling != "none":
-        raise meta.refuse("llama.rope.scaling.type", scaling, "kvports implements plain RoPE only (no scaling)")
-    d_model = meta.integer("llama.embedding_length")
-    heads = meta.integer("llama.attention.head_count")
-    kv_heads = meta.integer("llama.attention.head_count_kv", heads)
-    if d_model % heads:
-        raise meta.refuse("llama.embedding_length", d_model, f"is not divisible by attention.head_count={heads}")
-    head_dim = d_model // heads
-    for key in ("llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"):
+        raise meta.refuse(p + "rope.scaling.type", scaling, "kvports implements plain RoPE only (no scaling)")
+    d_model = meta.integer(p + "embedding_length")
+    heads = meta.integer(p + "attention.head_count")
+    kv_heads = meta.integer(p + "attention.head_count_kv", heads)
+    head_dim = meta.integer(p + "attention.key_length", d_model // heads if d_model % heads == 0 else None)
+    if d_model % heads and p + "attention.key_length" not in meta:
+        raise meta.refuse(p + "embedding_length", d_model, f"is not divisible by attention.head_count={heads}")
+    for key in (p + "rope.dimension_count", p + "attention.value_length"):
         if key in meta and meta.integer(key) != head_dim:
-            raise meta.refuse(key, meta.get(key), f"kvports needs embedding_length / head_count = {head_dim}")
+            raise meta.refuse(key, meta.get(key), f"kvports needs the head size, attention.key_length = {head_dim}")
     tokens = meta.count("tokenizer.ggml.tokens")
-    vocab = meta.integer("llama.vocab_size", tokens or None)
+    vocab = meta.integer(p + "vocab_size", tokens or None)
     if tokens and tokens != vocab:
         raise meta.refuse(
             "tokenizer.ggml.tokens",
             f"<{tokens} tokens>",
             f"the tokenizer's size differs from the vocabulary's {vocab}",
         )
-    names = {tensor.name for tensor in reader.tensors}
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
     # Checked against the tensors present before anything loops over the layers.
-    layers = {int(match[1]) for match in map(re.compile(r"blk\.(\d+)\.").match, names) if match}
-    blocks = meta.integer("llama.block_count")
+    layers = {int(match[1]) for match in map(re.compile(r"blk\.(\d+)\.").match, tensors) if match}
+    blocks = meta.integer(p + "block_count")
     if blocks > len(layers):
-        raise meta.refuse("llama.block_count", blocks, f"the file holds tensors of {len(layers)} layers (blk.N.*)")
+        raise meta.refuse(p + "block_count", blocks, f"the file holds tensors of {len(layers)} layers (blk.N.*)")
     eos = [meta.token_id(key) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    window = meta.integer(p + "attention.sliding_window") if p + "attention.sliding_window" in meta else None
+    family: dict[str, Any] = {}
+    if arch == "gemma3":
+        if window is None:
+            raise UserError(f"GGUF file {echo_path(source)} has no metadata gemma3.attention.sliding_window")
+        family = dict(
+            qk_norm=True,
+            post_norms=True,
+            # llama.cpp scales the embeddings by sqrtf(n_embd), and the scores by 1/sqrt(key_length).
+            embed_scale=float(np.float32(math.sqrt(d_model))),
+            global_layers=tuple(i for i in range(blocks) if (i + 1) % GEMMA3_GLOBAL_EVERY == 0),
+            rope_local_theta=meta.number(p + "rope.freq_base_swa", 10000.0),
+        )
+    elif arch == "qwen3":
+        family = dict(qk_norm=True)
+    elif arch == "qwen2":
+        family = dict(qkv_bias=True)
+    elif "rope_freqs.weight" in tensors:  # llama.cpp's form of Llama 3's RoPE scaling: a divisor per frequency
+        family = dict(rope_freq_factors=tuple(float(x) for x in np.asarray(tensors["rope_freqs.weight"].data)))
     return ModelConfig(
         vocab_size=vocab,
         d_model=d_model,
         n_heads=heads,
         n_layers=blocks,
-        max_seq_len=meta.integer("llama.context_length"),
+        max_seq_len=meta.integer(p + "context_length"),
         n_kv_heads=kv_heads,
-        activation="swiglu",
-        ffn_hidden=meta.integer("llama.feed_forward_length"),
+        activation="geglu_tanh" if arch == "gemma3" else "swiglu",
+        ffn_hidden=meta.integer(p + "feed_forward_length"),
         norm="rmsnorm",
-        norm_eps=meta.number("llama.attention.layer_norm_rms_epsilon", 1e-5),
+        norm_eps=meta.number(p + "attention.layer_norm_rms_epsilon", 1e-5),
         positions="rope",
-        rope_theta=meta.number("llama.rope.freq_base", 10000.0),
-        tie_embeddings="output.weight" not in names,
+        rope_theta=meta.number(p + "rope.freq_base", 10000.0),
+        tie_embeddings="output.weight" not in tensors,
         attn_bias=False,
         ffn_bias=False,
+        head_size=head_dim if head_dim * heads != d_model else None,
+        sliding_window=window,
         eos_token_ids=tuple(dict.fromkeys(token for token in eos if token is not None)),
         bos_token_id=meta.token_id("tokenizer.ggml.bos_token_id"),
+        **family,
     ).validate()
 
 
@@ -428,39 +463,59 @@ def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 # Ours <- GGUF's: each of our tensors, the GGUF tensors stacked along dim 0 in order; in our
-# state_dict order (shared.shapes.iter_expected's).
-def gguf_plan(config: ModelConfig) -> Iterator[tuple[str, tuple[str, ...]]]:
+# state_dict order (shared.shapes.iter_expected's). Phi-3's files keep q, k, v fused (attn_qkv) and
+# gate and up fused (ffn_up, gate first), as ours; Gemma 3's ffn_norm comes before the MLP, its
+# post_attention_norm and post_ffw_norm after attention and the MLP.
+def gguf_plan(config: ModelConfig, arch: str = "llama") -> Iterator[tuple[str, tuple[str, ...]]]:
     yield "emb.weight", ("token_embd.weight",)
+    fused = arch == "phi3"
     for i in range(config.n_layers):
         g, b = f"blk.{i}.", f"blocks.{i}."
         yield b + "ln1.weight", (g + "attn_norm.weight",)
         yield b + "ln2.weight", (g + "ffn_norm.weight",)
-        yield b + "qkv.weight", (g + "attn_q.weight", g + "attn_k.weight", g + "attn_v.weight")
+        yield b + "qkv.weight", (g + "attn_qkv.weight",) if fused else tuple(g + f"attn_{n}.weight" for n in "qkv")
+        if config.qkv_bias:
+            yield b + "qkv.bias", tuple(g + f"attn_{n}.bias" for n in "qkv")
         yield b + "proj.weight", (g + "attn_output.weight",)
-        yield b + "ffn.0.weight", (g + "ffn_gate.weight", g + "ffn_up.weight")
+        yield b + "ffn.0.weight", (g + "ffn_up.weight",) if fused else (g + "ffn_gate.weight", g + "ffn_up.weight")
         yield b + "ffn.2.weight", (g + "ffn_down.weight",)
+        if config.qk_norm:
+            yield b + "q_norm.weight", (g + "attn_q_norm.weight",)
+            yield b + "k_norm.weight", (g + "attn_k_norm.weight",)
+        if config.post_norms:
+            yield b + "ln1_post.weight", (g + "post_attention_norm.weight",)
+            yield b + "ln2_post.weight", (g + "post_ffw_norm.weight",)
     yield "ln.weight", ("output_norm.weight",)
     if not config.tie_embeddings:
         yield "head.weight", ("output.weight",)
 
 
-def gguf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def gguf_shapes(config: ModelConfig, arch: str = "llama") -> dict[str, tuple[int, ...]]:
     """Each GGUF tensor's (out, in) shape (the file lists dims innermost first: reversed)."""
     D, F, V, Dh = config.d_model, config.ffn_dim, config.vocab_size, config.head_dim
+    H, Hkv = config.n_heads * Dh, config.kv_heads * Dh  # q's rows, and k's and v's each
     per_layer = {
         "attn_norm.weight": (D,),
         "ffn_norm.weight": (D,),
-        "attn_q.weight": (config.n_heads * Dh, D),
-        "attn_k.weight": (config.kv_heads * Dh, D),
-        "attn_v.weight": (config.kv_heads * Dh, D),
-        "attn_output.weight": (D, config.n_heads * Dh),
-        "ffn_gate.weight": (F, D),
-        "ffn_up.weight": (F, D),
+        "attn_output.weight": (D, H),
         "ffn_down.weight": (D, F),
     }
+    if arch == "phi3":
+        per_layer |= {"attn_qkv.weight": (H + 2 * Hkv, D), "ffn_up.weight": (2 * F, D)}
+    else:
+        per_layer |= {"attn_q.weight": (H, D), "attn_k.weight": (Hkv, D), "attn_v.weight": (Hkv, D)}
+        per_layer |= {"ffn_gate.weight": (F, D), "ffn_up.weight": (F, D)}
+    if config.qkv_bias:
+        per_layer |= {"attn_q.bias": (H,), "attn_k.bias": (Hkv,), "attn_v.bias": (Hkv,)}
+    if config.qk_norm:
+        per_layer |= {"attn_q_norm.weight": (Dh,), "attn_k_norm.weight": (Dh,)}
+    if config.post_norms:
+        per_layer |= {"post_attention_norm.weight": (D,), "post_ffw_norm.weight": (D,)}
     shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
     if not config.tie_embeddings:
         shapes["output.weight"] = (V, D)
+    if config.rope_freq_factors:
+        shapes["rope_freqs.weight"] = (Dh // 2,)  # read into the config, not a weight
     for i in range(config.n_layers):
         shapes.update({f"blk.{i}.{name}": shape for name, shape in per_layer.items()})
     return shapes
@@ -474,13 +529,14 @@ class GGUFFile:
         self.source = str(path)
         self.reader = open_reader(Path(path))
         self.config = gguf_config(self.reader, self.source)
+        self.arch = str(self.reader.fields["general.architecture"].contents())
         self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
-        self.plan = dict(gguf_plan(self.config))
+        self.plan = dict(gguf_plan(self.config, self.arch))
         self.check_table()
 
     def check_table(self) -> None:
         source = echo_path(self.source)
-        expected = gguf_shapes(self.config)
+        expected = gguf_shapes(self.config, self.arch)
         for name, tensor in self.tensors.items():
             if name not in expected:
                 raise UserError(f"GGUF file {source}: unexpected tensor {echo(name)} (not in this config's model)")
@@ -498,6 +554,11 @@ class GGUFFile:
             if name not in self.tensors:
                 raise UserError(f"GGUF file {source}: missing tensor {name!r} (expected shape {list(shape)})")
 
+    def permuted(self, name: str) -> bool:
+        """Whether llama.cpp's converter reordered this tensor's rows: q and k of architecture llama
+        alone (the others' RoPE rotates halves in llama.cpp too, NEOX style)."""
+        return self.arch == "llama" and (".attn_q." in name or ".attn_k." in name)
+
     def dequantized(self, name: str) -> np.ndarray:
         """One GGUF tensor at float32, (out, in), q and k rows back in halves order."""
         from gguf import GGMLQuantizationType, dequantize
@@ -508,7 +569,7 @@ class GGUFFile:
         else:
             array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         array = array.reshape(tuple(int(n) for n in reversed(tensor.shape.tolist())))  # [out, in]
-        if ".attn_q." in name or ".attn_k." in name:
+        if self.permuted(name):
             array = unpermute(array, self.config.n_heads if ".attn_q." in name else self.config.kv_heads)
         return array
 
@@ -534,7 +595,7 @@ class GGUFFile:
                 mins = -8 * scales  # [out, in / 32]
             nibbles = blocks[..., header:]  # [out, in / 32, 16]: weight j in the low nibble, j + 16 in the high
             codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, width)  # [out, in]
-            if ".attn_q." in name or ".attn_k." in name:
+            if self.permuted(name):
                 heads = self.config.n_heads if ".attn_q." in name else self.config.kv_heads
                 codes, scales, mins = (unpermute(array, heads) for array in (codes, scales, mins))
             parts.append((codes, scales, mins))

@@ -33,17 +33,21 @@ def permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)  # [rows, in]
 
 
-def gguf_tensors(config: ModelConfig, tensors: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+def gguf_tensors(
+    config: ModelConfig, tensors: dict[str, np.ndarray], arch: str = "llama"
+) -> Iterator[tuple[str, np.ndarray]]:
     """Each GGUF tensor (name, [out, in] or [D]) from ours: reader.gguf_plan read backwards, the stacked
-    qkv and gate/up split by their GGUF shapes, q and k rows in llama.cpp's order."""
-    shapes = gguf_shapes(config)
-    for ours, names in gguf_plan(config):
+    qkv and gate/up split by their GGUF shapes, q and k rows in llama.cpp's order (architecture llama's)."""
+    shapes = gguf_shapes(config, arch)
+    if config.rope_freq_factors:  # Llama 3's scaling, as the file it came from held it
+        yield "rope_freqs.weight", np.asarray(config.rope_freq_factors, dtype=np.float32)
+    for ours, names in gguf_plan(config, arch):
         start = 0
         for name in names:
             rows = shapes[name][0]
             array = tensors[ours][start : start + rows]  # [rows, in] or [D]
             start += rows
-            if ".attn_q." in name or ".attn_k." in name:
+            if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
                 array = permute(array, config.n_heads if ".attn_q." in name else config.kv_heads)
             yield name, array
 
@@ -74,10 +78,11 @@ def write_gguf(
     reader = open_reader(Path(source))
     matrix_dtype = np.float16 if out_type == "f16" else np.float32
     with temp_beside(path) as tmp:
-        writer = GGUFWriter(tmp, "llama")
+        arch = str(reader.fields["general.architecture"].contents())  # open_reader's file: one gguf_config read
+        writer = GGUFWriter(tmp, arch)
         copy_metadata(writer, reader)
         writer.add_file_type(LlamaFileType.MOSTLY_F16 if out_type == "f16" else LlamaFileType.ALL_F32)
-        for name, array in gguf_tensors(config, tensors):
+        for name, array in gguf_tensors(config, tensors, arch):
             dtype = np.float32 if array.ndim == 1 else matrix_dtype
             kind = GGMLQuantizationType.F32 if dtype == np.float32 else GGMLQuantizationType.F16
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=dtype), raw_dtype=kind)

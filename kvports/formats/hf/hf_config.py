@@ -1,4 +1,4 @@
-"""config.json <-> ModelConfig, for model types gpt2, llama and mistral.
+"""config.json <-> ModelConfig, for model types gpt2, llama, mistral, qwen2, qwen3, gemma3_text and phi3.
 
 Every config field is either mapped, checked against the one value we implement, or
 on a list of fields that cannot change the forward pass (ids, bookkeeping, training
@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
+
+import numpy as np
 
 from kvports.shared.config import ModelConfig, finite_number
 from kvports.shared.errors import MAX_ECHO, UserError, echo
 
-MODEL_TYPES = ("gpt2", "llama", "mistral")
+MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 
 # Fields that never change the forward pass of a causal LM at inference: identity,
 # token ids, bookkeeping, training-only dropout, generation defaults (we are greedy).
@@ -102,6 +105,13 @@ IGNORED = {
     # is_llama_config: SmolLM2's marker for its conversion tooling; it names, it does not configure.
     "llama": {"attention_dropout", "pretraining_tp", "is_llama_config"},
     "mistral": {"attention_dropout"},
+    "qwen2": {"attention_dropout"},
+    "qwen3": {"attention_dropout"},
+    # cache_implementation: which cache class transformers' generate makes, not the model.
+    "gemma3_text": {"attention_dropout", "cache_implementation"},
+    # original_max_position_embeddings only matters to the longrope scaling kvports refuses;
+    # auto_map names the remote code older transformers ran, the same model as the class that ships.
+    "phi3": {"attention_dropout", "resid_pdrop", "embd_pdrop", "original_max_position_embeddings", "auto_map"},
 }
 
 
@@ -198,37 +208,126 @@ def gpt2_config(fields: Fields) -> ModelConfig:
     )
 
 
-def rope_theta(fields: Fields) -> float:
-    """transformers 5 writes `rope_parameters: {rope_theta, rope_type}`; 4.x wrote top-level
-    `rope_theta` and `rope_scaling`. Only plain RoPE (type "default", full head dim) is ours."""
-    scaling = fields.get("rope_scaling")
-    if scaling is not None:
-        raise refuse("rope_scaling", scaling, "kvports implements plain RoPE only (no scaling)")
-    theta = fields.get("rope_theta", 10000.0)
-    params = fields.get("rope_parameters", {})
+def rope_fields(fields: Fields, params: Any, where: str) -> dict[str, Any]:
+    """One RoPE parameter set as ModelConfig fields: plain RoPE over the full head dim, or scaled
+    ("linear"; "llama3", Llama 3.x's). transformers 5 writes `rope_parameters: {rope_theta,
+    rope_type, ...}`; 4.x wrote top-level `rope_theta` and `rope_scaling`. `where` names the field."""
     if not isinstance(params, dict):
-        raise refuse("rope_parameters", params, "must be an object")
+        raise refuse(where, params, "must be an object")
+    kind = str(params.get("rope_type", params.get("type", "default")))
+    keys = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    keys |= {"linear": {"factor"}, "llama3": set(LLAMA3_ROPE)}.get(kind, set())
+    if kind not in ("default", "linear", "llama3"):
+        raise refuse(f"{where}.rope_type", kind, "kvports implements RoPE types default, linear and llama3")
     for key, value in params.items():
-        if key in ("rope_type", "type"):
-            if value != "default":
-                raise refuse(f"rope_parameters.{key}", value, "kvports implements plain RoPE only (type 'default')")
-        elif key == "partial_rotary_factor":
-            if value != 1 and value != 1.0:
-                raise refuse("rope_parameters.partial_rotary_factor", value, "kvports rotates the full head dim (1.0)")
-        elif key != "rope_theta":
-            raise refuse(f"rope_parameters.{key}", value, "kvports implements plain RoPE only")
-    theta = params.get("rope_theta", theta)
-    if not finite_positive(theta):
-        raise refuse("rope_theta", theta, "must be a finite number > 0")
+        if key not in keys:
+            raise refuse(f"{where}.{key}", value, f"kvports does not model this for rope_type {kind!r}")
+    factor = params.get("partial_rotary_factor", 1.0)
+    if factor != 1 and factor != 1.0:
+        raise refuse(f"{where}.partial_rotary_factor", factor, "kvports rotates the full head dim (1.0)")
+    out: dict[str, Any] = {"rope_scaling": "none" if kind == "default" else kind}
+    names = {"linear": {"factor": "rope_factor"}, "llama3": LLAMA3_ROPE}.get(kind, {})
+    for key, ours in {"rope_theta": "rope_theta", **names}.items():
+        if key not in params:
+            if key != "rope_theta":  # rope_theta may stand at the top level instead
+                raise refuse(f"{where}.{key}", None, f"rope_type {kind!r} needs it")
+            continue
+        value = params[key]
+        if not finite_positive(value) or (ours == "rope_original_len" and not isinstance(value, int)):
+            raise refuse(f"{where}.{key}" if key != "rope_theta" else key, value, "must be a finite number > 0")
+        out[ours] = value if ours == "rope_original_len" else float(value)
+    return out
+
+
+# Llama 3's RoPE scaling parameters and the ModelConfig fields they set.
+LLAMA3_ROPE = {
+    "factor": "rope_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_len",
+}
+
+
+def rope_config(fields: Fields) -> dict[str, Any]:
+    """The RoPE fields of ModelConfig: from `rope_parameters` (transformers 5; Gemma 3's has one set
+    per layer type) or `rope_theta` and `rope_scaling` (4.x; Gemma 3's `rope_local_base_freq`)."""
+    params = fields.get("rope_parameters", {})
+    gemma = fields.model_type == "gemma3_text"
+    theta = fields.get("rope_theta", 1000000.0 if gemma else 10000.0)
+    local = fields.get("rope_local_base_freq", 10000.0) if gemma else None
+    if gemma and isinstance(params, dict) and set(params) <= {"full_attention", "sliding_attention"} and params:
+        local_params = params.get("sliding_attention", {})
+        if isinstance(local_params, dict) and local_params.get("rope_type", "default") != "default":
+            raise refuse("rope_parameters.sliding_attention.rope_type", local_params["rope_type"], "must be default")
+        local = rope_fields(fields, local_params, "rope_parameters.sliding_attention").get("rope_theta", local)
+        params = params.get("full_attention", {})
+    scaling = fields.get("rope_scaling")
+    if scaling is not None and params:
+        raise refuse("rope_scaling", scaling, "given beside rope_parameters; kvports will not choose between them")
+    where = "rope_scaling" if scaling else "rope_parameters"
+    out = {"rope_theta": theta, **rope_fields(fields, scaling or params, where)}
+    if not finite_positive(out["rope_theta"]):
+        raise refuse("rope_theta", out["rope_theta"], "must be a finite number > 0")
     factor = fields.get("partial_rotary_factor", 1.0)
     if factor != 1 and factor != 1.0:
         raise refuse("partial_rotary_factor", factor, "kvports rotates the full head dim (1.0)")
-    return float(theta)
+    if local is not None:
+        if not finite_positive(local):
+            raise refuse("rope_local_base_freq", local, "must be a finite number > 0")
+        out["rope_local_theta"] = float(local)
+    return {**out, "rope_theta": float(out["rope_theta"])}
+
+
+def layer_windows(fields: Fields, layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """The sliding window and the layers that attend to every key despite it, from `sliding_window`,
+    `layer_types` (or Gemma 3's `sliding_window_pattern`) and Qwen's `use_sliding_window`."""
+    model_type = fields.model_type
+    window = fields.get("sliding_window")
+    if model_type in ("qwen2", "qwen3"):
+        fields.require("use_sliding_window", (False,), "kvports runs Qwen with full attention in every layer")
+        fields.get("max_window_layers")  # which layers a window would apply to: none, without one
+        window = None
+    elif model_type in ("llama",):
+        if window is not None:
+            raise refuse("sliding_window", window, "transformers' Llama has no sliding window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise refuse(
+            "sliding_window", window, "must be null or an integer >= 1 (the keys a query sees, itself included)"
+        )
+    kinds = ("full_attention", "sliding_attention")
+    types = fields.get("layer_types")
+    if model_type == "gemma3_text" and types is None:
+        pattern = fields.integer("sliding_window_pattern", 6)
+        types = [kinds[bool((i + 1) % pattern)] for i in range(layers)]
+    if types is None:
+        return window, ()
+    if not isinstance(types, list) or len(types) != layers or any(kind not in kinds for kind in types):
+        raise refuse("layer_types", types, f"must list {layers} layers, each of {', '.join(kinds)}")
+    if model_type != "gemma3_text":
+        if len(set(types)) > 1:
+            raise refuse("layer_types", types, "kvports runs one attention type in every layer of this model type")
+        return window, ()
+    if window is None or "sliding_attention" not in types:
+        return None, ()
+    return window, tuple(i for i, kind in enumerate(types) if kind == "full_attention")
 
 
 def llama_config(fields: Fields) -> ModelConfig:
-    mistral = fields.model_type == "mistral"
-    fields.require("hidden_act", ("silu", "swish"), "kvports' SwiGLU uses silu")
+    """Llama and the families built on it: Mistral (a window), Qwen2 (q, k, v biases), Qwen3
+    (qk-norm, its own head size), Gemma 3 (scaled embeddings, (1 + w) norms after attention and
+    the MLP too, a GELU-gated MLP, windowed and global layers) and Phi-3 (fused tensors only)."""
+    model_type = fields.model_type
+    mistral, gemma = model_type == "mistral", model_type == "gemma3_text"
+    if gemma:
+        fields.require("hidden_activation", ("gelu_pytorch_tanh",), "Gemma 3's MLP is GELU(tanh)-gated")
+        fields.require("hidden_act", (None,), "Gemma 3 names its activation hidden_activation")
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            fields.require(name, (None,), "kvports does not cap logits (Gemma 3 has no softcapping)")
+        fields.require("use_bidirectional_attention", (False,), "kvports is causal")
+    else:
+        fields.require("hidden_act", ("silu", "swish"), "kvports' SwiGLU uses silu")
+    if model_type == "qwen2":
+        fields.require("use_mrope", (False,), "kvports implements one-dimensional RoPE")
     # SmolLM2 writes rope_interleaved=false: rotating the two halves, as transformers and kvports do.
     fields.require(
         "rope_interleaved", (False,), "kvports' RoPE rotates the two halves of each head, not adjacent pairs"
@@ -236,50 +335,64 @@ def llama_config(fields: Fields) -> ModelConfig:
     hidden = fields.integer("hidden_size", 4096)
     heads = fields.integer("num_attention_heads", 32)
     # Absent fields take transformers' defaults for the class: the model it would build.
-    kv_heads = fields.integer("num_key_value_heads", 8 if mistral else heads)
-    if hidden % heads:
-        raise refuse("hidden_size", hidden, f"is not divisible by num_attention_heads={heads}")
+    kv_heads = fields.integer("num_key_value_heads", 8 if mistral else 4 if gemma else heads)
     head_dim = fields.get("head_dim")
-    if head_dim is not None and head_dim != hidden // heads:
-        raise refuse(
-            "head_dim", head_dim, f"kvports needs head_dim = hidden_size / num_attention_heads = {hidden // heads}"
-        )
+    if head_dim is None and hidden % heads:
+        raise refuse("hidden_size", hidden, f"is not divisible by num_attention_heads={heads}")
+    if head_dim is not None:
+        head_dim = fields.integer("head_dim")
     if heads % kv_heads:
         raise refuse("num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
-    layer_types = fields.get("layer_types")
-    if layer_types is not None and (not isinstance(layer_types, list) or len(set(map(str, layer_types))) > 1):
-        raise refuse("layer_types", layer_types, "kvports runs one attention type in every layer")
-    if mistral:
-        # transformers' Mistral has no biases: a flag saying otherwise does not mean what it says.
+    layers = fields.integer("num_hidden_layers", 32)
+    window, global_layers = layer_windows(fields, layers)
+    attn_bias = ffn_bias = qkv_bias = False
+    if mistral or model_type == "phi3":
+        # transformers' Mistral and Phi-3 have no biases: a flag saying otherwise does not mean what it says.
         for name in ("attention_bias", "mlp_bias"):
-            fields.require(name, (False,), "transformers' Mistral has no biases; kvports will not guess")
-        window = fields.get("sliding_window")
-        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-            raise refuse(
-                "sliding_window", window, "must be null or an integer >= 1 (the keys a query sees, itself included)"
-            )
-        attn_bias = ffn_bias = False
-    else:
+            fields.require(name, (False,), f"transformers' {model_type} has no biases; kvports will not guess")
+    elif model_type == "qwen2":
+        qkv_bias = True  # always, on q, k and v; never on the output projection
+    elif model_type == "llama":
         # Llama's attention_bias puts a bias on q, k, v and o alike: our qkv and proj
         # biases. mlp_bias puts one on gate, up and down: our ffn.0 and ffn.2.
-        attn_bias, ffn_bias, window = fields.flag("attention_bias", False), fields.flag("mlp_bias", False), None
+        attn_bias, ffn_bias = fields.flag("attention_bias", False), fields.flag("mlp_bias", False)
+    else:  # Qwen3, Gemma 3: attention_bias on q, k, v and o
+        attn_bias = fields.flag("attention_bias", False)
+    # head_dim = hidden / heads is the default, as Llama's files spell it out: only another is a switch.
+    size = head_dim if head_dim is not None and head_dim * heads != hidden else None
+    if gemma:
+        # transformers rounds sqrt(hidden) to float32 (a tensor), then to the model's dtype.
+        gemma_fields: dict[str, Any] = dict(
+            embed_scale=float(np.float32(math.sqrt(hidden))),
+            attn_scale=fields.number("query_pre_attn_scalar", 256) ** -0.5,
+            post_norms=True,
+        )
+    else:
+        gemma_fields = {}
+    defaults = {"mistral": (32000, 4096 * 32, 14336), "gemma3_text": (262208, 131072, 9216)}
+    vocab, positions, inner = defaults.get(model_type, (32000, 2048, 11008))
     return ModelConfig(
-        vocab_size=fields.integer("vocab_size", 32000),
+        vocab_size=fields.integer("vocab_size", vocab),
         d_model=hidden,
         n_heads=heads,
-        n_layers=fields.integer("num_hidden_layers", 32),
-        max_seq_len=fields.integer("max_position_embeddings", 4096 * 32 if mistral else 2048),
+        n_layers=layers,
+        max_seq_len=fields.integer("max_position_embeddings", positions),
         n_kv_heads=kv_heads,
-        activation="swiglu",
-        ffn_hidden=fields.integer("intermediate_size", 14336 if mistral else 11008),
+        activation="geglu_tanh" if gemma else "swiglu",
+        ffn_hidden=fields.integer("intermediate_size", inner),
         norm="rmsnorm",
         norm_eps=fields.number("rms_norm_eps", 1e-6),
         positions="rope",
-        rope_theta=rope_theta(fields),
-        tie_embeddings=fields.flag("tie_word_embeddings", False),
+        tie_embeddings=fields.flag("tie_word_embeddings", gemma),
         attn_bias=attn_bias,
         ffn_bias=ffn_bias,
+        qkv_bias=qkv_bias,
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        head_size=size,
         sliding_window=window,
+        global_layers=global_layers,
+        **rope_config(fields),
+        **gemma_fields,
     )
 
 
@@ -371,7 +484,19 @@ def llama_refusal(config: ModelConfig) -> str | None:
         return "Llama and Mistral have RoPE, RMSNorm and SwiGLU"
     if config.sliding_window is not None and (config.attn_bias or config.ffn_bias):
         return "transformers' Mistral has no biases"
+    if config.family not in ("llama", "llama3", "mistral"):
+        return f"a {config.family} model: kvports writes Llama and Mistral directories only"
+    if config.rope_scaling != "none" and config.sliding_window is not None:
+        return f"rope_scaling={config.rope_scaling!r}: kvports writes scaled RoPE for Llama only"
     return None
+
+
+def rope_parameters(config: ModelConfig) -> dict:
+    """rope_parameters as transformers 5 writes them: rope_fields, inverted."""
+    params: dict[str, Any] = {"rope_type": "default" if config.rope_scaling == "none" else config.rope_scaling}
+    params["rope_theta"] = config.rope_theta
+    names = {"linear": {"factor": "rope_factor"}, "llama3": LLAMA3_ROPE}.get(config.rope_scaling, {})
+    return params | {key: getattr(config, ours) for key, ours in names.items()}
 
 
 def llama_hf_config(config: ModelConfig, dtype: str) -> dict:
@@ -390,7 +515,7 @@ def llama_hf_config(config: ModelConfig, dtype: str) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": rope_parameters(config),
         "tie_word_embeddings": config.tie_embeddings,
         "attention_dropout": config.dropout,
         "use_cache": True,

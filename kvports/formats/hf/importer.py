@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from kvports.formats.hf.checkpoint import Checkpoint, read_hf_config
 from kvports.formats.hf.hf_config import config_from_hf
-from kvports.formats.hf.tensors import HFTensors, gpt2_plan, llama_plan
+from kvports.formats.hf.tensors import HFTensors, Step, gpt2_plan, llama_plan
 from kvports.formats.weights import check_tensors
 from kvports.limits import check_bytes
 from kvports.shared.config import ModelConfig
@@ -22,9 +23,14 @@ def import_hf(directory: os.PathLike, dtype: str | None = None) -> tuple[ModelCo
     checkpoint's own). Names and shapes are checked from the headers, and the bytes against
     the limit, before any tensor is read."""
     directory = Path(directory)
-    config = config_from_hf(read_hf_config(directory))
+    data = read_hf_config(directory)
+    config = config_from_hf(data)
     gpt2 = config.positions == "learned"
-    plan = gpt2_plan if gpt2 else llama_plan
+    model_type = str(data["model_type"])
+
+    def plan(config: ModelConfig) -> Iterator[Step]:
+        return gpt2_plan(config) if gpt2 else llama_plan(config, model_type)
+
     with Checkpoint(directory) as checkpoint:
         hf = HFTensors(checkpoint.shapes(), "transformer." if gpt2 else "model.")
         hf.check(plan(config))

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError, echo
+from kvports.shared.rope import rope_frequencies
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Source:
     ours: str
     parts: tuple[tuple[str, tuple[int, ...]], ...]
     transpose: bool = False
+    offset: float = 0.0  # added to the tensor: Gemma's norms compute with (1 + w), folded into ours once
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ class HFTensors:
             if isinstance(step, Source):
                 arrays = [read(self.full_name(name)) for name, _ in step.parts]
                 array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-                out[step.ours] = np.ascontiguousarray(array.T if step.transpose else array)
+                array = np.ascontiguousarray(array.T if step.transpose else array)
+                out[step.ours] = array + np.asarray(step.offset, array.dtype) if step.offset else array
             elif step.name in self.shapes and step.kind != "buffer":
                 check_optional(step, read(self.full_name(step.name)), out, config)
         return out
@@ -106,10 +109,10 @@ def check_optional(step: Extra, array: np.ndarray, out: dict[str, np.ndarray], c
                 "says the head is the embedding; set tie_word_embeddings=false to use it"
             )
     else:  # Older Llama files store the RoPE frequencies; they must be the ones theta gives.
-        Dh = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, Dh, 2, dtype=np.float64) / Dh))  # [Dh/2]
-        if not np.allclose(array, inv_freq, rtol=1e-5):
-            raise UserError(f"tensor {echo(step.name)} is not plain RoPE with rope_theta={config.rope_theta}")
+        if not np.allclose(array, rope_frequencies(config), rtol=1e-5):
+            raise UserError(
+                f"tensor {echo(step.name)} is not the RoPE this config gives (rope_theta={config.rope_theta})"
+            )
 
 
 def head(config: ModelConfig) -> Iterator[Step]:
@@ -145,29 +148,47 @@ def gpt2_plan(config: ModelConfig) -> Iterator[Step]:
     yield from head(config)
 
 
-def llama_plan(config: ModelConfig) -> Iterator[Step]:
+def llama_plan(config: ModelConfig, model_type: str = "llama") -> Iterator[Step]:
+    """Llama's names, and the families built on it: Gemma 3's four norms a layer (each (1 + w)),
+    Phi-3's fused qkv_proj and gate_up_proj, Qwen's q, k and v biases and Qwen3's and Gemma 3's qk-norms."""
     D, V, F = config.d_model, config.vocab_size, config.ffn_dim
     Dh, H, Hkv = config.head_dim, config.n_heads, config.kv_heads
+    offset = 1.0 if model_type == "gemma3_text" else 0.0
     yield Source("emb.weight", (("embed_tokens.weight", (V, D)),))
     for i in range(config.n_layers):
         h, b = f"layers.{i}.", f"blocks.{i}."
-        yield Source(b + "ln1.weight", ((h + "input_layernorm.weight", (D,)),))
-        yield Source(b + "ln2.weight", ((h + "post_attention_layernorm.weight", (D,)),))
+        yield Source(b + "ln1.weight", ((h + "input_layernorm.weight", (D,)),), offset=offset)
+        ln2 = "pre_feedforward_layernorm" if config.post_norms else "post_attention_layernorm"
+        yield Source(b + "ln2.weight", ((f"{h}{ln2}.weight", (D,)),), offset=offset)
         rows = {"q": H * Dh, "k": Hkv * Dh, "v": Hkv * Dh}
-        # Our qkv Linear is q, k and v stacked along the output dim, in that order.
-        yield Source(b + "qkv.weight", tuple((f"{h}self_attn.{n}_proj.weight", (r, D)) for n, r in rows.items()))
-        yield Source(b + "proj.weight", ((h + "self_attn.o_proj.weight", (D, H * Dh)),))
-        # SwiGLU's gate and up stack into ffn.0, gate first, as our FeedForward splits them.
-        yield Source(b + "ffn.0.weight", ((h + "mlp.gate_proj.weight", (F, D)), (h + "mlp.up_proj.weight", (F, D))))
-        yield Source(b + "ffn.2.weight", ((h + "mlp.down_proj.weight", (D, F)),))
-        if config.attn_bias:
+        # Our qkv Linear is q, k and v stacked along the output dim, in that order (Phi-3's file has it so).
+        if model_type == "phi3":
+            yield Source(b + "qkv.weight", ((h + "self_attn.qkv_proj.weight", (sum(rows.values()), D)),))
+        else:
+            yield Source(b + "qkv.weight", tuple((f"{h}self_attn.{n}_proj.weight", (r, D)) for n, r in rows.items()))
+        if config.attn_bias or config.qkv_bias:
             yield Source(b + "qkv.bias", tuple((f"{h}self_attn.{n}_proj.bias", (r,)) for n, r in rows.items()))
+        yield Source(b + "proj.weight", ((h + "self_attn.o_proj.weight", (D, H * Dh)),))
+        if config.attn_bias:
             yield Source(b + "proj.bias", ((h + "self_attn.o_proj.bias", (D,)),))
+        # SwiGLU's gate and up stack into ffn.0, gate first, as our FeedForward splits them (Phi-3's gate_up too).
+        if model_type == "phi3":
+            yield Source(b + "ffn.0.weight", ((h + "mlp.gate_up_proj.weight", (2 * F, D)),))
+        else:
+            yield Source(b + "ffn.0.weight", ((h + "mlp.gate_proj.weight", (F, D)), (h + "mlp.up_proj.weight", (F, D))))
         if config.ffn_bias:
             yield Source(b + "ffn.0.bias", ((h + "mlp.gate_proj.bias", (F,)), (h + "mlp.up_proj.bias", (F,))))
+        yield Source(b + "ffn.2.weight", ((h + "mlp.down_proj.weight", (D, F)),))
+        if config.ffn_bias:
             yield Source(b + "ffn.2.bias", ((h + "mlp.down_proj.bias", (D,)),))
+        if config.qk_norm:
+            for n in ("q", "k"):
+                yield Source(f"{b}{n}_norm.weight", ((f"{h}self_attn.{n}_norm.weight", (Dh,)),), offset=offset)
+        if config.post_norms:
+            yield Source(b + "ln1_post.weight", ((h + "post_attention_layernorm.weight", (D,)),), offset=offset)
+            yield Source(b + "ln2_post.weight", ((h + "post_feedforward_layernorm.weight", (D,)),), offset=offset)
         yield Extra(h + "self_attn.rotary_emb.inv_freq", (Dh // 2,), "inv_freq")
-    yield Source("ln.weight", (("norm.weight", (D,)),))
+    yield Source("ln.weight", (("norm.weight", (D,)),), offset=offset)
     yield from head(config)
 
 

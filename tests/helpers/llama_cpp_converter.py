@@ -1,0 +1,75 @@
+"""llama.cpp's own convert_hf_to_gguf.py, the way users make GGUF files: taken out of
+llama-cpp-python's source distribution (it ships under vendor/llama.cpp/, beside its gguf-py) by
+`pip download`, kept under $KVPORTS_HOME across runs. Only the converter, its `conversion`
+package and gguf-py are extracted; nothing of llama.cpp is committed here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from kvports.hub import home
+
+# The converter as it ships, with one patch: its BPE pre-tokenizer check (a hash of a fixed text's
+# token ids, which no tiny test vocabulary matches) answers "default". Tensors and metadata are untouched.
+RUNNER = """
+import runpy, sys
+root = sys.argv[1]
+sys.path[:0] = [root, root + "/gguf-py"]
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+WANTED = ("/vendor/llama.cpp/convert_hf_to_gguf.py", "/vendor/llama.cpp/conversion/", "/vendor/llama.cpp/gguf-py/")
+
+
+def converter_root() -> Path:
+    """The folder holding convert_hf_to_gguf.py (fetched once); OSError or CalledProcessError if it cannot be."""
+    root = home() / "llama.cpp-converter"
+    if (root / "convert_hf_to_gguf.py").is_file():
+        return root
+    with tempfile.TemporaryDirectory() as scratch:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "llama-cpp-python"]
+            + ["-d", scratch],
+            check=True,
+            capture_output=True,
+            timeout=900,
+        )
+        (archive,) = Path(scratch).glob("llama_cpp_python-*.tar.gz")
+        staging = Path(scratch) / "out"
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.isfile() and any(w in m.name for w in WANTED)]
+            tar.extractall(staging, members=members, filter="data")
+        (source,) = staging.glob("*/vendor/llama.cpp")
+        root.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(root)  # one rename: a run killed halfway leaves no half folder
+    return root
+
+
+def write_tokenizer(directory: Path, vocab_size: int, model_type: str) -> None:
+    """A word-level tokenizer of the model's vocabulary (w0, w1, ...), which the converter writes into
+    the file. Qwen2's tokenizer class adds <|endoftext|> after it: one word fewer leaves it room."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = vocab_size - (model_type == "qwen2")
+    tokenizer = Tokenizer(WordLevel({f"w{i}": i for i in range(words)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    # Phi-3's converter takes the GPT-2 path for this class name only (it reads tokenizer.model otherwise).
+    kind = "GPT2Tokenizer" if model_type == "phi3" else "PreTrainedTokenizerFast"
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": kind}))
+
+
+def convert(root: Path, directory: Path, out: Path) -> Path:
+    """directory (a saved transformers model with its tokenizer) -> out, a float32 GGUF file."""
+    command = [sys.executable, "-c", RUNNER, str(root), str(directory), "--outfile", str(out), "--outtype", "f32"]
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    return out
