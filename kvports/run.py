@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvports import registry
+from kvports.batching.request import Request, check_request
 from kvports.devices import (
     DEVICES,
     check_device,
@@ -42,7 +43,7 @@ from kvports.devices import (
 )
 from kvports.formats.weights import DEFAULT_WEIGHTS, open_weights
 from kvports.limits import check_bytes, check_run, release_freed_memory
-from kvports.shared.checks import COMMAND_LINE, Names, check_choice, check_generation, python_value
+from kvports.shared.checks import COMMAND_LINE, Names, check_choice, python_value
 from kvports.shared.config import DTYPES, ModelConfig, host_dtype
 from kvports.shared.contract import OnToken, Port, Timed
 from kvports.shared.errors import UserError
@@ -56,7 +57,6 @@ from kvports.validation import (
     check_draft_source,
     check_needed,
     check_ngram,
-    check_prompts,
     check_q4_file,
     check_rules,
     check_samples,
@@ -364,8 +364,7 @@ def check_inputs(
     models = [("the model", config)] + ([("the draft", draft)] if draft is not None and speculative else [])
     unable = check_rules(inputs.setup(modes, frameworks), names, models)
     generation = inputs.generation
-    rows = check_prompts(prompts, config, generation.max_new_tokens, names)
-    check_generation(generation, config.vocab_size, names)
+    rows = check_prompts(prompts, config, generation, names)  # each row as a request, checked
     check_seeds(generation, len(rows), names)
     draft_tokens = 0
     if speculative:
@@ -381,6 +380,19 @@ def check_inputs(
     B, P = batch.shape
     check_run(config, inputs.dtype, B, P, generation.max_new_tokens, modes, draft_tokens, draft)
     return Checked(batch, unable)
+
+
+def check_prompts(
+    prompts: Sequence[Sequence[object]], config: ModelConfig, generation: GenerationConfig, names: Names = COMMAND_LINE
+) -> list[list[int]]:
+    """Several prompts run with one generation's settings (the command line's and the API's rows), as
+    rows of ids: each held to `check_request` as the request it is, named by its index."""
+    if len(prompts) == 0:
+        raise UserError("no prompt given")
+    rows = [Request(str(index), tuple(prompt), generation) for index, prompt in enumerate(prompts)]  # type: ignore[arg-type]  # checked next
+    return [
+        [int(token) for token in check_request(row, config, names, row=index).prompt] for index, row in enumerate(rows)
+    ]
 
 
 def with_samples(

@@ -113,36 +113,6 @@ def parse_prompt(text: str) -> list[int]:
     return ids
 
 
-def check_prompts(
-    prompts: Sequence[Sequence[object]], config: ModelConfig, new_tokens: object, names: Names = COMMAND_LINE
-) -> list[list[int]]:
-    """The prompts as rows of ids, or a UserError naming the value and the limit."""
-    new_tokens = check_range("new_tokens", new_tokens, 1, names)
-    if len(prompts) == 0:
-        raise UserError("no prompt given")
-    batch: list[list[int]] = []
-    for index, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise UserError(f"prompt {index} is empty: give at least one token id")
-        batch.append([])
-        for token in prompt:
-            if not isinstance(token, (int, np.integer)) or isinstance(token, bool):
-                raise UserError(f"token id {echo(token)} in prompt {index} is not an integer")
-            if not 0 <= token < config.vocab_size:
-                raise UserError(
-                    f"token id {echo(int(token))} in prompt {index} is outside [0, {config.vocab_size}) "
-                    f"(vocab_size {config.vocab_size})"
-                )
-            batch[-1].append(int(token))
-    longest = max(len(prompt) for prompt in batch)
-    total = longest + new_tokens
-    if total > config.max_seq_len:
-        raise UserError(
-            f"prompt length {longest} + new tokens {new_tokens} = {total} exceeds max_seq_len {config.max_seq_len}"
-        )
-    return batch
-
-
 # The reduced precisions each port offers: where its framework has a fast product for them on the CPU
 # (NumPy has no bfloat16 and no integer matrix product that would beat its own float32 one).
 PRECISIONS = {"torch": ("bfloat16", "int8", "q4"), "jax": ("bfloat16", "int8", "q4"), "numpy": ()}

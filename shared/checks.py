@@ -47,7 +47,8 @@ MAX_TEMPERATURE = 1e18
 @dataclass(frozen=True)
 class Names:
     """How a message names an input: the command line by its flags' wording (`--draft-tokens 17`,
-    `top-k -1`), the Python API by its own arguments (`draft_tokens=17`, `top_k=-1`)."""
+    `top-k -1`), the Python API by its own arguments (`draft_tokens=17`, `top_k=-1`), a batch
+    file's line and the server's body by their fields (`max_new_tokens 0`, `'top_k' -1`)."""
 
     api: bool
     labels: tuple[tuple[str, str], ...] = ()  # the command line's word for a field, where it differs
@@ -85,6 +86,30 @@ COMMAND_LINE = Names(
 
 
 API = Names(api=True)
+
+
+# A batch file's line: the command line's words, but the line's own field for the new tokens.
+BATCH_LINE = Names(
+    api=False, labels=(*COMMAND_LINE.labels, ("new_tokens", "max_new_tokens"), ("messages", "'messages'"))
+)
+
+
+# The server's request bodies: each field by its name in the OpenAI body, quoted as the body writes it.
+SERVER = Names(
+    api=False,
+    labels=(
+        ("prompt", "'prompt'"),
+        ("messages", "'messages'"),
+        ("new_tokens", "'max_tokens'"),
+        ("temperature", "'temperature'"),
+        ("top_k", "'top_k'"),
+        ("top_p", "'top_p'"),
+        ("seed", "'seed'"),
+        ("seeds", "'seed'"),
+        ("stop_ids", "stop id"),
+        ("logprobs", "'logprobs'"),
+    ),
+)
 
 
 def python_value(value: object) -> object:

@@ -131,6 +131,7 @@ API_MESSAGES = {
     "negative_new_tokens": "new_tokens=-3 is below 1",
     "word_new_tokens": "new_tokens='ten' is not an integer",
     "fractional_new_tokens": "new_tokens=2.5 is not an integer",
+    "too_long": "prompt length 3 + new_tokens=510 = 513 exceeds max_seq_len 512",
     "mode": "mode='fast' is not one of naive, cached, speculative",
     "negative_temperature": "temperature=-1" + TEMPERATURE_RULE,
     "nan_temperature": "temperature=nan" + TEMPERATURE_RULE,
@@ -256,7 +257,7 @@ def test_one_generate_call_checks_its_inputs_once(monkeypatch):
     from kvports import run
 
     numpy_model = kvports.load("numpy")
-    calls = {name: 0 for name in ("check_prompts", "check_generation", "check_draft", "check_needed", "check_run")}
+    calls = {name: 0 for name in ("check_prompts", "check_seeds", "check_draft", "check_needed", "check_run")}
     for name in calls:
         real = getattr(run, name)
         monkeypatch.setattr(

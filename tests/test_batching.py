@@ -12,7 +12,8 @@ import pytest
 
 from kvports.batching.blocks import BlockManager, chain_hash
 from kvports.batching.engine import BatchSettings, Engine
-from kvports.batching.requests import Request, parse_requests
+from kvports.batching.request import Request
+from kvports.batching.request_file import parse_requests
 from kvports.batching.scheduler import MIN_FILL, Scheduler, Sequence
 from kvports.formats.chat import chat_ids
 from kvports.formats.gguf.tokenizer import gguf_tokenizer

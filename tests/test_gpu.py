@@ -13,7 +13,7 @@ import pytest
 
 from kvports import registry
 from kvports.batching.engine import BatchSettings, Engine
-from kvports.batching.requests import Request
+from kvports.batching.request import Request
 from kvports.devices import device_problem
 from kvports.shared.generation import GenerationConfig
 from tests.helpers.models import TINY_FAMILIES, random_prompts, random_weights

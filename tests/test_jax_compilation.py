@@ -95,7 +95,7 @@ def test_float32_and_float64_runs_in_one_process_each_keep_their_dtype(seed_weig
 
 def test_the_batching_engine_compiles_once_whatever_the_requests_sampling_values(seed_model):
     from kvports.batching.engine import BatchSettings, Engine
-    from kvports.batching.requests import Request
+    from kvports.batching.request import Request
     from kvports.shared.generation import GenerationConfig
 
     def run(temperatures):

@@ -10,7 +10,7 @@ import pytest
 
 import kvports
 from kvports.batching.engine import BatchSettings, Engine
-from kvports.batching.requests import Request
+from kvports.batching.request import Request
 from kvports.formats.weights import save_weights
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import NonFiniteLogits, UserError

@@ -1,7 +1,8 @@
 """Continuous batching over a paged KV cache, framework-free (docs/BATCHING.md).
 
 One module per job:
-- `requests`: the JSONL requests, parsed and checked line by line
+- `request`: the one request type every front door makes, and `check_request`, its one check
+- `request_file`: a batch file's JSON lines, each parsed into a request and checked
 - `blocks`: the block manager: allocation, reference counts, prefix hashing
 - `scheduler`: waiting queue, running batch, prefill and decode steps, preemption
 - `engine`: the scheduler's steps run by one port (its `init_block_pool` and `paged_step`)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvports.batching.blocks import BlockManager, blocks_for
-from kvports.batching.requests import Request
+from kvports.batching.request import Request, check_request
 from kvports.batching.scheduler import Scheduler, Sequence, Step, TokenLogprobs
 from kvports.shared.checks import check_count
 from kvports.shared.config import MAX_SIZE, ModelConfig, host_dtype
@@ -161,12 +161,9 @@ class Engine:
         self.pool: Any = None  # made on the first step: a failed step may leave the old one unusable (JAX donates it)
 
     def add(self, request: Request) -> Sequence:
-        """Queue a request (at any time, also while others run)."""
-        longest = self.settings.longest(self.config)
-        if request.max_length > longest:
-            raise UserError(
-                f"request {request.id!r}: {request.max_length} tokens exceed the engine's max length {longest}"
-            )
+        """Queue a request (at any time, also while others run), held to `check_request` with the
+        engine's longest sequence (its door checked it already, in its own words)."""
+        check_request(request, self.config, max_tokens=self.settings.longest(self.config))
         sequence = Sequence(request, arrival=self.clock())
         self.scheduler.add(sequence)
         return sequence

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvports.batching.blocks import BlockManager, blocks_for
-from kvports.batching.requests import Request
+from kvports.batching.request import Request
 from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, RowSampling, uniforms
 

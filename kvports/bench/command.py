@@ -17,7 +17,7 @@ from kvports.bench.measure import load_average, threads_info
 from kvports.bench.options import parse_choices, parse_sweep, parse_threads, resolve_counts, resolve_pp
 from kvports.bench.output import print_result
 from kvports.bench.plots import write_plots
-from kvports.bench.presets import bench_prompts, chat_prompt, load_bench_model
+from kvports.bench.presets import bench_prompts, chat_turn_ids, load_bench_model
 from kvports.bench.rows import run_rows
 from kvports.bench.runners import COMPILED_RUNNER, FRAMEWORKS, MODES, PEER_RUNNERS, RUNNERS, Runner, group_of
 from kvports.bench.targets import add_peer_ratios, targets
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         unusable.update(port_problems(timed, args.device))
 
     port_formats = formats.offered(port_names)  # the formats some port will run, in the rows' order
-    chat = None if args.chat is None else chat_prompt(args.weights, args.chat)  # its length is the prompt's
+    chat = None if args.chat is None else chat_turn_ids(args.weights, args.chat)  # its length is the prompt's
     if chat is not None:
         args.prompt_len = len(chat)
     # A GGUF file's 4-bit blocks too when a q4 row will run (a file without any refused, as --quant q4 alone).

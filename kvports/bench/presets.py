@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 
 from kvports.formats.weights import DEFAULT_WEIGHTS, cast_checked, gpt2_init_weights, open_weights
+from kvports.run import check_prompts
 from kvports.shared.config import ModelConfig, host_dtype
 from kvports.shared.errors import UserError
-from kvports.shared.generation import pad_prompts
+from kvports.shared.generation import GenerationConfig, pad_prompts
 from kvports.shared.quantization import float_tensors
-from kvports.validation import SEED_PROMPT, check_prompts, check_q4_file
+from kvports.validation import SEED_PROMPT, check_q4_file
 
 PRESETS: dict[str, ModelConfig | None] = {
     "seed": None,  # the seed's model, shipped as the default weights file
@@ -68,7 +69,7 @@ def check_casts(
             cast_checked(name, array, other, source)
 
 
-def chat_prompt(weights: Path | None, text: str) -> list[int]:
+def chat_turn_ids(weights: Path | None, text: str) -> list[int]:
     """--chat TEXT: one user turn in the GGUF file's own template, as its own tokenizer encodes it."""
     from kvports.formats.chat import chat_ids
     from kvports.formats.gguf.tokenizer import gguf_tokenizer
@@ -88,4 +89,4 @@ def bench_prompts(
         if chat is not None
         else [int(t) % config.vocab_size for t in np.resize(np.asarray(SEED_PROMPT), prompt_len)]
     )
-    return pad_prompts(check_prompts([row] * batch, config, new_tokens))[0]  # [B, P]
+    return pad_prompts(check_prompts([row] * batch, config, GenerationConfig(new_tokens)))[0]  # [B, P]

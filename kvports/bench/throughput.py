@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvports.batching.engine import BatchSettings, Engine, run_bytes
-from kvports.batching.requests import Request
+from kvports.batching.request import Request
 from kvports.bench.measure import load_average
 from kvports.bench.presets import load_bench_model
 from kvports.devices import placement

@@ -25,7 +25,8 @@ from kvports.batching.engine import (
     Engine,
     run_bytes,
 )
-from kvports.batching.requests import BadLine, Chat, Request, parse_requests, split_lines
+from kvports.batching.request import Chat, Request
+from kvports.batching.request_file import BadLine, parse_requests, split_lines
 from kvports.batching.scheduler import Sequence
 from kvports.bench.presets import PRESETS
 from kvports.bench.throughput import WORKLOADS, BatchingBench, choices, run_bench

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvports.batching.arguments import add_engine_arguments
 from kvports.batching.engine import BatchSettings, Engine, EngineStats, run_bytes
-from kvports.batching.requests import Request
+from kvports.batching.request import Request
 from kvports.commands import batch
 from kvports.commands.batch import chat_of, load_tokenizer
 from kvports.devices import add_device_argument
@@ -169,7 +169,7 @@ def prepare(args: argparse.Namespace, wrap_port: Any = None) -> tuple[Any, Any]:
     engine = Engine(port, loaded.model, config, settings, dtype=args.dtype, end_nonfinite_rows=True)
     warm_up(engine)
     context = min(settings.longest(config), settings.pool_blocks(config) * settings.block_size)
-    limits = Limits(model_name(args), config.vocab_size, context, tuple(config.eos_token_ids))
+    limits = Limits(model_name(args), config.vocab_size, context, tuple(config.eos_token_ids), config)
     metrics = Metrics()
     metrics.blocks_free.set(engine.blocks.num_free)
     loop = EngineLoop(engine, metrics, args.max_queue)

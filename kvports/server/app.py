@@ -27,13 +27,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from kvports.batching.requests import Request
+from kvports.batching.request import Request
 from kvports.batching.scheduler import TokenLogprobs
 from kvports.formats.hf.text import decode
 from kvports.server.detokenize import Detokenizer
 from kvports.server.loop import Choice, EngineLoop, Job, QueueFull
 from kvports.server.metrics import Metrics
-from kvports.server.schemas import MAX_BODY_BYTES, ApiError, Chat, Completion, Encode, Limits, check_request, parse_body
+from kvports.server.schemas import MAX_BODY_BYTES, ApiError, Chat, Completion, Encode, Limits, check_body, parse_body
 
 RETRY_AFTER_S = 1  # a full queue's advice: most requests finish within seconds
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens looks whether its client is still there
@@ -118,7 +118,7 @@ def create_app(state: ServerState) -> Any:
     async def complete(request: HttpRequest, chat: bool) -> Any:
         authorize(request)
         body = parse_body(await read_body(request))
-        checked = check_request(body, state.limits, chat, state.encode, state.chat)
+        checked = check_body(body, state.limits, chat, state.encode, state.chat)
         job = make_job(checked)
         try:
             state.loop.submit(job)

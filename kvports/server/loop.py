@@ -18,7 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvports.batching.requests import Request
+from kvports.batching.request import Request
 from kvports.batching.scheduler import Sequence, Status
 from kvports.server.metrics import Metrics
 from kvports.shared.errors import UserError

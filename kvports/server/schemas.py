@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvports.formats.chat import check_messages
-from kvports.shared.checks import MAX_SEED
+from kvports.batching.request import Chat, PromptError, Request, chat_prompt, check_request
+from kvports.shared.checks import MAX_SEED, SERVER
+from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import GenerationConfig
 
@@ -75,6 +76,7 @@ class Limits:
     vocab_size: int
     context: int  # the longest sequence, prompt and new tokens (the engine's max length and pool)
     stop_ids: tuple[int, ...]  # the model's end-of-turn ids, where every choice stops
+    config: ModelConfig  # the served model's, which every request is checked against
 
 
 @dataclass(frozen=True)
@@ -247,11 +249,11 @@ def include_usage(body: dict[str, Any], stream: bool) -> bool:
 # ---------------------------------------------------------------- prompts
 
 Encode = Callable[[str], list[int]]
-Chat = Callable[[list[dict[str, str]]], list[int]]
 
 
-def completion_prompt(body: dict[str, Any], limits: Limits, encode: Encode | None) -> list[int]:
-    """'prompt': a string (the model's tokenizer encodes it) or one list of token ids."""
+def completion_prompt(body: dict[str, Any], encode: Encode | None) -> list[Any]:
+    """'prompt': a string (the model's tokenizer encodes it) or one list of token ids (held to the
+    prompt rule with the rest of the request, `request.check_request`)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise bad("prompt", "'prompt' is missing: give a string or a list of token ids")
@@ -260,24 +262,15 @@ def completion_prompt(body: dict[str, Any], limits: Limits, encode: Encode | Non
     if isinstance(prompt, str):
         if encode is None:
             raise bad("prompt", "this model has no tokenizer: give 'prompt' as a list of token ids")
-        ids = encode(prompt)
-    elif isinstance(prompt, list):
+        return encode(prompt)
+    if isinstance(prompt, list):
         if prompt and all(isinstance(item, (str, list)) for item in prompt):
             raise bad("prompt", f"'prompt' holds {len(prompt)} prompts; this server takes one per request")
-        for token in prompt:
-            if not isinstance(token, int) or isinstance(token, bool):
-                raise bad("prompt", f"'prompt' token {echo(token)[:40]} is not an integer")
-            if not 0 <= token < limits.vocab_size:
-                raise bad("prompt", f"'prompt' token {token} is outside [0, {limits.vocab_size})")
-        ids = prompt
-    else:
-        raise bad("prompt", f"'prompt' must be a string or a list of token ids, got {json_type(prompt)}")
-    if not ids:
-        raise bad("prompt", "'prompt' is empty: give at least one token")
-    return ids
+        return prompt
+    raise bad("prompt", f"'prompt' must be a string or a list of token ids, got {json_type(prompt)}")
 
 
-def chat_prompt(body: dict[str, Any], chat: Chat | None) -> list[int]:
+def messages_prompt(body: dict[str, Any], chat: Chat | None) -> list[int]:
     """'messages' in the model's own chat template, as `kvports generate --chat-file` renders them."""
     if chat is None:
         raise bad("messages", "this model has no chat template (a GGUF file's tokenizer.chat_template)")
@@ -285,7 +278,7 @@ def chat_prompt(body: dict[str, Any], chat: Chat | None) -> list[int]:
     if messages is None:
         raise bad("messages", "'messages' is missing: give a non-empty list of {'role', 'content'} messages")
     try:
-        return chat(check_messages(messages, "'messages'"))
+        return chat_prompt(messages, chat, SERVER)
     except UserError as exc:
         raise bad("messages", str(exc)) from None
 
@@ -306,10 +299,11 @@ def requested_logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return 0 if top is None else top
 
 
-def check_request(
+def check_body(
     body: dict[str, Any], limits: Limits, chat: bool, encode: Encode | None, render: Chat | None
 ) -> Completion:
-    """A body as the engine's requests, or the ApiError that names the first bad field."""
+    """A body as the engine's requests, or the ApiError that names the first bad field: the body's
+    own fields here, then the request every door makes (`request.check_request`, in the body's words)."""
     check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     check_model(body, limits)
     stream = boolean(body, "stream")
@@ -324,7 +318,7 @@ def check_request(
         raise bad("top_p", "'top_p' is 0; it must be in (0, 1] (1 means no nucleus filter)")
     top_k = integer(body, "top_k", 0, limits.vocab_size, 0)
     seed = integer(body, "seed", 0, MAX_SEED - MAX_N, 0)
-    prompt = chat_prompt(body, render) if chat else completion_prompt(body, limits, encode)
+    prompt = messages_prompt(body, render) if chat else completion_prompt(body, encode)
     room = limits.context - len(prompt)
     field = "messages" if chat else "prompt"
     if room < 1:
@@ -359,7 +353,9 @@ def check_request(
     )
     for generation in generations:
         try:
-            generation.validate(limits.vocab_size)
+            check_request(Request("", tuple(prompt), generation), limits.config, SERVER, limits.context)
+        except PromptError as exc:
+            raise bad(field, str(exc)) from None
         except UserError as exc:  # what the ports' shared checks refuse past the bounds above
             raise bad(None, str(exc)) from None
     return Completion(chat, tuple(prompt), generations, stop, stream, usage, return_ids, logprobs)

@@ -144,3 +144,46 @@ def test_a_tokenizer_json_past_the_memory_limit_is_refused_unread(tmp_path, caps
     sparse(folder / "tokenizer.json", 2 * MiB)
     err = generate(capsys, port, "--tokenizer", folder, "--text", "w1")
     assert "tokenizer file 2.0 MiB, parsed tokenizer file 20.0 MiB" in err and "above the limit of 1.0 MiB" in err, err
+
+
+# ---------------------------------------------------------------- one rule, every front door
+
+BAD_PROMPT = [1, 999, 3]  # 999: outside the seed model's vocabulary of 500
+FRONT_DOORS = {
+    "command line": "token id 999 in prompt 0 is outside [0, 500) (vocab_size 500)",
+    "api": "token id 999 in prompt 0 is outside [0, 500) (vocab_size 500)",
+    "batch line": "line 1: prompt token 999 is outside [0, 500) (vocab_size 500)",
+    "server": "'prompt' token 999 is outside [0, 500) (vocab_size 500)",
+}
+
+
+def refusal_at(door: str, capsys: pytest.CaptureFixture, tmp_path: Path) -> str:
+    """What `door` answers the bad prompt with: its one message."""
+    import kvports
+    from kvports.formats.weights import DEFAULT_WEIGHTS, open_weights
+    from kvports.server.schemas import ApiError, Limits, check_body
+
+    if door == "command line":
+        argv = ["generate", "--framework", "numpy", "--mode", "cached", "--prompt", ",".join(map(str, BAD_PROMPT))]
+        return assert_one_error_line(*run_cli(capsys, *argv))[7:-1]
+    if door == "api":
+        with pytest.raises(kvports.UserError) as refused:
+            kvports.load("numpy").generate(BAD_PROMPT, new_tokens=2)
+        return str(refused.value)
+    if door == "batch line":
+        requests = tmp_path / "requests.jsonl"
+        requests.write_text(f'{{"prompt": {BAD_PROMPT}, "max_new_tokens": 2}}\n')
+        code, _, err = run_cli(capsys, "batch", "--requests", requests, "--framework", "numpy")
+        assert code == 2
+        return err.splitlines()[0].removeprefix("error: ")  # the bad line's; then that no line is left to run
+    with open_weights(DEFAULT_WEIGHTS) as file:
+        limits = Limits("seed", file.config.vocab_size, file.config.max_seq_len, (), file.config)
+    with pytest.raises(ApiError) as refused:
+        check_body({"model": "seed", "prompt": BAD_PROMPT, "max_tokens": 2}, limits, False, None, None)
+    assert (refused.value.status, refused.value.param) == (400, "prompt")
+    return refused.value.message
+
+
+@pytest.mark.parametrize("door", FRONT_DOORS)
+def test_one_prompt_rule_refuses_the_same_prompt_at_every_front_door_in_its_own_words(capsys, tmp_path, door):
+    assert refusal_at(door, capsys, tmp_path) == FRONT_DOORS[door]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from kvports.batching.requests import parse_requests, split_lines
+from kvports.batching.request_file import parse_requests, split_lines
 from kvports.shared.config import ModelConfig
 from tests.helpers.commands import batch, requests_file, run_batch, run_cli
 

@@ -77,7 +77,7 @@ def test_generate_checks_each_input_once(capsys, monkeypatch, tmp_path):
     draft = tmp_path / "draft.safetensors"
     config = ModelConfig(d_model=16, n_heads=2, n_layers=1)
     save_weights(draft, random_weights(config), config)
-    names = ("check_prompts", "check_generation", "check_draft", "check_draft_model", "check_needed", "check_run")
+    names = ("check_prompts", "check_seeds", "check_draft", "check_draft_model", "check_needed", "check_run")
     calls = dict.fromkeys(names, 0)
     for name in names:
         module = validation if name == "check_draft_model" else run  # the draft's vocabulary: a rule

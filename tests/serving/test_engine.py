@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvports.batching.engine import BatchSettings, Engine
-from kvports.batching.requests import Request
+from kvports.batching.request import Request
 from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig
 from tests.helpers.models import random_weights

@@ -1,4 +1,5 @@
-"""Requests: one JSON object a line, checked line by line before any framework code runs.
+"""Request files: one JSON object a line, each a `request.Request` checked by `check_request` before
+any framework code runs.
 
 A line holds a prompt as token ids (`"prompt": [1, 2, 3]`), as text (`"text": "..."`,
 encoded with --tokenizer) or as a chat (`"messages": [{"role": "user", "content": "..."}]`,
@@ -13,36 +14,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from kvports.batching.request import Chat, Request, chat_prompt, check_request
+from kvports.shared.checks import BATCH_LINE
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import GenerationConfig
-from kvports.validation import check_seeds
 
 SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids")
 FIELDS = ("id", "prompt", "text", "messages", *SETTINGS)
 
 Encode = Callable[[str], list[int]]
-Chat = Callable[[list[dict[str, str]]], list[int]]  # messages -> the model's chat template's token ids
-MAX_CHAT_CHARACTERS = 1 << 20  # of one line's messages' contents together, as a --chat-file's bytes
-
-
-@dataclass(frozen=True)
-class Request:
-    id: str
-    prompt: tuple[int, ...]
-    generation: GenerationConfig
-    text: str | None = field(default=None, compare=False)  # the line's text prompt, if it had one
-    # The server's (its body checked it): each new token's log-probability and this many likeliest
-    # tokens' at its step; None: none. Batch files do not take it.
-    logprobs: int | None = None
-
-    @property
-    def max_length(self) -> int:
-        """The longest its sequence gets: the prompt and every new token."""
-        return len(self.prompt) + self.generation.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -52,34 +36,6 @@ class BadLine:
 
     def __str__(self) -> str:
         return f"line {self.line}: {self.message}"
-
-
-def check_request(request: Request, config: ModelConfig, max_tokens: int | None = None) -> Request:
-    """A request every port can run, or a UserError saying why not. max_tokens: what the block
-    pool can hold for one sequence (prompt plus new tokens), when that is smaller than max_seq_len."""
-    if not request.prompt:
-        raise UserError("the prompt is empty: give at least one token id")
-    for token in request.prompt:
-        if not isinstance(token, int) or isinstance(token, bool):
-            raise UserError(f"prompt token {echo(token)} is not an integer")
-        if not 0 <= token < config.vocab_size:
-            raise UserError(
-                f"prompt token {echo(token)} is outside [0, {config.vocab_size}) (vocab_size {config.vocab_size})"
-            )
-    request.generation.validate(config.vocab_size)
-    check_seeds(request.generation, 1)  # a request is one row: one seed
-    total = request.max_length
-    if total > config.max_seq_len:
-        raise UserError(
-            f"prompt length {len(request.prompt)} + max_new_tokens {request.generation.max_new_tokens} = {total} "
-            f"exceeds max_seq_len {config.max_seq_len}"
-        )
-    if max_tokens is not None and total > max_tokens:
-        raise UserError(
-            f"prompt length {len(request.prompt)} + max_new_tokens {request.generation.max_new_tokens} = "
-            f"{total} tokens do not fit the block pool ({max_tokens} tokens)"
-        )
-    return request
 
 
 def parse_line(
@@ -105,7 +61,9 @@ def parse_line(
     if sum(name in data for name in ("prompt", "text", "messages")) != 1:
         raise UserError("give exactly one of 'prompt' (token ids), 'text' and 'messages' (a chat)")
     if "messages" in data:
-        prompt = chat_prompt(data["messages"], chat)
+        if chat is None:
+            raise UserError("'messages' renders a GGUF file's chat template: give --model NAME or --weights FILE.gguf")
+        prompt = chat_prompt(data["messages"], chat, BATCH_LINE)
     elif "text" in data:
         if not isinstance(data["text"], str):
             raise UserError(f"'text' must be a string, got {type(data['text']).__name__}")
@@ -129,24 +87,6 @@ def parse_line(
         generation=generation_of(data, default_new_tokens, default_stops),
         text=data.get("text"),
     )
-
-
-def chat_prompt(messages: object, chat: Chat | None) -> list[int]:
-    """A line's "messages" ([{"role", "content"}], as --chat-file holds) in the model's chat template."""
-    from kvports.formats.chat import check_messages
-
-    if chat is None:
-        raise UserError("'messages' renders a GGUF file's chat template: give --model NAME or --weights FILE.gguf")
-    checked = check_messages(messages, "'messages'")
-    size = sum(len(message["content"]) for message in checked)
-    if size > MAX_CHAT_CHARACTERS:
-        raise UserError(f"'messages' hold {size} characters of content, above {MAX_CHAT_CHARACTERS}")
-    for message in checked:
-        try:
-            message["content"].encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate escape, which no tokenizer takes
-            raise UserError(f"'messages' content {echo(message['content'])} is not valid UTF-8") from None
-    return chat(checked)
 
 
 def generation_of(data: dict[str, Any], default_new_tokens: int, default_stops: tuple[int, ...]) -> GenerationConfig:
@@ -182,7 +122,7 @@ def parse_requests(
             continue
         try:
             request = parse_line(text, number, default_new_tokens, config.eos_token_ids, encode, chat)
-            parsed.append((number, check_request(request, config, max_tokens)))
+            parsed.append((number, check_request(request, config, BATCH_LINE, max_tokens)))
         except UserError as exc:
             parsed.append((number, BadLine(number, str(exc))))
     # Ids that name their own line (given or not): no other line may take them.
