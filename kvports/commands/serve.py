@@ -1,22 +1,20 @@
 """`kvports serve`: an OpenAI-compatible HTTP server over the continuous-batching engine (docs/SERVING.md).
 
 Everything the user gave is checked before any framework code runs, as `kvports batch` checks it,
-and the address is bound; then the model loads, the engine runs one warm-up request (JAX compiles
-its decode program and a one-row prefill program there, not on the first client's request), and
-one line on stdout says where it listens. SIGINT or SIGTERM: it stops accepting, lets running
-requests finish (a few seconds at most, then cancels them) and exits 0.
+and the address is bound and listening; then the model loads, the engine runs one warm-up request
+(JAX compiles its decode program and a one-row prefill program there, not on the first client's
+request), and one line on stdout says where it listens. SIGINT or SIGTERM: it stops accepting,
+lets running requests finish (--shutdown-timeout, then ends each with an error, a stream's last
+chunk) and exits 0; a second signal ends them at once (kvports/server/connections.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from kvports.batching.engine import BatchSettings, Engine, EngineStats, run_byte
 from kvports.batching.request import Request
 from kvports.commands import batch
 from kvports.commands.batch import chat_of, load_tokenizer
+from kvports.commands.check import seconds
 from kvports.devices import add_device_argument
 from kvports.flags import (
     OutOfRange,
@@ -47,8 +46,11 @@ HELP = "serve a model over HTTP with the OpenAI API (completions, chat, streamin
 MAX_BATCH = 16
 MAX_LENGTH = 1024  # the default longest sequence: a model's whole context sizes a pool too large to hold
 MAX_QUEUE = 64
-GRACEFUL_S = 5  # how long running requests may finish after SIGINT or SIGTERM
+GRACEFUL_S = 5.0  # how long running requests may finish after SIGINT or SIGTERM
+HEADER_TIMEOUT_S = 10.0  # a request's headers, from its connection (or its first bytes after a previous request)
+BODY_TIMEOUT_S = 30.0  # its body, from its headers: 4 MiB at 1 Mbit/s
 LOOPBACK = "127.0.0.1"
+BACKLOG = 2048  # connections waiting to be accepted (uvicorn's default)
 MAX_PORT = 65535
 INSTALL = "kvports serve needs FastAPI, uvicorn and prometheus-client: pip install 'kvports[serve]'"
 # What the server runs: the engine's paged steps (as `kvports batch`).
@@ -92,6 +94,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=MAX_QUEUE,
         help=f"requests waiting beyond the batch before new ones get 429 (default {MAX_QUEUE})",
     )
+    parser.add_argument(
+        "--header-timeout",
+        type=seconds,
+        default=HEADER_TIMEOUT_S,
+        metavar="S",
+        help="a request's headers must arrive within S seconds of its connection opening, or of its first "
+        f"bytes after a previous request; an idle connection closes after S (default {HEADER_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=seconds,
+        default=BODY_TIMEOUT_S,
+        metavar="S",
+        help=f"a request's body must arrive within S seconds of its headers, else 408 (default {BODY_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=seconds,
+        default=GRACEFUL_S,
+        metavar="S",
+        help="after SIGINT or SIGTERM running requests may finish for S seconds; then each ends with an error "
+        f"(a stream's last chunk); a second signal ends them at once (default {GRACEFUL_S:g})",
+    )
     add_threads_argument(parser)
 
 
@@ -109,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         state, app = prepare(args)
         state.loop.start()
         try:
-            make_server(app, args.host, args.port, state.describe).run(sockets=[sock])
+            make_server(app, state, args.host, args.port, args).run(sockets=[sock])
         finally:
             state.loop.stop()
     print("kvports serve: stopped", file=sys.stderr, flush=True)
@@ -117,7 +142,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The server's socket, bound: an address this machine does not have, or a port in use, is a user error."""
+    """The server's socket, bound and listening: an address this machine does not have, or a port in
+    use, is a user error. It listens at once, before the model loads: with SO_REUSEADDR, two sockets
+    that are only bound may share a port, and a second server started beside the first would load
+    its model and fail only when it came to listen. A client that connects meanwhile waits in the
+    backlog until the server is ready."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -126,6 +155,7 @@ def listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
     try:
         sock.bind((host, port))
+        sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()
         raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
@@ -177,12 +207,24 @@ def prepare(args: argparse.Namespace, wrap_port: Any = None) -> tuple[Any, Any]:
     state = ServerState(loop, metrics, limits, tokenizer, encode, chat_of(args.weights, tokenizer), args.api_key)
     state.created = int(time.time())
     state.describe = f"{args.framework}, model {limits.model}, context {context}"
+    state.body_timeout = args.body_timeout
     return state, create_app(state)
 
 
 def check_api_key(args: argparse.Namespace) -> None:
-    if args.api_key is not None and not args.api_key.strip():
+    """A key a client can send: an HTTP header carries ASCII, and a key with a space, a tab or a
+    control character in it would be cut or refused on its way. The key itself is never echoed."""
+    key = args.api_key
+    if key is None:
+        return
+    if not key.strip():
         raise UserError("--api-key is empty: give a key, or leave the flag out for none")
+    for index, character in enumerate(key):
+        if not "!" <= character <= "~":
+            raise UserError(
+                f"the API key (--api-key or $KVPORTS_API_KEY) holds U+{ord(character):04X} at character {index}: "
+                "a key is visible ASCII ('!' to '~'), as an HTTP header carries it; no client could send this one"
+            )
 
 
 def settings_of(args: argparse.Namespace, config: ModelConfig) -> BatchSettings:
@@ -211,41 +253,9 @@ def warm_up(engine: Engine) -> None:
     engine.blocks.peak_used = 0
 
 
-def make_server(app: Any, host: str, port: int, what: str) -> Any:
-    """uvicorn's server for the app: one line on stdout once it listens; SIGINT or SIGTERM end it
-    cleanly (its run returns, and the command exits 0, not by the signal)."""
-    import threading
+def make_server(app: Any, state: Any, host: str, port: int, args: argparse.Namespace) -> Any:
+    """uvicorn's server for the app, with the timeouts and the shutdown of kvports/server/connections.py."""
+    from kvports.server.connections import Timeouts, make_server
 
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            if self.started:
-                bound, number = self.servers[0].sockets[0].getsockname()[:2]
-                self.url = f"http://{f'[{bound}]' if ':' in bound else bound}:{number}"
-                print(f"kvports serve: ready on {self.url} ({what})", flush=True)
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            # uvicorn's own re-raises the signal once it has stopped, which ends the process by it.
-            if threading.current_thread() is not threading.main_thread():  # a test's server: no signals
-                yield
-                return
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=GRACEFUL_S,
-        lifespan="off",
-    )
-    return Server(config)
+    timeouts = Timeouts(args.header_timeout, args.body_timeout, args.shutdown_timeout)
+    return make_server(app, host, port, state.describe, timeouts, state.end_requests)

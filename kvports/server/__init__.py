@@ -6,6 +6,8 @@ One module per job:
 - `loop`: the engine's loop, in its own thread: requests join the running batch, tokens go back as made
 - `metrics`: the Prometheus metrics `/metrics` shows
 - `app`: the FastAPI application: the endpoints, streaming, the API key
+- `connections`: uvicorn's server for it: deadlines on each request's headers and body, and a
+  shutdown that ends every running request with its last chunk
 
 FastAPI, uvicorn and prometheus-client are the `serve` extra: nothing here is imported by the
 rest of kvports, and `kvports serve` without them says what to install.

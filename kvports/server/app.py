@@ -7,18 +7,21 @@
 Imported only by `kvports serve`, once it has found FastAPI installed (the `serve` extra).
 Every refusal is an OpenAI error object with a 4xx status; an unexpected failure is a 500 with a
 one-line message, never a traceback. A client that goes away cancels its request (its blocks go
-back before the next step). With an API key, `/v1/` asks for `Authorization: Bearer KEY`, compared
-in constant time.
+back before the next step); one whose body does not come within the body timeout is answered
+408. At shutdown, `end_requests` ends what still runs with a 503 error object (a stream's last
+chunk, then `[DONE]`). With an API key, `/v1/` asks for `Authorization: Bearer KEY`, compared in
+constant time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
@@ -26,6 +29,7 @@ from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from kvports.batching.request import Request
 from kvports.batching.scheduler import TokenLogprobs
@@ -37,6 +41,7 @@ from kvports.server.schemas import MAX_BODY_BYTES, ApiError, Chat, Completion, E
 
 RETRY_AFTER_S = 1  # a full queue's advice: most requests finish within seconds
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens looks whether its client is still there
+BODY_TIMEOUT_S = 30.0  # a request body's time to arrive, from its headers (kvports serve --body-timeout)
 
 
 @dataclass
@@ -50,6 +55,15 @@ class ServerState:
     api_key: str | None = None
     created: int = 0  # the model's "created" time, as /v1/models shows it
     describe: str = ""  # the framework, model and context, for the line that says it is ready
+    body_timeout: float = BODY_TIMEOUT_S
+    answers: set[Answer] = field(default_factory=set)  # the requests running now
+
+    def end_requests(self) -> int:
+        """End every running request now (the server shuts down): each answers a 503 error object,
+        a stream as its last chunk. How many there were."""
+        for answer in self.answers:
+            answer.job.events.put_nowait(("shutdown", 0, None))  # after the tokens already made
+        return len(self.answers)
 
 
 def create_app(state: ServerState) -> Any:
@@ -80,8 +94,12 @@ def create_app(state: ServerState) -> Any:
     def authorize(request: HttpRequest) -> None:
         if state.api_key is None:
             return
-        given = request.headers.get("authorization", "").encode("utf-8", "replace")
-        if not hmac.compare_digest(given, f"Bearer {state.api_key}".encode()):
+        # The header as its bytes (Starlette decodes headers as Latin-1); the scheme's name is
+        # case-insensitive (RFC 9110), the key is not. The key is visible ASCII (checked at start).
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip(" ").encode("latin-1"), state.api_key.encode("ascii")
+        ):
             raise ApiError(
                 401,
                 "a valid API key is required: 'Authorization: Bearer KEY'",
@@ -117,7 +135,7 @@ def create_app(state: ServerState) -> Any:
 
     async def complete(request: HttpRequest, chat: bool) -> Any:
         authorize(request)
-        body = parse_body(await read_body(request))
+        body = parse_body(await read_body(request, state.body_timeout))
         checked = check_body(body, state.limits, chat, state.encode, state.chat)
         job = make_job(checked)
         try:
@@ -133,6 +151,7 @@ def create_app(state: ServerState) -> Any:
                 {"Retry-After": str(RETRY_AFTER_S)},
             ) from None
         answer = Answer(state, checked, job, request, str(body["model"]))
+        state.answers.add(answer)
         if checked.stream:
             return StreamingResponse(
                 answer.stream(),
@@ -142,12 +161,11 @@ def create_app(state: ServerState) -> Any:
         try:
             return await answer.whole()
         finally:
+            state.answers.discard(answer)
             if not answer.done:
                 state.loop.cancel(job)
 
     def make_job(checked: Completion) -> Job:
-        import asyncio
-
         request_id = secrets.token_hex(8)
         choices = [
             Choice(index, Request(f"{request_id}-{index}", checked.prompt, generation, logprobs=checked.logprobs))
@@ -158,19 +176,30 @@ def create_app(state: ServerState) -> Any:
     return app
 
 
-async def read_body(request: Any) -> bytes:
-    """The body, refused (413) past MAX_BODY_BYTES, by its declared length or as it arrives."""
+async def read_body(request: Any, seconds: float) -> bytes:
+    """The body, refused (413) past MAX_BODY_BYTES, by its declared length or as it arrives, and
+    (408) if it has not all come within `seconds`: a body trickled, or one that never ends."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise ApiError(413, f"the request body is {declared} bytes, above {MAX_BODY_BYTES}", None, "body_too_large")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is above {MAX_BODY_BYTES} bytes", None, "body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def chunks() -> bytes:
+        read: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is above {MAX_BODY_BYTES} bytes", None, "body_too_large")
+            read.append(chunk)
+        return b"".join(read)
+
+    try:
+        return await asyncio.wait_for(chunks(), seconds)
+    except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+        message = f"the request body did not arrive within {seconds:g} s"
+        raise ApiError(408, message, None, "body_timeout", headers={"Connection": "close"}) from None
+    except ClientDisconnect:  # nobody reads the answer
+        raise ApiError(499, "the client closed the connection") from None
 
 
 class Answer:
@@ -188,24 +217,27 @@ class Answer:
         self.offsets = [0] * n  # a completion's text_offset: the characters of its tokens' texts so far
         self.spelled: dict[int, str] = {}  # token id -> its text
         self.finish: list[str | None] = [None] * n
-        self.error: str | None = None
+        self.error: ApiError | None = None  # the generation failed, or the server ended it
         self.done = False
 
     # ---------------------------------------------------------------- events
 
     async def events(self) -> AsyncIterator[tuple[int, str, str | None]]:
         """(choice, new text, finish reason or None) as the engine makes them; ends when every choice has."""
-        import asyncio
-
         while not all(reason is not None for reason in self.finish):
             try:
                 event = await asyncio.wait_for(self.job.events.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 if await self.request.is_disconnected():
                     self.state.loop.cancel(self.job)
                     return
                 continue
             kind, index, value = event
+            if kind == "shutdown":
+                message = "the server is shutting down: this request ended before it finished"
+                self.error = ApiError(503, message, None, "server_shutdown", "server_error")
+                self.state.loop.cancel(self.job)
+                return
             detokenizer = self.text[index]
             if kind == "tokens":
                 ids, logprobs = value
@@ -221,8 +253,8 @@ class Answer:
                     yield index, piece + detokenizer.finish(), "stop"
                 elif piece:
                     yield index, piece, None
-            elif kind == "error":
-                self.error = str(value)
+            elif kind == "error":  # the request was good; its generation failed (an overflow, a failed step)
+                self.error = ApiError(500, str(value), None, "generation_failed", "server_error")
                 self.finish[index] = "error"
                 self.state.loop.cancel(self.job)
                 return
@@ -231,10 +263,6 @@ class Answer:
                 self.finish[index] = reason
                 yield index, detokenizer.finish(), reason
         self.done = True
-
-    def failure(self) -> ApiError:
-        """The request was good; its generation failed (logits that overflowed, a failed step)."""
-        return ApiError(500, str(self.error), None, "generation_failed", "server_error")
 
     def usage(self) -> dict[str, Any]:
         prompt = len(self.checked.prompt)
@@ -254,7 +282,7 @@ class Answer:
         async for index, piece, _ in self.events():
             texts[index] += piece
         if self.error is not None:
-            raise self.failure()
+            raise self.error
         if not self.done:  # the client went away: nobody reads this
             raise ApiError(499, "the client closed the connection")
         choices = [self.choice(index, text) for index, text in enumerate(texts)]
@@ -297,7 +325,7 @@ class Answer:
                     empty = {} if self.checked.chat else ""
                     yield self.sse(self.chunk(index, delta if piece else empty, reason, new, logprobs))
             if self.error is not None:
-                yield self.sse(self.failure().body())
+                yield self.sse(self.error.body())
             elif self.done and self.checked.include_usage:
                 usage = {
                     "id": self.id,
@@ -311,6 +339,7 @@ class Answer:
             if self.done or self.error is not None:
                 yield "data: [DONE]\n\n"
         finally:
+            self.state.answers.discard(self)
             if not self.done:
                 self.state.loop.cancel(self.job)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvports.batching.request import Chat, PromptError, Request, chat_prompt, check_request
+from kvports.formats.chat import check_text
 from kvports.shared.checks import MAX_SEED, SERVER
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError, echo
@@ -56,12 +57,19 @@ class ApiError(Exception):
         kind: str = "invalid_request_error",
         headers: dict[str, str] | None = None,
     ):
+        message, param = encodable(message), None if param is None else encodable(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def encodable(text: str) -> str:
+    """`text` with what UTF-8 cannot encode (a lone surrogate, from JSON's "\\ud800") written as its
+    escape: a message or a field name that echoes the client's text is always a response."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad(param: str | None, message: str, code: str | None = None) -> ApiError:
@@ -262,6 +270,10 @@ def completion_prompt(body: dict[str, Any], encode: Encode | None) -> list[Any]:
     if isinstance(prompt, str):
         if encode is None:
             raise bad("prompt", "this model has no tokenizer: give 'prompt' as a list of token ids")
+        try:
+            check_text(prompt, "'prompt'")  # as a chat's content is: text a tokenizer takes
+        except UserError as exc:
+            raise bad("prompt", str(exc)) from None
         return encode(prompt)
     if isinstance(prompt, list):
         if prompt and all(isinstance(item, (str, list)) for item in prompt):

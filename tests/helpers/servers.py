@@ -45,7 +45,7 @@ def start_server(*argv: object, wrap_port: Any = None) -> Running:
     resolve_model(args)
     state, app = serve.prepare(args, wrap_port)
     state.loop.start()
-    server = serve.make_server(app, "127.0.0.1", 0, state.describe)
+    server = serve.make_server(app, state, "127.0.0.1", 0, args)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + START_S
@@ -57,9 +57,11 @@ def start_server(*argv: object, wrap_port: Any = None) -> Running:
     return Running(server.url, state, server, thread)
 
 
-def start_process(*argv: object) -> tuple[subprocess.Popen, str]:
-    """`kvports serve ARGV` as a subprocess on a free loopback port, and its URL once it says it is ready."""
-    command = [sys.executable, "-m", "kvports.cli", "serve", *map(str, argv), "--port", "0"]
+def start_process(*argv: object, step_s: float | None = None) -> tuple[subprocess.Popen, str]:
+    """`kvports serve ARGV` as a subprocess on a free loopback port, and its URL once it says it is ready.
+    step_s: every engine step takes at least that long (tests.helpers.slow_serve)."""
+    program = ["kvports.cli"] if step_s is None else ["tests.helpers.slow_serve", str(step_s)]
+    command = [sys.executable, "-m", *program, "serve", *map(str, argv), "--port", "0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout is not None
     timer = threading.Timer(START_S, process.kill)  # a server that never says it is ready ends the read

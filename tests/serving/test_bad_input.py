@@ -90,6 +90,22 @@ CASES = {
     ),
     "a message without content": (CHAT, chat(messages=[{"role": "user"}]), 400, "messages", "message 0 is"),
     "a chat field on completions": (COMPLETIONS, good(messages=HELLO), 400, "messages", "unknown field 'messages'"),
+    # JSON's escape of a lone surrogate: Python reads it as a str no UTF-8 encoder takes, so every
+    # message that shows it escapes it, and a prompt holding one is refused as a chat's content is.
+    "a lone surrogate in a field name": (
+        COMPLETIONS,
+        b'{"model": "tiny", "prompt": [1], "\\ud800": 1}',
+        400,
+        "\\ud800",
+        "unknown field '\\ud800'",
+    ),
+    "a lone surrogate in a string prompt": (
+        COMPLETIONS,
+        good(prompt="a\ud800"),
+        400,
+        "prompt",
+        "'prompt' holds a lone surrogate U+D800 at character 1, not text",
+    ),
     "stream_options without stream": (
         COMPLETIONS,
         good(stream_options={"include_usage": True}),
