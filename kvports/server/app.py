@@ -304,6 +304,7 @@ class Answer:
             choice["text"] = text
         choice["logprobs"] = self.logprobs_of(index, 0, len(self.tokens[index]))
         choice["finish_reason"] = self.finish[index]
+        choice["seed"] = self.checked.generations[index].seed  # `kvports generate --seed` repeats it
         if self.checked.return_token_ids:
             choice["token_ids"] = self.tokens[index]
         return choice
@@ -357,6 +358,7 @@ class Answer:
             choice["text"] = delta
         choice["logprobs"] = logprobs
         choice["finish_reason"] = reason
+        choice["seed"] = self.checked.generations[index].seed
         if self.checked.return_token_ids:
             choice["token_ids"] = token_ids
         chunk = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "choices": [choice]}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -93,7 +94,7 @@ class Completion:
 
     chat: bool
     prompt: tuple[int, ...]
-    generations: tuple[GenerationConfig, ...]  # one per choice (n), seeded seed, seed + 1, ...
+    generations: tuple[GenerationConfig, ...]  # one per choice (n): seeds seed, seed + 1, ... (given or drawn)
     stop: tuple[str, ...]  # stop strings, matched on the decoded text
     stream: bool
     include_usage: bool
@@ -329,7 +330,9 @@ def check_body(
     if top_p == 0.0:
         raise bad("top_p", "'top_p' is 0; it must be in (0, 1] (1 means no nucleus filter)")
     top_k = integer(body, "top_k", 0, limits.vocab_size, 0)
-    seed = integer(body, "seed", 0, MAX_SEED - MAX_N, 0)
+    seed = integer(body, "seed", 0, MAX_SEED - MAX_N, None)
+    if seed is None:  # a fresh draw, as OpenAI's: each choice says its seed, so it can be repeated
+        seed = secrets.randbelow(MAX_SEED - MAX_N + 1)
     prompt = messages_prompt(body, render) if chat else completion_prompt(body, encode)
     room = limits.context - len(prompt)
     field = "messages" if chat else "prompt"
