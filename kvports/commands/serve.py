@@ -81,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("KVPORTS_API_KEY"),
         help="ask /v1/ requests for 'Authorization: Bearer KEY' (default: $KVPORTS_API_KEY; none: no key)",
     )
+    parser.add_argument(
+        "--allowed-origins",
+        type=origins,
+        action="append",
+        default=[],
+        metavar="ORIGINS",
+        help="origins a browser may call from (CORS), comma-separated or repeated, e.g. "
+        "http://localhost:3000; '*' for any (default: none, as a browser page elsewhere gets no answer)",
+    )
     add_engine_arguments(parser, MAX_BATCH, "--max-batch sequences of --max-length")
     parser.add_argument(
         "--max-length",
@@ -118,6 +127,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(a stream's last chunk); a second signal ends them at once (default {GRACEFUL_S:g})",
     )
     add_threads_argument(parser)
+
+
+def origins(text: str) -> list[str]:
+    """--allowed-origins' value: origins separated by commas (vLLM's flag, its values as Starlette's CORS takes)."""
+    found = [origin.strip() for origin in text.split(",") if origin.strip()]
+    if not found:
+        raise OutOfRange("no origin given")
+    return found
 
 
 def port_number(text: str) -> int:
@@ -208,6 +225,7 @@ def prepare(args: argparse.Namespace, wrap_port: Any = None) -> tuple[Any, Any]:
     state.created = int(time.time())
     state.describe = f"{args.framework}, model {limits.model}, context {context}"
     state.body_timeout = args.body_timeout
+    state.allowed_origins = tuple(origin for given in args.allowed_origins for origin in given)
     return state, create_app(state)
 
 

@@ -10,7 +10,7 @@ one-line message, never a traceback. A client that goes away cancels its request
 back before the next step); one whose body does not come within the body timeout is answered
 408. At shutdown, `end_requests` ends what still runs with a 503 error object (a stream's last
 chunk, then `[DONE]`). With an API key, `/v1/` asks for `Authorization: Bearer KEY`, compared in
-constant time.
+constant time. With `--allowed-origins`, Starlette's CORS middleware answers browsers' preflights.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class ServerState:
     created: int = 0  # the model's "created" time, as /v1/models shows it
     describe: str = ""  # the framework, model and context, for the line that says it is ready
     body_timeout: float = BODY_TIMEOUT_S
+    allowed_origins: tuple[str, ...] = ()  # the origins a browser page may call from (CORS); none by default
     answers: set[Answer] = field(default_factory=set)  # the requests running now
 
     def end_requests(self) -> int:
@@ -68,6 +69,15 @@ class ServerState:
 
 def create_app(state: ServerState) -> Any:
     app = FastAPI(title="kvports", docs_url=None, redoc_url=None, openapi_url=None)
+    if state.allowed_origins:  # a browser asks first (a preflight); without this it gets 405
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],  # Authorization and Content-Type among them
+        )
 
     def error_response(error: ApiError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)

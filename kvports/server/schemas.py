@@ -36,14 +36,42 @@ NO_OPS: dict[str, tuple[object, ...]] = {
     "frequency_penalty": (0, 0.0, None),
     "presence_penalty": (0, 0.0, None),
     "logit_bias": (None, {}),
-    "user": (),  # any string: it names the caller, it changes nothing
     "echo": (None, False),
     "suffix": (None,),
     "best_of": (None, 1),
 }
+CHAT_NO_OPS: dict[str, tuple[object, ...]] = {"tool_choice": (None, "none"), "modalities": (None, ["text"])}
+# Fields OpenAI's clients send that change nothing here, taken at any value of their JSON type:
+# who calls (user, safety_identifier), OpenAI's storage and billing (store, metadata, service_tier,
+# prompt_cache_key, prompt_cache_retention), and a tool setting with no tools.
+IGNORED: dict[str, type] = {"user": str}
+CHAT_IGNORED: dict[str, type] = {
+    **IGNORED,
+    "safety_identifier": str,
+    "store": bool,
+    "metadata": dict,
+    "service_tier": str,
+    "prompt_cache_key": str,
+    "prompt_cache_retention": str,
+    "parallel_tool_calls": bool,
+}
+REFUSED = {  # known to OpenAI's clients and not done here: a 400 that says so, not "unknown field"
+    "tools": "this server does no tool calling",
+    "functions": "this server does no function calling",
+    "function_call": "this server does no function calling",
+}
 EXTENSIONS = ("return_token_ids",)  # vLLM's: each choice carries its token ids
-CHAT_FIELDS = (*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs", *NO_OPS, *EXTENSIONS)
-COMPLETION_FIELDS = (*COMMON, "prompt", "logprobs", *NO_OPS, *EXTENSIONS)
+CHAT_FIELDS = (
+    *COMMON,
+    *("messages", "max_completion_tokens", "logprobs", "top_logprobs"),
+    *NO_OPS,
+    *CHAT_NO_OPS,
+    *CHAT_IGNORED,
+    *EXTENSIONS,
+)
+COMPLETION_FIELDS = (*COMMON, "prompt", "logprobs", *NO_OPS, *IGNORED, *EXTENSIONS)
+TEXT_PART = "text"  # the one content part type a text-only model takes
+ROLES = {"developer": "system"}  # OpenAI's newer name for the system message
 
 
 class ApiError(Exception):
@@ -199,18 +227,22 @@ def boolean(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def check_fields(body: dict[str, Any], known: tuple[str, ...]) -> None:
+def check_fields(body: dict[str, Any], chat: bool) -> None:
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
     for name in body:
+        if chat and name in REFUSED:
+            raise bad(name, f"'{name}' is not supported: {REFUSED[name]}", "unsupported")
         if name not in known:
             raise bad(name, f"unknown field {echo(name)[:80]} (known: {', '.join(known)})", "unknown_field")
-    for name, allowed in NO_OPS.items():
+    for name, kind in (CHAT_IGNORED if chat else IGNORED).items():
+        if name in body and body[name] is not None and not isinstance(body[name], kind):
+            wanted = json_type(kind())
+            raise bad(name, f"'{name}' must be {wanted}, got {json_type(body[name])}")
+    for name, allowed in (NO_OPS | CHAT_NO_OPS if chat else NO_OPS).items():
         if name not in body:
             continue
         value = body[name]
-        if name == "user":
-            if not isinstance(value, str):
-                raise bad(name, f"'user' must be a string, got {json_type(value)}")
-        elif not any(value == option and type(value) is type(option) for option in allowed):
+        if not any(value == option and type(value) is type(option) for option in allowed):
             shown = " or ".join(json.dumps(option) for option in allowed)
             raise bad(name, f"'{name}' is not supported by this server: leave it out or give {shown}", "unsupported")
 
@@ -291,9 +323,38 @@ def messages_prompt(body: dict[str, Any], chat: Chat | None) -> list[int]:
     if messages is None:
         raise bad("messages", "'messages' is missing: give a non-empty list of {'role', 'content'} messages")
     try:
-        return chat_prompt(messages, chat, SERVER)
+        return chat_prompt(openai_messages(messages), chat, SERVER)
     except UserError as exc:
         raise bad("messages", str(exc)) from None
+
+
+def openai_messages(messages: object) -> object:
+    """OpenAI's message forms as the chat template's: content as a list of text parts joined by
+    newlines (as vLLM joins them), the developer role as system. Anything else is left for the
+    chat rule (`kvports.formats.chat.check_messages`) to judge."""
+    if not isinstance(messages, list):
+        return messages
+    plain = []
+    for message in messages:
+        if isinstance(message, dict):
+            message = dict(message)
+            if message.get("role") in ROLES:
+                message["role"] = ROLES[message["role"]]
+            if isinstance(message.get("content"), list):
+                message["content"] = "\n".join(text_part(part) for part in message["content"])
+        plain.append(message)
+    return plain
+
+
+def text_part(part: object) -> str:
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise bad("messages", f"a content part must be an object with a 'type', got {json_type(part)}")
+    if part["type"] != TEXT_PART:
+        shown = echo(part["type"])[:80]
+        raise bad("messages", f"content part type {shown} is not supported: this model takes 'text' parts only")
+    if not isinstance(part.get("text"), str):
+        raise bad("messages", f"a 'text' content part's 'text' must be a string, got {json_type(part.get('text'))}")
+    return part["text"]
 
 
 # ---------------------------------------------------------------- the request
@@ -317,7 +378,7 @@ def check_body(
 ) -> Completion:
     """A body as the engine's requests, or the ApiError that names the first bad field: the body's
     own fields here, then the request every door makes (`request.check_request`, in the body's words)."""
-    check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    check_fields(body, chat)
     check_model(body, limits)
     stream = boolean(body, "stream")
     usage = include_usage(body, stream)
