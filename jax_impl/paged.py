@@ -159,23 +159,33 @@ def paged_step(
     top_p: jax.Array,
     uniform: jax.Array,
     logprobs: int | None = None,
+    every_position: bool = False,
 ) -> tuple[jax.Array, BlockPool, tuple[jax.Array, jax.Array, jax.Array] | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
     sampling settings and draw [B]; logprobs: how many likeliest tokens to report (None: no
-    log-probabilities, nothing computed). Each row's next token [B] (PAD where its logits were not
+    log-probabilities, nothing computed); every_position: report each position's (a prompt's own
+    log-probabilities: position t scores the token at t + 1, the last the new one), [B, T] and
+    [B, T, K]. Each row's next token [B] (PAD where its logits were not
     finite), the pool with this step's keys and values written in (the one passed in is donated:
     use the returned one), and token_logprobs' three arrays (or None)."""
     model.eval()
     # Always an array, zeros included: one structure of inputs, so one compiled program per shape.
     pad = jnp.sum(tokens == PAD, axis=1, dtype=jnp.int32)  # [B]
-    logits, pool = _paged_forward(*split_model(model), pool, tokens, start, block_tables, pad)  # [B, V]
-    next_tokens = _sample_rows(logits, temperature, top_k, top_p, uniform)  # [B]
-    return next_tokens, pool, None if logprobs is None else _token_logprobs(logits, next_tokens, logprobs)
+    B, T = tokens.shape
+    logits, pool = _paged_forward(*split_model(model), pool, tokens, start, block_tables, pad, every_position)
+    next_tokens = _sample_rows(logits[:, -1] if every_position else logits, temperature, top_k, top_p, uniform)  # [B]
+    if logprobs is None:
+        return next_tokens, pool, None
+    if not every_position:
+        return next_tokens, pool, _token_logprobs(logits, next_tokens, logprobs)
+    targets = jnp.concatenate([tokens[:, 1:], next_tokens[:, None]], axis=1)  # [B, T]: what each position predicts
+    chosen, top_ids, top_logprobs = _token_logprobs(logits.reshape(B * T, -1), targets.reshape(-1), logprobs)
+    return next_tokens, pool, (chosen.reshape(B, T), top_ids.reshape(B, T, -1), top_logprobs.reshape(B, T, -1))
 
 
-# What paged_step compiles: one program per (rows, T) shape; the pool is donated.
-@partial(jax.jit, static_argnums=0, donate_argnames="pool")
+# What paged_step compiles: one program per (rows, T) shape, and per every_position; the pool is donated.
+@partial(jax.jit, static_argnums=(0, 7), donate_argnames="pool")
 def _paged_forward(
     static: Static,
     leaves: list[jax.Array],
@@ -184,12 +194,15 @@ def _paged_forward(
     start: jax.Array,
     block_tables: jax.Array,
     pad: jax.Array,
+    every_position: bool = False,
 ) -> tuple[jax.Array, BlockPool]:
     model = merge_model(static, leaves)
     cache = paged_cache(pool, block_tables, start, pad, tokens.shape[1], model.config.sliding_window)
     logits, cache = model(jnp.maximum(tokens, 0), cache, pad)  # [B, T, V]
-    # Left padding puts every row's last token in column T - 1: only its logits leave the program.
-    return logits[:, -1], dataclasses.replace(pool, keys=cache.keys, values=cache.values)  # [B, V]
+    # Left padding puts every row's last token in column T - 1: only its logits leave the program,
+    # unless a prompt's own log-probabilities were asked for.
+    kept = logits if every_position else logits[:, -1]  # [B, T, V] or [B, V]
+    return kept, dataclasses.replace(pool, keys=cache.keys, values=cache.values)
 
 
 # One program per number of rows, whatever the rows' sampling values.

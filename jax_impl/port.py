@@ -275,14 +275,16 @@ def paged_step(
     block_tables: np.ndarray,
     sampling: RowSampling,
     logprobs: int | None = None,
+    every_position: bool = False,
 ) -> tuple[np.ndarray, Any, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
     `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), sampling: each
     row's temperature, top-k, top-p and draw [B]; logprobs: how many likeliest tokens to report, or
-    None. The next token of every row [B] (PAD where its logits were not finite), the pool to pass
+    None; every_position: each position's instead ([B, T], [B, T, K]: a prompt's own). The next
+    token of every row [B] (PAD where its logits were not finite), the pool to pass
     to the next step (the one passed in is donated), and, when asked, the chosen tokens' log-probabilities [B]
     and the likeliest ids and their log-probabilities [B, K]."""
-    B = tokens.shape[0]
+    B, T = tokens.shape
     tokens, start, block_tables, sampling = paged.static_shapes(
         pool.max_batch, pool.max_blocks, tokens, start, block_tables, sampling
     )
@@ -302,7 +304,12 @@ def paged_step(
         on_device(sampling.top_p),
         on_device(sampling.uniform),
         logprobs=logprobs,
+        every_position=every_position,
     )
     # Sliced on the host, or each size compiles a slice.
-    on_host = None if steps is None else (np.asarray(steps[0])[:B], np.asarray(steps[1])[:B], np.asarray(steps[2])[:B])
+    # every_position: the last T columns (static_shapes pads on the left).
+    kept = (slice(0, B), slice(-T, None)) if every_position else slice(0, B)
+    on_host = (
+        None if steps is None else (np.asarray(steps[0])[kept], np.asarray(steps[1])[kept], np.asarray(steps[2])[kept])
+    )
     return np.asarray(next_tokens, dtype=np.int64)[:B], pool, on_host  # [B], the pool, ([B], [B, K], [B, K]) or None

@@ -162,11 +162,14 @@ def paged_step(
     top_p: torch.Tensor,
     uniform: torch.Tensor,
     logprobs: int | None = None,
+    every_position: bool = False,
 ) -> tuple[torch.Tensor, BlockPool, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
     sampling settings and draw [B]; logprobs: how many likeliest tokens to report (None: no
-    log-probabilities, nothing computed). Each row's next token [B] (PAD where its logits were not
+    log-probabilities, nothing computed); every_position: report each position's (a prompt's own
+    log-probabilities: position t scores the token at t + 1, the last the new one), [B, T] and
+    [B, T, K]. Each row's next token [B] (PAD where its logits were not
     finite), the pool with this step's keys and values written in, and token_logprobs' three
     arrays (or None)."""
     model.eval()
@@ -177,4 +180,10 @@ def paged_step(
     logits, _ = model(tokens.clamp(min=0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: its logits choose the next token [B].
     next_tokens = sample_rows(logits[:, -1], temperature, top_k, top_p, uniform)  # [B]
-    return next_tokens, pool, None if logprobs is None else token_logprobs(logits[:, -1], next_tokens, logprobs)
+    if logprobs is None:
+        return next_tokens, pool, None
+    if not every_position:
+        return next_tokens, pool, token_logprobs(logits[:, -1], next_tokens, logprobs)
+    targets = torch.cat([tokens[:, 1:], next_tokens[:, None]], dim=1)  # [B, T]: what each position predicts
+    chosen, top_ids, top_logprobs = token_logprobs(logits.reshape(B * T, -1), targets.reshape(-1), logprobs)
+    return next_tokens, pool, (chosen.reshape(B, T), top_ids.reshape(B, T, -1), top_logprobs.reshape(B, T, -1))

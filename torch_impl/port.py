@@ -222,11 +222,13 @@ def paged_step(
     block_tables: np.ndarray,
     sampling: RowSampling,
     logprobs: int | None = None,
+    every_position: bool = False,
 ) -> tuple[np.ndarray, Any, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
     `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), sampling: each
     row's temperature, top-k, top-p and draw [B]; logprobs: how many likeliest tokens to report, or
-    None. The next token of every row [B] (PAD where its logits were not finite), the pool to pass
+    None; every_position: each position's instead ([B, T], [B, T, K]: a prompt's own). The next
+    token of every row [B] (PAD where its logits were not finite), the pool to pass
     to the next step (paged.py), and, when asked, the chosen tokens' log-probabilities [B]
     and the likeliest ids and their log-probabilities [B, K]."""
     device = model.emb.weight.device
@@ -246,6 +248,7 @@ def paged_step(
             on_device(sampling.top_p),
             on_device(sampling.uniform),
             logprobs=logprobs,
+            every_position=every_position,
         )
     on_host = None if steps is None else (steps[0].cpu().numpy(), steps[1].cpu().numpy(), steps[2].cpu().numpy())
     return next_tokens.cpu().numpy(), pool, on_host  # [B], the pool, ([B], [B, K], [B, K]) or None

@@ -178,7 +178,16 @@ def create_app(state: ServerState) -> Any:
     def make_job(checked: Completion) -> Job:
         request_id = secrets.token_hex(8)
         choices = [
-            Choice(index, Request(f"{request_id}-{index}", checked.prompt, generation, logprobs=checked.logprobs))
+            Choice(
+                index,
+                Request(
+                    f"{request_id}-{index}",
+                    checked.prompt,
+                    generation,
+                    logprobs=checked.logprobs,
+                    prompt_logprobs=checked.logprobs if checked.echo else None,
+                ),
+            )
             for index, generation in enumerate(checked.generations)
         ]
         return Job(choices, asyncio.get_running_loop())
@@ -295,6 +304,11 @@ class Answer:
             raise self.error
         if not self.done:  # the client went away: nobody reads this
             raise ApiError(499, "the client closed the connection")
+        if self.checked.prompt_only:  # max_tokens 0: the one token the engine computed is dropped
+            texts = [""] * len(texts)
+            self.tokens = [[] for _ in texts]
+            self.logprobs = [[] for _ in texts]
+            self.finish = ["length"] * len(texts)
         choices = [self.choice(index, text) for index, text in enumerate(texts)]
         kind = "chat.completion" if self.checked.chat else "text_completion"
         return {
@@ -311,8 +325,11 @@ class Answer:
         if self.checked.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            choice["text"] = self.echoed() + text if self.checked.echo else text
+        prompt = self.prompt_logprobs(index) if self.checked.echo else None
         choice["logprobs"] = self.logprobs_of(index, 0, len(self.tokens[index]))
+        if prompt is not None and choice["logprobs"] is not None:
+            choice["logprobs"] = {key: prompt[key] + choice["logprobs"][key] for key in prompt}
         choice["finish_reason"] = self.finish[index]
         choice["seed"] = self.checked.generations[index].seed  # `kvports generate --seed` repeats it
         if self.checked.return_token_ids:
@@ -402,9 +419,43 @@ class Answer:
         return {
             "tokens": tokens,
             "token_logprobs": [finite(step.logprob) for step in steps],
-            "top_logprobs": [{self.text_of(i): finite(p) for i, p in step.top} for step in steps],
+            "top_logprobs": [self.top_by_text(step) for step in steps],
             "text_offset": offsets,
         }
+
+    def echoed(self) -> str:
+        """The prompt's text, as `echo` begins a completion with it (vLLM's: its ids decoded)."""
+        tokenizer = self.state.tokenizer
+        return "" if tokenizer is None else decode(tokenizer, list(self.checked.prompt))
+
+    def prompt_logprobs(self, index: int) -> dict[str, Any] | None:
+        """The prompt's own log-probabilities in the legacy format, as vLLM echoes them: every prompt
+        token, the first's log-probability and likeliest tokens null (nothing comes before it),
+        offsets from 0; the completion's offsets then continue after the prompt's."""
+        if self.checked.logprobs is None:
+            return None
+        sequence = self.job.choices[index].sequence
+        assert sequence is not None  # the engine made it before any token came
+        steps = sequence.prompt_logprobs  # one per prompt token after the first
+        tokens = [self.text_of(token) for token in self.checked.prompt]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None] + [finite(step.logprob) for step in steps],
+            "top_logprobs": [None] + [self.top_by_text(step) for step in steps],
+            "text_offset": offsets,
+        }
+
+    def top_by_text(self, step: TokenLogprobs) -> dict[str, float]:
+        """The legacy format's {text: logprob} of a step's likeliest tokens; where two ids spell the
+        same text, the likelier one's."""
+        found: dict[str, float] = {}
+        for token, logprob in step.top:
+            found.setdefault(self.text_of(token), finite(logprob))
+        return found
 
     def top(self, step: TokenLogprobs) -> list[dict[str, Any]]:
         return [self.spell(token, logprob) for token, logprob in step.top]

@@ -36,11 +36,14 @@ NO_OPS: dict[str, tuple[object, ...]] = {
     "frequency_penalty": (0, 0.0, None),
     "presence_penalty": (0, 0.0, None),
     "logit_bias": (None, {}),
-    "echo": (None, False),
     "suffix": (None,),
     "best_of": (None, 1),
 }
-CHAT_NO_OPS: dict[str, tuple[object, ...]] = {"tool_choice": (None, "none"), "modalities": (None, ["text"])}
+CHAT_NO_OPS: dict[str, tuple[object, ...]] = {
+    "echo": (None, False),
+    "tool_choice": (None, "none"),
+    "modalities": (None, ["text"]),
+}
 # Fields OpenAI's clients send that change nothing here, taken at any value of their JSON type:
 # who calls (user, safety_identifier), OpenAI's storage and billing (store, metadata, service_tier,
 # prompt_cache_key, prompt_cache_retention), and a tool setting with no tools.
@@ -69,7 +72,7 @@ CHAT_FIELDS = (
     *CHAT_IGNORED,
     *EXTENSIONS,
 )
-COMPLETION_FIELDS = (*COMMON, "prompt", "logprobs", *NO_OPS, *IGNORED, *EXTENSIONS)
+COMPLETION_FIELDS = (*COMMON, "prompt", "logprobs", "echo", *NO_OPS, *IGNORED, *EXTENSIONS)
 TEXT_PART = "text"  # the one content part type a text-only model takes
 ROLES = {"developer": "system"}  # OpenAI's newer name for the system message
 
@@ -128,6 +131,8 @@ class Completion:
     include_usage: bool
     return_token_ids: bool
     logprobs: int | None  # likeliest tokens to report at each step beside the chosen one's; None: no logprobs
+    echo: bool = False  # a completion's text and log-probabilities begin with its prompt's
+    prompt_only: bool = False  # max_tokens 0 (with echo): the prompt alone, its one computed token dropped
 
 
 # ---------------------------------------------------------------- the body
@@ -381,6 +386,9 @@ def check_body(
     check_fields(body, chat)
     check_model(body, limits)
     stream = boolean(body, "stream")
+    echo = not chat and boolean(body, "echo")
+    if echo and stream:
+        raise bad("echo", "'echo' is not supported with 'stream': true; ask for the whole answer")
     usage = include_usage(body, stream)
     return_ids = boolean(body, "return_token_ids")
     logprobs = requested_logprobs(body, chat)
@@ -406,8 +414,12 @@ def check_body(
         )
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     default = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
-    max_tokens = integer(body, name, 1, limits.context, default)
+    # max_tokens 0 asks for the prompt's echo alone (lm-eval's log-likelihoods); the engine still
+    # computes one token, which the answer drops.
+    max_tokens = integer(body, name, 0 if echo else 1, limits.context, default)
     assert max_tokens is not None and n is not None and seed is not None and top_k is not None
+    prompt_only = max_tokens == 0
+    max_tokens = max(max_tokens, 1)
     if len(prompt) + max_tokens > limits.context:
         raise bad(
             name,
@@ -434,4 +446,4 @@ def check_body(
             raise bad(field, str(exc)) from None
         except UserError as exc:  # what the ports' shared checks refuse past the bounds above
             raise bad(None, str(exc)) from None
-    return Completion(chat, tuple(prompt), generations, stop, stream, usage, return_ids, logprobs)
+    return Completion(chat, tuple(prompt), generations, stop, stream, usage, return_ids, logprobs, echo, prompt_only)
