@@ -313,3 +313,37 @@ def paged_step(
         None if steps is None else (np.asarray(steps[0])[kept], np.asarray(steps[1])[kept], np.asarray(steps[2])[kept])
     )
     return np.asarray(next_tokens, dtype=np.int64)[:B], pool, on_host  # [B], the pool, ([B], [B, K], [B, K]) or None
+
+
+@exact
+def compile_paged_steps(model: TinyModel, pool: Any, max_step_tokens: int, longest: int) -> int:
+    """Compile, before a server says it is ready, every program a paged step can need: each (rows,
+    T) shape static_shapes pads a step to, for steps of B rows of T tokens that the scheduler can
+    make (B * T within max_step_tokens, or one prompt up to `longest`), the forward and the row
+    sampling of each. Compiled ahead of time (lowered from the step's own arrays, not run); a later
+    step of the same shape finds the program. How many shapes it compiled. Log-probability steps
+    (a small program per count asked) still compile when first asked."""
+    shapes = set()
+    for B in range(1, pool.max_batch + 1):
+        for T in range(1, longest + 1):
+            if B > 1 and B * T > max_step_tokens:
+                break
+            shapes.add(paged.step_shape(pool.max_batch, B, T))
+    device = _inputs_sharding(model)
+
+    def on_device(array: np.ndarray) -> jax.Array:
+        return jax.device_put(np.asarray(array, dtype=np.int32 if array.dtype.kind == "i" else None), device)
+
+    # Widest first: in the other order the first two one-row shapes were traced again when a step
+    # first ran them (seen, cause not found); in this one no shape was.
+    for rows, width in sorted(shapes, reverse=True):
+        tokens = on_device(np.zeros((rows, width), dtype=np.int64))  # [rows, width]
+        start = on_device(np.zeros(rows, dtype=np.int64))  # [rows]
+        block_tables = on_device(np.zeros((rows, pool.max_blocks), dtype=np.int64))  # [rows, M]
+        lowered = paged._paged_forward.lower(*paged.split_model(model), pool, tokens, start, block_tables, False)
+        lowered.compile()
+        logits = lowered.out_info[0]  # [rows, V]
+        sampling = RowSampling.of([], np.zeros(0))  # the dtypes a step's sampling arrays have
+        arrays = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.uniform)
+        paged._sample_rows.lower(logits, *(on_device(np.zeros(rows, dtype=array.dtype)) for array in arrays)).compile()
+    return len(shapes)

@@ -175,6 +175,12 @@ class Port(Timed, Protocol):
         t + 1 and the last the new token (a prompt's own log-probabilities)."""
         ...
 
+    def compile_paged_steps(self, model: Any, pool: Any, max_step_tokens: int, longest: int) -> int:
+        """Compiles, before a server serves, every program a `paged_step` without log-probabilities can
+        need: each step shape the scheduler can make (B rows x T tokens within `max_step_tokens`, or one
+        prompt up to `longest`) as the port pads it (JAX); how many shapes. The eager ports: 0."""
+        ...
+
 
 class Baseline(Timed, Protocol):
     """A baseline the bench times beside the ports (the seed's concat cache, transformers' GPT-2)."""

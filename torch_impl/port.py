@@ -252,3 +252,8 @@ def paged_step(
         )
     on_host = None if steps is None else (steps[0].cpu().numpy(), steps[1].cpu().numpy(), steps[2].cpu().numpy())
     return next_tokens.cpu().numpy(), pool, on_host  # [B], the pool, ([B], [B, K], [B, K]) or None
+
+
+def compile_paged_steps(model: TinyModel, pool: Any, max_step_tokens: int, longest: int) -> int:
+    """Nothing to compile ahead: eager steps run at any shape (JAX's compiles each). 0 shapes."""
+    return 0

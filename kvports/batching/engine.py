@@ -213,14 +213,7 @@ class Engine:
         if step is None:
             return []
         try:
-            if self.pool is None:
-                self.pool = self.port.init_block_pool(
-                    self.model,
-                    self.blocks.num_blocks,
-                    self.blocks.block_size,
-                    self.settings.max_batch,
-                    blocks_for(self.settings.longest(self.config), self.blocks.block_size),
-                )
+            self.make_pool()
             started = self.clock()
             # The most likeliest tokens a row asks for; None (nothing computed) when no row asks.
             every_position = step.kind == "prefill" and any(wants_prompt_logprobs(row) for row in step.sequences)
@@ -247,6 +240,24 @@ class Engine:
             step = dataclasses.replace(step, sequences=[step.sequences[row] for row in good])
             next_tokens = next_tokens[good]  # [B']
         return failed + self.scheduler.finish_step(step, next_tokens, self.clock())
+
+    def make_pool(self) -> None:
+        if self.pool is None:
+            self.pool = self.port.init_block_pool(
+                self.model,
+                self.blocks.num_blocks,
+                self.blocks.block_size,
+                self.settings.max_batch,
+                blocks_for(self.settings.longest(self.config), self.blocks.block_size),
+            )
+
+    def compile_steps(self) -> int:
+        """Compile every step shape this engine's scheduler can make (JAX), before the first request
+        waits on one; how many shapes."""
+        self.make_pool()
+        return self.port.compile_paged_steps(
+            self.model, self.pool, self.settings.max_step_tokens, self.settings.longest(self.config)
+        )
 
     def end_failed_rows(self, step: Step, next_tokens: np.ndarray) -> list[Sequence]:
         """The rows the port gave PAD (their logits held an inf or a NaN), ended with reason "error"

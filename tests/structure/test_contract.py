@@ -138,11 +138,13 @@ def test_members_lists_the_port_contract_in_order():
         "matvec_seconds",
         "resolve_device",
         "device_count",
+        "linear_route",
         "generate_speculative",
         "forward_chunks",
         "clear_compiled",
         "init_block_pool",
         "paged_step",
+        "compile_paged_steps",
     ]
     assert str(contract.members(contract.Port)["generate"]).startswith(
         "(model: 'Model', prompts: 'np.ndarray', generation: 'int | GenerationConfig', mode: 'str', return_logits: "
