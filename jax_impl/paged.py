@@ -125,23 +125,23 @@ def paged_step(
     top_p: jax.Array,
     uniform: jax.Array,
     return_logits: bool = False,
+    every_position: bool = False,
 ) -> tuple[jax.Array, BlockPool, jax.Array | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
     sampling settings and draw [B]; return_logits: whether the step's logits leave it too (what
-    the log-probabilities are reported from). Each row's next token [B] (PAD where its logits were not
+    the log-probabilities are reported from); every_position: every position's logits, not the
+    last one's (a prompt's own log-probabilities). Each row's next token [B] (PAD where its logits were not
     finite), the pool with this step's keys and values written in (the one passed in is donated:
     use the returned one), and the step's logits [B, V] (or None)."""
     model.eval()
-    # Always an array, zeros included: one structure of inputs, so one compiled program per shape.
-    pad = jnp.sum(tokens == PAD, axis=1, dtype=jnp.int32)  # [B]
-    logits, pool = _paged_forward(*split_model(model), pool, tokens, start, block_tables, pad)  # [B, V]
-    next_tokens = _sample_rows(logits, temperature, top_k, top_p, uniform)  # [B]
-    return next_tokens, pool, logits if return_logits else None  # [B], the pool, [B, V] or None
+    logits, pool = _paged_forward(*split_model(model), pool, tokens, start, block_tables, every_position)
+    next_tokens = _sample_rows(logits[:, -1] if every_position else logits, temperature, top_k, top_p, uniform)  # [B]
+    return next_tokens, pool, logits if return_logits else None  # [B], the pool, [B, V] ([B, T, V]) or None
 
 
-# What paged_step compiles: one program per (rows, T) shape; the pool is donated.
-@partial(jax.jit, static_argnums=0, donate_argnames="pool")
+# What paged_step compiles: one program per (rows, T) shape, and per every_position; the pool is donated.
+@partial(jax.jit, static_argnums=(0, 6), donate_argnames="pool")
 def _paged_forward(
     static: Static,
     leaves: list[jax.Array],
@@ -149,13 +149,17 @@ def _paged_forward(
     tokens: jax.Array,
     start: jax.Array,
     block_tables: jax.Array,
-    pad: jax.Array,
+    every_position: bool = False,
 ) -> tuple[jax.Array, BlockPool]:
     model = merge_model(static, leaves)
+    # Inside the program, zeros included: an eager sum would compile once per new shape.
+    pad = jnp.sum(tokens == PAD, axis=1, dtype=jnp.int32)  # [B]
     cache = paged_cache(pool, block_tables, start, pad, tokens.shape[1])
     logits, cache = model(jnp.maximum(tokens, 0), cache, pad)  # [B, T, V]
-    # Left padding puts every row's last token in column T - 1: only its logits leave the program.
-    return logits[:, -1], dataclasses.replace(pool, keys=cache.keys, values=cache.values)  # [B, V]
+    # Left padding puts every row's last token in column T - 1: only its logits leave the program,
+    # unless a prompt's own log-probabilities were asked for.
+    kept = logits if every_position else logits[:, -1]  # [B, T, V] or [B, V]
+    return kept, dataclasses.replace(pool, keys=cache.keys, values=cache.values)
 
 
 # One program per number of rows, whatever the rows' sampling values.
@@ -176,8 +180,7 @@ def static_shapes(
     every mix of prompts and padding adds at most half; block tables to max_blocks. Padding rows
     are all PAD and greedy: nothing of theirs is written, and their tokens are dropped."""
     B, T = tokens.shape
-    rows = max_batch if T == 1 else min(max_batch, _bucket(B))
-    width = 1 if T == 1 else _bucket(T)
+    rows, width = step_shape(max_batch, B, T)
     tokens = np.pad(tokens, ((0, rows - B), (width - T, 0)), constant_values=PAD)  # [rows, width]: more left padding
     start = np.pad(start, (0, rows - B))  # [rows]
     block_tables = np.pad(block_tables, ((0, rows - B), (0, max_blocks - block_tables.shape[1])), constant_values=-1)
@@ -188,6 +191,13 @@ def static_shapes(
         np.pad(sampling.uniform, (0, rows - B)),
     )
     return tokens, start, block_tables, sampling
+
+
+def step_shape(max_batch: int, B: int, T: int) -> tuple[int, int]:
+    """The compiled (rows, T) a step of B rows of T tokens runs in (static_shapes' padding)."""
+    if T == 1:
+        return max_batch, 1
+    return min(max_batch, _bucket(B)), _bucket(T)
 
 
 def _bucket(n: int) -> int:

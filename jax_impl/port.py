@@ -23,7 +23,7 @@ from kvports.jax_impl.model import TinyModel, init_cache
 from kvports.shared.capabilities import refusal
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
-from kvports.shared.generation import GenerationConfig, RowSampling, as_generation, token_logprobs
+from kvports.shared.generation import GenerationConfig, RowSampling, as_generation, step_logprobs
 from kvports.shared.quantization import float_tensors
 
 NAME = "jax"
@@ -284,14 +284,17 @@ def paged_step(
     block_tables: np.ndarray,
     sampling: RowSampling,
     logprobs: int | None = None,
+    every_position: bool = False,
 ) -> tuple[np.ndarray, Any, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
     `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), sampling: each
     row's temperature, top-k, top-p and draw [B]; logprobs: how many likeliest tokens to report, or
-    None. The next token of every row [B] (PAD where its logits were not finite), the pool to pass
+    None; every_position: each position's instead ([B, T], [B, T, K]: a prompt's own). The next
+    token of every row [B] (PAD where its logits were not finite), the pool to pass
     to the next step (the one passed in is donated), and, when asked, the chosen tokens' log-probabilities [B]
     and the likeliest ids and their log-probabilities [B, K]."""
-    B = tokens.shape[0]
+    B, T = tokens.shape
+    given = np.asarray(tokens)  # [B, T]: the step's own, what each position's log-probability scores
     tokens, start, block_tables, sampling = paged.static_shapes(
         pool.max_batch, pool.max_blocks, tokens, start, block_tables, sampling
     )
@@ -311,8 +314,49 @@ def paged_step(
         on_device(sampling.top_p),
         on_device(sampling.uniform),
         return_logits=logprobs is not None,
+        every_position=every_position,
     )
-    # Sliced on the host, or each size compiles a slice.
+    # Sliced on the host, or each size compiles a slice; every_position: the last T columns
+    # (static_shapes pads on the left).
     next_tokens = np.asarray(next_tokens, dtype=np.int64)[:B]  # [B]
-    steps = None if logits is None else token_logprobs(np.asarray(logits, np.float64)[:B], next_tokens, logprobs or 0)
-    return next_tokens, pool, steps  # [B], the pool, ([B], [B, K], [B, K]) or None
+    kept = (slice(0, B), slice(-T, None)) if every_position else slice(0, B)
+    steps = (
+        None
+        if logits is None
+        else step_logprobs(np.asarray(logits, np.float64)[kept], given, next_tokens, logprobs or 0, every_position)
+    )
+    return next_tokens, pool, steps  # [B], the pool, ([B], [B, K], [B, K]) ([B, T], [B, T, K] x 2) or None
+
+
+@exact
+def compile_paged_steps(model: TinyModel, pool: Any, max_step_tokens: int, longest: int) -> int:
+    """Compile, before a server says it is ready, every program a paged step can need: each (rows,
+    T) shape static_shapes pads a step to, for steps of B rows of T tokens that the scheduler can
+    make (B * T within max_step_tokens, or one prompt up to `longest`), the forward and the row
+    sampling of each. Compiled ahead of time (lowered from the step's own arrays, not run); a later
+    step of the same shape finds the program. How many shapes it compiled. Log-probability steps
+    (a small program per count asked) still compile when first asked."""
+    shapes = set()
+    for B in range(1, pool.max_batch + 1):
+        for T in range(1, longest + 1):
+            if B > 1 and B * T > max_step_tokens:
+                break
+            shapes.add(paged.step_shape(pool.max_batch, B, T))
+    device = _inputs_sharding(model)
+
+    def on_device(array: np.ndarray) -> jax.Array:
+        return jax.device_put(np.asarray(array, dtype=np.int32 if array.dtype.kind == "i" else None), device)
+
+    # Widest first: in the other order the first two one-row shapes were traced again when a step
+    # first ran them (seen, cause not found); in this one no shape was.
+    for rows, width in sorted(shapes, reverse=True):
+        tokens = on_device(np.zeros((rows, width), dtype=np.int64))  # [rows, width]
+        start = on_device(np.zeros(rows, dtype=np.int64))  # [rows]
+        block_tables = on_device(np.zeros((rows, pool.max_blocks), dtype=np.int64))  # [rows, M]
+        lowered = paged._paged_forward.lower(*paged.split_model(model), pool, tokens, start, block_tables, False)
+        lowered.compile()
+        logits = lowered.out_info[0]  # [rows, V]
+        sampling = RowSampling.of([], np.zeros(0))  # the dtypes a step's sampling arrays have
+        arrays = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.uniform)
+        paged._sample_rows.lower(logits, *(on_device(np.zeros(rows, dtype=array.dtype)) for array in arrays)).compile()
+    return len(shapes)

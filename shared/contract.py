@@ -162,6 +162,7 @@ class Port(Timed, Protocol):
         block_tables: np.ndarray,
         sampling: RowSampling,
         logprobs: int | None = None,
+        every_position: bool = False,
     ) -> tuple[np.ndarray, Any, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         """One step of a running batch over the pool: `tokens [B, T]` (PAD on the left of shorter rows) after
         each row's `start [B]` tokens in the pool, `block_tables [B, M]` (-1 past a row's blocks), each row's
@@ -170,7 +171,15 @@ class Port(Timed, Protocol):
         NaN), the pool for the next step (JAX donates the one passed in), and with `logprobs` K (not None)
         the chosen tokens' log-probabilities `[B]` and the K likeliest ids and their log-probabilities
         `[B, K]` (log-softmax of the raw logits, before temperature, top-k and top-p:
-        `shared.generation.token_logprobs`, on the host, from the step's logits `paged.py` returns), else None."""
+        `shared.generation.token_logprobs`, on the host, from the step's logits `paged.py` returns), else None;
+        `every_position`: every position's, `[B, T]` and `[B, T, K]`, position t scoring the token at
+        t + 1 and the last the new token (a prompt's own log-probabilities)."""
+        ...
+
+    def compile_paged_steps(self, model: Any, pool: Any, max_step_tokens: int, longest: int) -> int:
+        """Compiles, before a server serves, every program a `paged_step` without log-probabilities can
+        need: each step shape the scheduler can make (B rows x T tokens within `max_step_tokens`, or one
+        prompt up to `longest`) as the port pads it (JAX); how many shapes. The eager ports: 0."""
         ...
 
 

@@ -162,6 +162,21 @@ def token_logprobs(logits: np.ndarray, tokens: np.ndarray, top: int) -> tuple[np
     return chosen, top_ids, np.take_along_axis(logprobs, top_ids, axis=-1)  # [B], [B, top], [B, top]
 
 
+def step_logprobs(
+    logits: np.ndarray, tokens: np.ndarray, next_tokens: np.ndarray, top: int, every_position: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """token_logprobs of a batching step: the new tokens' from the last position's logits [B, V]
+    ([B], [B, top] x 2), or, every_position, each position's from logits [B, T, V] (a prompt's own:
+    position t scores tokens [B, T]'s token at t + 1, the last position the new token; [B, T],
+    [B, T, top] x 2)."""
+    if not every_position:
+        return token_logprobs(logits, next_tokens, top)
+    B, T = tokens.shape
+    targets = np.concatenate([tokens[:, 1:], next_tokens[:, None]], axis=1)  # [B, T]: what each position predicts
+    chosen, top_ids, top_logprobs = token_logprobs(logits.reshape(B * T, -1), targets.reshape(-1), top)
+    return chosen.reshape(B, T), top_ids.reshape(B, T, -1), top_logprobs.reshape(B, T, -1)
+
+
 def likeliest(logprobs: np.ndarray, top: int) -> np.ndarray:
     """The `top` likeliest ids of one step's logprobs [V], likeliest first, ties by the lower id.
     Every id as likely as the top-th is a candidate (a partition alone picks among ties in no set

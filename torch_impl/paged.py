@@ -130,13 +130,15 @@ def paged_step(
     top_p: torch.Tensor,
     uniform: torch.Tensor,
     return_logits: bool = False,
+    every_position: bool = False,
 ) -> tuple[torch.Tensor, BlockPool, torch.Tensor | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
     sampling settings and draw [B]; return_logits: whether the step's logits leave it too (what
-    the log-probabilities are reported from). Each row's next token [B] (PAD where its logits were not
+    the log-probabilities are reported from); every_position: every position's logits, not the
+    last one's (a prompt's own log-probabilities). Each row's next token [B] (PAD where its logits were not
     finite), the pool with this step's keys and values written in, and the step's logits [B, V]
-    (or None)."""
+    ([B, T, V]) or None."""
     model.eval()
     B, T = tokens.shape
     pad = (tokens == PAD).sum(dim=1)  # [B]
@@ -145,4 +147,5 @@ def paged_step(
     logits, _ = model(tokens.clamp(min=0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: its logits choose the next token [B].
     next_tokens = sample_rows(logits[:, -1], temperature, top_k, top_p, uniform)  # [B]
-    return next_tokens, pool, logits[:, -1] if return_logits else None  # [B], the pool, [B, V] or None
+    kept = logits if every_position else logits[:, -1]  # [B, T, V] or [B, V]
+    return next_tokens, pool, kept if return_logits else None  # [B], the pool, the logits or None

@@ -13,7 +13,7 @@ import torch
 from kvports.shared.capabilities import refusal
 from kvports.shared.checks import check_chunk_sizes
 from kvports.shared.config import ModelConfig
-from kvports.shared.generation import GenerationConfig, RowSampling, as_generation, token_logprobs
+from kvports.shared.generation import GenerationConfig, RowSampling, as_generation, step_logprobs
 from kvports.shared.quantization import float_tensors
 from kvports.shared.shapes import ALIGNMENT
 from kvports.torch_impl import bandwidth, paged, speculative
@@ -225,11 +225,13 @@ def paged_step(
     block_tables: np.ndarray,
     sampling: RowSampling,
     logprobs: int | None = None,
+    every_position: bool = False,
 ) -> tuple[np.ndarray, Any, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each row's
     `start` [B] tokens in the pool, block_tables [B, M] (-1 past a row's blocks), sampling: each
     row's temperature, top-k, top-p and draw [B]; logprobs: how many likeliest tokens to report, or
-    None. The next token of every row [B] (PAD where its logits were not finite), the pool to pass
+    None; every_position: each position's instead ([B, T], [B, T, K]: a prompt's own). The next
+    token of every row [B] (PAD where its logits were not finite), the pool to pass
     to the next step (paged.py), and, when asked, the chosen tokens' log-probabilities [B]
     and the likeliest ids and their log-probabilities [B, K]."""
     device = model.emb.weight.device
@@ -249,8 +251,18 @@ def paged_step(
             on_device(sampling.top_p),
             on_device(sampling.uniform),
             return_logits=logprobs is not None,
+            every_position=every_position,
         )
     next_tokens = next_tokens.cpu().numpy()  # [B]
     # float64 on the device first: NumPy has no bfloat16
-    steps = None if logits is None else token_logprobs(logits.double().cpu().numpy(), next_tokens, logprobs or 0)
-    return next_tokens, pool, steps  # [B], the pool, ([B], [B, K], [B, K]) or None
+    steps = (
+        None
+        if logits is None
+        else step_logprobs(logits.double().cpu().numpy(), tokens, next_tokens, logprobs or 0, every_position)
+    )
+    return next_tokens, pool, steps  # [B], the pool, ([B], [B, K], [B, K]) ([B, T], [B, T, K] x 2) or None
+
+
+def compile_paged_steps(model: TinyModel, pool: Any, max_step_tokens: int, longest: int) -> int:
+    """Nothing to compile ahead: eager steps run at any shape (JAX's compiles each). 0 shapes."""
+    return 0

@@ -74,11 +74,12 @@ class BlockManager:
 
     # ---------------------------------------------------------------- prompts
 
-    def cached_prefix(self, tokens: Sequence[int]) -> list[int]:
+    def cached_prefix(self, tokens: Sequence[int], reuse: bool = True) -> list[int]:
         """The blocks already holding the longest run of `tokens`' full blocks. The block of the
-        last token is never taken from the cache: its logits choose the next token, so it is computed."""
+        last token is never taken from the cache: its logits choose the next token, so it is computed.
+        reuse=False: none (a prompt whose every position's logits are wanted is computed whole)."""
         found: list[int] = []
-        if not self.prefix_caching:
+        if not self.prefix_caching or not reuse:
             return found
         previous = ROOT_HASH
         for index in range((len(tokens) - 1) // self.block_size):
@@ -90,16 +91,16 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    def can_allocate(self, tokens: Sequence[int]) -> bool:
+    def can_allocate(self, tokens: Sequence[int], reuse: bool = True) -> bool:
         # A cached block still in use costs nothing; one sitting in the free list costs a free block, as a new one does.
-        shared = sum(1 for block_id in self.cached_prefix(tokens) if self.blocks[block_id].ref_count > 0)
+        shared = sum(1 for block_id in self.cached_prefix(tokens, reuse) if self.blocks[block_id].ref_count > 0)
         return blocks_for(len(tokens), self.block_size) - shared <= self.num_free
 
-    def allocate(self, tokens: Sequence[int]) -> tuple[list[int], int]:
+    def allocate(self, tokens: Sequence[int], reuse: bool = True) -> tuple[list[int], int]:
         """A block table for `tokens` (call can_allocate first) and how many of them the prefix cache
         already holds. Full blocks are registered at once: a sequence admitted in the same step finds
         them too, and gets their keys and values from the same forward (each layer writes before it reads)."""
-        cached = self.cached_prefix(tokens)
+        cached = self.cached_prefix(tokens, reuse)
         table = []
         for block_id in cached:
             table.append(self.take_cached(block_id))

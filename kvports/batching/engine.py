@@ -124,16 +124,46 @@ def check_step(step: Step, next_tokens: np.ndarray, dtype: str) -> None:
             raise NonFiniteLogits(len(sequence.generated), f"request {sequence.request.id!r}", dtype)
 
 
+def wants_prompt_logprobs(sequence: Sequence) -> bool:
+    """A sequence whose prompt's own log-probabilities this prefill computes: asked, not yet kept
+    (a preempted sequence's recomputation keeps none), and its whole prompt in the step."""
+    return sequence.request.prompt_logprobs is not None and not sequence.prompt_logprobs and sequence.computed == 0
+
+
 def keep_logprobs(step: Step, next_tokens: np.ndarray, steps: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
     """Each row that asked keeps its new token's log-probability and its own count of the step's
-    likeliest tokens (the step computed the most any row asked for)."""
-    chosen, top_ids, top_logprobs = steps  # [B], [B, K], [B, K]
+    likeliest tokens (the step computed the most any row asked for); with every position's (a
+    prefill that a prompt's own log-probabilities were asked of), its prompt's too."""
+    chosen, top_ids, top_logprobs = steps  # [B], [B, K], [B, K]; every position's: [B, T], [B, T, K]
+    if chosen.ndim == 2:
+        keep_prompt_logprobs(step, steps)
+        chosen, top_ids, top_logprobs = chosen[:, -1], top_ids[:, -1], top_logprobs[:, -1]  # [B], [B, K], [B, K]
     for row, (sequence, token) in enumerate(zip(step.sequences, next_tokens, strict=True)):
         count = sequence.request.logprobs
         if count is None or int(token) == PAD:  # PAD: the row ends with an error, no token
             continue
         top = tuple((int(i), float(p)) for i, p in zip(top_ids[row, :count], top_logprobs[row, :count], strict=True))
         sequence.logprobs.append(TokenLogprobs(int(token), float(chosen[row]), top))
+
+
+def keep_prompt_logprobs(step: Step, steps: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    """Each asking row's prompt tokens after the first: position t's log-probability of the token at
+    t + 1, and its request's count of likeliest tokens there."""
+    chosen, top_ids, top_logprobs = steps  # [B, T], [B, T, K], [B, T, K]
+    T = step.tokens.shape[1]
+    for row, sequence in enumerate(step.sequences):
+        count = sequence.request.prompt_logprobs
+        if count is None or not wants_prompt_logprobs(sequence):
+            continue
+        prompt = sequence.request.prompt
+        first = T - len(prompt)  # the column of the prompt's first token (left padding before it)
+        for index in range(1, len(prompt)):
+            column = first + index - 1  # the position whose logits score prompt[index]
+            top = tuple(
+                (int(i), float(p))
+                for i, p in zip(top_ids[row, column, :count], top_logprobs[row, column, :count], strict=True)
+            )
+            sequence.prompt_logprobs.append(TokenLogprobs(prompt[index], float(chosen[row, column]), top))
 
 
 class Engine:
@@ -183,21 +213,16 @@ class Engine:
         if step is None:
             return []
         try:
-            if self.pool is None:
-                self.pool = self.port.init_block_pool(
-                    self.model,
-                    self.blocks.num_blocks,
-                    self.blocks.block_size,
-                    self.settings.max_batch,
-                    blocks_for(self.settings.longest(self.config), self.blocks.block_size),
-                )
+            self.make_pool()
             started = self.clock()
             # The most likeliest tokens a row asks for; None (nothing computed) when no row asks.
-            top = max(
-                (row.request.logprobs for row in step.sequences if row.request.logprobs is not None), default=None
-            )
+            every_position = step.kind == "prefill" and any(wants_prompt_logprobs(row) for row in step.sequences)
+            counts = [row.request.logprobs for row in step.sequences]
+            if every_position:
+                counts += [row.request.prompt_logprobs for row in step.sequences]
+            top = max((count for count in counts if count is not None), default=None)
             next_tokens, self.pool, steps = self.port.paged_step(
-                self.model, self.pool, step.tokens, step.start, step.block_tables, step.sampling, top
+                self.model, self.pool, step.tokens, step.start, step.block_tables, step.sampling, top, every_position
             )
             if not self.end_nonfinite_rows:
                 check_step(step, next_tokens, self.dtype)
@@ -215,6 +240,24 @@ class Engine:
             step = dataclasses.replace(step, sequences=[step.sequences[row] for row in good])
             next_tokens = next_tokens[good]  # [B']
         return failed + self.scheduler.finish_step(step, next_tokens, self.clock())
+
+    def make_pool(self) -> None:
+        if self.pool is None:
+            self.pool = self.port.init_block_pool(
+                self.model,
+                self.blocks.num_blocks,
+                self.blocks.block_size,
+                self.settings.max_batch,
+                blocks_for(self.settings.longest(self.config), self.blocks.block_size),
+            )
+
+    def compile_steps(self) -> int:
+        """Compile every step shape this engine's scheduler can make (JAX), before the first request
+        waits on one; how many shapes."""
+        self.make_pool()
+        return self.port.compile_paged_steps(
+            self.model, self.pool, self.settings.max_step_tokens, self.settings.longest(self.config)
+        )
 
     def end_failed_rows(self, step: Step, next_tokens: np.ndarray) -> list[Sequence]:
         """The rows the port gave PAD (their logits held an inf or a NaN), ended with reason "error"

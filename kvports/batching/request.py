@@ -33,6 +33,9 @@ class Request:
     text: str | None = field(default=None, compare=False)  # the text prompt it was encoded from, if any
     logprobs: int | None = None  # each new token's log-probability and this many likeliest tokens'; None: none
     stop: tuple[str, ...] = ()  # stop strings, matched on the decoded text (the server's)
+    # The prompt's own log-probabilities (every token's after the first) and this many likeliest
+    # tokens' at each position, from its prefill (the prefix cache not used); None: none.
+    prompt_logprobs: int | None = None
 
     @property
     def max_length(self) -> int:

@@ -66,6 +66,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per generated token, if its request asked
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per prompt token after the first, if asked
 
     def __post_init__(self) -> None:
         self.tokens = list(self.request.prompt)
@@ -146,15 +147,17 @@ class Scheduler:
         longest = real = 0
         while self.waiting and len(self.running) < self.max_batch:
             sequence = self.waiting[0]
-            uncached = len(sequence.tokens) - len(self.blocks.cached_prefix(sequence.tokens)) * self.blocks.block_size
+            reuse = sequence.request.prompt_logprobs is None  # every prompt position computed when asked
+            cached_blocks = len(self.blocks.cached_prefix(sequence.tokens, reuse))
+            uncached = len(sequence.tokens) - cached_blocks * self.blocks.block_size
             width = max(longest, uncached)
             padded = (len(admitted) + 1) * width
             if admitted and (padded > self.max_step_tokens or real + uncached < MIN_FILL * padded):
                 break
-            if not self.blocks.can_allocate(sequence.tokens):
+            if not self.blocks.can_allocate(sequence.tokens, reuse):
                 break  # first come first served: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
-            sequence.block_table, cached = self.blocks.allocate(sequence.tokens)
+            sequence.block_table, cached = self.blocks.allocate(sequence.tokens, reuse)
             sequence.computed = cached
             sequence.cached_tokens += cached
             sequence.status = Status.RUNNING

@@ -44,8 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out",
-        required=True,
         help="the weights file (--from-hf, --from-gguf) or directory (--to-hf) to write; a directory is replaced whole",
+    )
+    parser.add_argument(
+        "--tokenizer-out",
+        type=Path,
+        metavar="DIR",
+        help="with --from-gguf, instead of --out: write only the file's tokenizer as a Hugging Face tokenizer "
+        "directory (tokenizer.json, tokenizer_config.json with the chat template, bos and eos), e.g. for "
+        "lm-eval's tokenizer=DIR",
     )
     parser.add_argument(
         "--dtype",
@@ -57,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tokenizer_out is not None:
+        if args.from_gguf is None or args.out is not None:
+            raise UserError("--tokenizer-out goes with --from-gguf FILE, without --out")
+        return tokenizer_out(args)
+    if args.out is None:
+        raise UserError("--out is missing: give the file or directory to write")
     if args.from_gguf is not None:
         return from_gguf(args)
     return from_hf(args) if args.from_hf is not None else to_hf(args)
@@ -97,6 +110,22 @@ def from_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def tokenizer_out(args: argparse.Namespace) -> int:
+    """A GGUF file's tokenizer alone as a Hugging Face tokenizer directory (AutoTokenizer loads it)."""
+    from kvports.shared.files import write_atomic
+
+    out = args.tokenizer_out
+    check_output_folder(out, args.force, inputs=[args.from_gguf])
+    files = text_files(args.from_gguf)
+    if not files:
+        raise UserError(f"{echo_path(args.from_gguf)} holds no tokenizer (tokenizer.ggml.model)")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, payload in files.items():
+        write_atomic(out / name, payload)
+    print(f"wrote {out}: {', '.join(files)}, the tokenizer of {args.from_gguf}")
+    return 0
+
+
 def text_files(source: Path) -> dict[str, bytes]:
     """The weights' tokenizer (tokenizer.json) and chat template (tokenizer_config.json, as Hugging
     Face keeps it) to write beside a conversion: a GGUF file's own, or those beside the source."""
@@ -114,7 +143,9 @@ def text_files(source: Path) -> dict[str, bytes]:
         return {}
     files = {"tokenizer.json": text.tokenizer.encode()}
     if text.template is not None:
-        files[TOKENIZER_CONFIG] = json.dumps({"chat_template": text.template, **text.special}, indent=2).encode()
+        # tokenizer_class: AutoTokenizer loads the folder without a config.json (a --tokenizer-out folder).
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": text.template, **text.special}
+        files[TOKENIZER_CONFIG] = json.dumps(settings, indent=2).encode()
     return files
 
 

@@ -81,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("KVPORTS_API_KEY"),
         help="ask /v1/ requests for 'Authorization: Bearer KEY' (default: $KVPORTS_API_KEY; none: no key)",
     )
+    parser.add_argument(
+        "--allowed-origins",
+        type=origins,
+        action="append",
+        default=[],
+        metavar="ORIGINS",
+        help="origins a browser may call from (CORS), comma-separated or repeated, e.g. "
+        "http://localhost:3000; '*' for any (default: none, as a browser page elsewhere gets no answer)",
+    )
     add_engine_arguments(parser, MAX_BATCH, "--max-batch sequences of --max-length")
     parser.add_argument(
         "--max-length",
@@ -117,7 +126,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="after SIGINT or SIGTERM running requests may finish for S seconds; then each ends with an error "
         f"(a stream's last chunk); a second signal ends them at once (default {GRACEFUL_S:g})",
     )
+    parser.add_argument(
+        "--precompile",
+        action="store_true",
+        help="JAX: compile every step shape the scheduler can make before saying ready, so no request waits "
+        "on a compile (start-up grows with --max-batch and --max-length: tens of programs for a small "
+        "server, over a hundred at the defaults); other frameworks: nothing to do",
+    )
     add_threads_argument(parser)
+
+
+def origins(text: str) -> list[str]:
+    """--allowed-origins' value: origins separated by commas (vLLM's flag, its values as Starlette's CORS takes)."""
+    found = [origin.strip() for origin in text.split(",") if origin.strip()]
+    if not found:
+        raise OutOfRange("no origin given")
+    return found
 
 
 def port_number(text: str) -> int:
@@ -199,7 +223,7 @@ def prepare(args: argparse.Namespace, wrap_port: Any = None) -> tuple[Any, Any]:
     loaded = load_model(args.framework, config, tensors, args.dtype, args.device, quant=args.quant)
     port = loaded.port if wrap_port is None else wrap_port(loaded.port)
     engine = Engine(port, loaded.model, config, settings, dtype=args.dtype, end_nonfinite_rows=True)
-    warm_up(engine)
+    warm_up(engine, args.precompile)
     context = min(settings.longest(config), settings.pool_blocks(config) * settings.block_size)
     limits = Limits(model_name(args), config.vocab_size, context, tuple(config.eos_token_ids), config)
     metrics = Metrics()
@@ -210,6 +234,7 @@ def prepare(args: argparse.Namespace, wrap_port: Any = None) -> tuple[Any, Any]:
     state.created = int(time.time())
     state.describe = f"{args.framework}, model {limits.model}, context {context}"
     state.body_timeout = args.body_timeout
+    state.allowed_origins = tuple(origin for given in args.allowed_origins for origin in given)
     return state, create_app(state)
 
 
@@ -244,13 +269,17 @@ def model_name(args: argparse.Namespace) -> str:
     return args.weights.stem if args.weights is not None else "kvports-seed"
 
 
-def warm_up(engine: Engine) -> None:
-    """One short request through the engine before the server says it is ready: JAX compiles its
-    decode program (every decode step's) and a one-row prefill program here, not on a client's first
-    request; a prefill shape not seen yet compiles when it first comes. Its counts are then forgotten."""
+def warm_up(engine: Engine, precompile: bool = False) -> None:
+    """Before the server says it is ready: one short request runs through the engine (JAX compiles its
+    decode program and a one-row prefill); with --precompile JAX then compiles every other step shape
+    the scheduler can make (`Engine.compile_steps`), so no client waits on a compile. After a step,
+    as every later step finds it: JAX keys its programs by whether each input is committed to a
+    device, and a step's output pool is. The warm-up's counts are then forgotten."""
     prompt = tuple([0] * min(8, engine.settings.longest(engine.config) - 2))
     engine.add(Request("warm-up", prompt, GenerationConfig(max_new_tokens=2)))
     engine.run()
+    if precompile:
+        engine.compile_steps()
     engine.stats = EngineStats()
     engine.blocks.peak_used = 0
 

@@ -10,7 +10,7 @@ one-line message, never a traceback. A client that goes away cancels its request
 back before the next step); one whose body does not come within the body timeout is answered
 408. At shutdown, `end_requests` ends what still runs with a 503 error object (a stream's last
 chunk, then `[DONE]`). With an API key, `/v1/` asks for `Authorization: Bearer KEY`, compared in
-constant time.
+constant time. With `--allowed-origins`, Starlette's CORS middleware answers browsers' preflights.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class ServerState:
     created: int = 0  # the model's "created" time, as /v1/models shows it
     describe: str = ""  # the framework, model and context, for the line that says it is ready
     body_timeout: float | None = None  # seconds a request's body may take to arrive (None: no limit)
+    allowed_origins: tuple[str, ...] = ()  # the origins a browser page may call from (CORS); none by default
     answers: set[Answer] = field(default_factory=set)  # the requests running now
 
     def end_requests(self) -> None:
@@ -66,6 +67,15 @@ class ServerState:
 
 def create_app(state: ServerState) -> Any:
     app = FastAPI(title="kvports", docs_url=None, redoc_url=None, openapi_url=None)
+    if state.allowed_origins:  # a browser asks first (a preflight); without this it gets 405
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],  # Authorization and Content-Type among them
+        )
 
     def error_response(error: ApiError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
@@ -166,7 +176,16 @@ def create_app(state: ServerState) -> Any:
     def make_job(checked: Completion) -> Job:
         request_id = secrets.token_hex(8)
         choices = [
-            Choice(index, Request(f"{request_id}-{index}", checked.prompt, generation, logprobs=checked.logprobs))
+            Choice(
+                index,
+                Request(
+                    f"{request_id}-{index}",
+                    checked.prompt,
+                    generation,
+                    logprobs=checked.logprobs,
+                    prompt_logprobs=checked.logprobs if checked.echo else None,
+                ),
+            )
             for index, generation in enumerate(checked.generations)
         ]
         return Job(choices, asyncio.get_running_loop())
@@ -283,6 +302,11 @@ class Answer:
             raise self.error
         if not self.done:  # the client went away: nobody reads this
             raise ApiError(499, "the client closed the connection")
+        if self.checked.prompt_only:  # max_tokens 0: the one token the engine computed is dropped
+            texts = [""] * len(texts)
+            self.tokens = [[] for _ in texts]
+            self.logprobs = [[] for _ in texts]
+            self.finish = ["length"] * len(texts)
         choices = [self.choice(index, text) for index, text in enumerate(texts)]
         kind = "chat.completion" if self.checked.chat else "text_completion"
         return {
@@ -299,9 +323,13 @@ class Answer:
         if self.checked.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            choice["text"] = self.echoed() + text if self.checked.echo else text
+        prompt = self.prompt_logprobs(index) if self.checked.echo else None
         choice["logprobs"] = self.logprobs_of(index, 0, len(self.tokens[index]))
+        if prompt is not None and choice["logprobs"] is not None:
+            choice["logprobs"] = {key: prompt[key] + choice["logprobs"][key] for key in prompt}
         choice["finish_reason"] = self.finish[index]
+        choice["seed"] = self.checked.generations[index].seed  # `kvports generate --seed` repeats it
         if self.checked.return_token_ids:
             choice["token_ids"] = self.tokens[index]
         return choice
@@ -355,6 +383,7 @@ class Answer:
             choice["text"] = delta
         choice["logprobs"] = logprobs
         choice["finish_reason"] = reason
+        choice["seed"] = self.checked.generations[index].seed
         if self.checked.return_token_ids:
             choice["token_ids"] = token_ids
         chunk = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "choices": [choice]}
@@ -388,9 +417,43 @@ class Answer:
         return {
             "tokens": tokens,
             "token_logprobs": [finite(step.logprob) for step in steps],
-            "top_logprobs": [{self.text_of(i): finite(p) for i, p in step.top} for step in steps],
+            "top_logprobs": [self.top_by_text(step) for step in steps],
             "text_offset": offsets,
         }
+
+    def echoed(self) -> str:
+        """The prompt's text, as `echo` begins a completion with it (vLLM's: its ids decoded)."""
+        tokenizer = self.state.tokenizer
+        return "" if tokenizer is None else decode(tokenizer, list(self.checked.prompt))
+
+    def prompt_logprobs(self, index: int) -> dict[str, Any] | None:
+        """The prompt's own log-probabilities in the legacy format, as vLLM echoes them: every prompt
+        token, the first's log-probability and likeliest tokens null (nothing comes before it),
+        offsets from 0; the completion's offsets then continue after the prompt's."""
+        if self.checked.logprobs is None:
+            return None
+        sequence = self.job.choices[index].sequence
+        assert sequence is not None  # the engine made it before any token came
+        steps = sequence.prompt_logprobs  # one per prompt token after the first
+        tokens = [self.text_of(token) for token in self.checked.prompt]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None] + [finite(step.logprob) for step in steps],
+            "top_logprobs": [None] + [self.top_by_text(step) for step in steps],
+            "text_offset": offsets,
+        }
+
+    def top_by_text(self, step: TokenLogprobs) -> dict[str, float]:
+        """The legacy format's {text: logprob} of a step's likeliest tokens; where two ids spell the
+        same text, the likelier one's."""
+        found: dict[str, float] = {}
+        for token, logprob in step.top:
+            found.setdefault(self.text_of(token), finite(logprob))
+        return found
 
     def top(self, step: TokenLogprobs) -> list[dict[str, Any]]:
         return [self.spell(token, logprob) for token, logprob in step.top]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,14 +36,45 @@ NO_OPS: dict[str, tuple[object, ...]] = {
     "frequency_penalty": (0, 0.0, None),
     "presence_penalty": (0, 0.0, None),
     "logit_bias": (None, {}),
-    "user": (),  # any string: it names the caller, it changes nothing
-    "echo": (None, False),
     "suffix": (None,),
     "best_of": (None, 1),
 }
+CHAT_NO_OPS: dict[str, tuple[object, ...]] = {
+    "echo": (None, False),
+    "tool_choice": (None, "none"),
+    "modalities": (None, ["text"]),
+}
+# Fields OpenAI's clients send that change nothing here, taken at any value of their JSON type:
+# who calls (user, safety_identifier), OpenAI's storage and billing (store, metadata, service_tier,
+# prompt_cache_key, prompt_cache_retention), and a tool setting with no tools.
+IGNORED: dict[str, type] = {"user": str}
+CHAT_IGNORED: dict[str, type] = {
+    **IGNORED,
+    "safety_identifier": str,
+    "store": bool,
+    "metadata": dict,
+    "service_tier": str,
+    "prompt_cache_key": str,
+    "prompt_cache_retention": str,
+    "parallel_tool_calls": bool,
+}
+REFUSED = {  # known to OpenAI's clients and not done here: a 400 that says so, not "unknown field"
+    "tools": "this server does no tool calling",
+    "functions": "this server does no function calling",
+    "function_call": "this server does no function calling",
+}
 EXTENSIONS = ("return_token_ids",)  # vLLM's: each choice carries its token ids
-CHAT_FIELDS = (*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs", *NO_OPS, *EXTENSIONS)
-COMPLETION_FIELDS = (*COMMON, "prompt", "logprobs", *NO_OPS, *EXTENSIONS)
+CHAT_FIELDS = (
+    *COMMON,
+    *("messages", "max_completion_tokens", "logprobs", "top_logprobs"),
+    *NO_OPS,
+    *CHAT_NO_OPS,
+    *CHAT_IGNORED,
+    *EXTENSIONS,
+)
+COMPLETION_FIELDS = (*COMMON, "prompt", "logprobs", "echo", *NO_OPS, *IGNORED, *EXTENSIONS)
+TEXT_PART = "text"  # the one content part type a text-only model takes
+ROLES = {"developer": "system"}  # OpenAI's newer name for the system message
 
 
 class ApiError(Exception):
@@ -93,12 +125,14 @@ class Completion:
 
     chat: bool
     prompt: tuple[int, ...]
-    generations: tuple[GenerationConfig, ...]  # one per choice (n), seeded seed, seed + 1, ...
+    generations: tuple[GenerationConfig, ...]  # one per choice (n): seeds seed, seed + 1, ... (given or drawn)
     stop: tuple[str, ...]  # stop strings, matched on the decoded text
     stream: bool
     include_usage: bool
     return_token_ids: bool
     logprobs: int | None  # likeliest tokens to report at each step beside the chosen one's; None: no logprobs
+    echo: bool = False  # a completion's text and log-probabilities begin with its prompt's
+    prompt_only: bool = False  # max_tokens 0 (with echo): the prompt alone, its one computed token dropped
 
 
 # ---------------------------------------------------------------- the body
@@ -198,18 +232,22 @@ def boolean(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def check_fields(body: dict[str, Any], known: tuple[str, ...]) -> None:
+def check_fields(body: dict[str, Any], chat: bool) -> None:
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
     for name in body:
+        if chat and name in REFUSED:
+            raise bad(name, f"'{name}' is not supported: {REFUSED[name]}", "unsupported")
         if name not in known:
             raise bad(name, f"unknown field {echo(name)[:80]} (known: {', '.join(known)})", "unknown_field")
-    for name, allowed in NO_OPS.items():
+    for name, kind in (CHAT_IGNORED if chat else IGNORED).items():
+        if name in body and body[name] is not None and not isinstance(body[name], kind):
+            wanted = json_type(kind())
+            raise bad(name, f"'{name}' must be {wanted}, got {json_type(body[name])}")
+    for name, allowed in (NO_OPS | CHAT_NO_OPS if chat else NO_OPS).items():
         if name not in body:
             continue
         value = body[name]
-        if name == "user":
-            if not isinstance(value, str):
-                raise bad(name, f"'user' must be a string, got {json_type(value)}")
-        elif not any(value == option and type(value) is type(option) for option in allowed):
+        if not any(value == option and type(value) is type(option) for option in allowed):
             shown = " or ".join(json.dumps(option) for option in allowed)
             raise bad(name, f"'{name}' is not supported by this server: leave it out or give {shown}", "unsupported")
 
@@ -290,9 +328,38 @@ def messages_prompt(body: dict[str, Any], chat: Chat | None) -> list[int]:
     if messages is None:
         raise bad("messages", "'messages' is missing: give a non-empty list of {'role', 'content'} messages")
     try:
-        return chat_prompt(messages, chat, SERVER)
+        return chat_prompt(openai_messages(messages), chat, SERVER)
     except UserError as exc:
         raise bad("messages", str(exc)) from None
+
+
+def openai_messages(messages: object) -> object:
+    """OpenAI's message forms as the chat template's: content as a list of text parts joined by
+    newlines (as vLLM joins them), the developer role as system. Anything else is left for the
+    chat rule (`kvports.formats.chat.check_messages`) to judge."""
+    if not isinstance(messages, list):
+        return messages
+    plain = []
+    for message in messages:
+        if isinstance(message, dict):
+            message = dict(message)
+            if message.get("role") in ROLES:
+                message["role"] = ROLES[message["role"]]
+            if isinstance(message.get("content"), list):
+                message["content"] = "\n".join(text_part(part) for part in message["content"])
+        plain.append(message)
+    return plain
+
+
+def text_part(part: object) -> str:
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise bad("messages", f"a content part must be an object with a 'type', got {json_type(part)}")
+    if part["type"] != TEXT_PART:
+        shown = echo(part["type"])[:80]
+        raise bad("messages", f"content part type {shown} is not supported: this model takes 'text' parts only")
+    if not isinstance(part.get("text"), str):
+        raise bad("messages", f"a 'text' content part's 'text' must be a string, got {json_type(part.get('text'))}")
+    return part["text"]
 
 
 # ---------------------------------------------------------------- the request
@@ -316,9 +383,12 @@ def check_body(
 ) -> Completion:
     """A body as the engine's requests, or the ApiError that names the first bad field: the body's
     own fields here, then the request every door makes (`request.check_request`, in the body's words)."""
-    check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    check_fields(body, chat)
     check_model(body, limits)
     stream = boolean(body, "stream")
+    echo = not chat and boolean(body, "echo")
+    if echo and stream:
+        raise bad("echo", "'echo' is not supported with 'stream': true; ask for the whole answer")
     usage = include_usage(body, stream)
     return_ids = boolean(body, "return_token_ids")
     logprobs = requested_logprobs(body, chat)
@@ -329,7 +399,9 @@ def check_body(
     if top_p == 0.0:
         raise bad("top_p", "'top_p' is 0; it must be in (0, 1] (1 means no nucleus filter)")
     top_k = integer(body, "top_k", 0, limits.vocab_size, 0)
-    seed = integer(body, "seed", 0, MAX_SEED - MAX_N, 0)
+    seed = integer(body, "seed", 0, MAX_SEED - MAX_N, None)
+    if seed is None:  # a fresh draw, as OpenAI's: each choice says its seed, so it can be repeated
+        seed = secrets.randbelow(MAX_SEED - MAX_N + 1)
     prompt = messages_prompt(body, render) if chat else completion_prompt(body, encode)
     room = limits.context - len(prompt)
     field = "messages" if chat else "prompt"
@@ -342,8 +414,12 @@ def check_body(
         )
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     default = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
-    max_tokens = integer(body, name, 1, limits.context, default)
+    # max_tokens 0 asks for the prompt's echo alone (lm-eval's log-likelihoods); the engine still
+    # computes one token, which the answer drops.
+    max_tokens = integer(body, name, 0 if echo else 1, limits.context, default)
     assert max_tokens is not None and n is not None and seed is not None and top_k is not None
+    prompt_only = max_tokens == 0
+    max_tokens = max(max_tokens, 1)
     if len(prompt) + max_tokens > limits.context:
         raise bad(
             name,
@@ -370,4 +446,4 @@ def check_body(
             raise bad(field, str(exc)) from None
         except UserError as exc:  # what the ports' shared checks refuse past the bounds above
             raise bad(None, str(exc)) from None
-    return Completion(chat, tuple(prompt), generations, stop, stream, usage, return_ids, logprobs)
+    return Completion(chat, tuple(prompt), generations, stop, stream, usage, return_ids, logprobs, echo, prompt_only)

@@ -237,3 +237,41 @@ def test_a_streamed_completions_logprobs_continue_their_text_offsets(server):
             offsets += choice.logprobs.text_offset
     assert tokens == whole.tokens and offsets == whole.text_offset
     assert len(whole.tokens) > 1 and offsets[-1] > 0  # chunks after the first carry on from its text
+
+
+def sampled(server, **seed) -> list[list[int]]:
+    """Three temperature-1 completions of one prompt, n=2 each: every choice's tokens."""
+    answers = [
+        client(server).completions.create(
+            model=MODEL,
+            prompt=[3, 14, 15, 92],
+            max_tokens=12,
+            temperature=1.0,
+            n=2,
+            extra_body={"return_token_ids": True},
+            **seed,
+        )
+        for _ in range(3)
+    ]
+    return [choice.model_extra["token_ids"] for answer in answers for choice in answer.choices]
+
+
+def test_unseeded_samples_differ_request_to_request_and_choice_to_choice(server):
+    samples = sampled(server)
+    assert len({tuple(tokens) for tokens in samples}) == len(samples)
+
+
+def test_seeded_samples_repeat(server):
+    samples = sampled(server, seed=99)
+    assert samples[0::2] == [samples[0]] * 3 and samples[1::2] == [samples[1]] * 3
+
+
+def test_a_choice_says_its_seed_and_that_seed_repeats_it(server):
+    prompt = [7, 70, 77, 170]
+    answer = client(server).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, n=2, extra_body={"return_token_ids": True}
+    )
+    for choice in answer.choices:
+        seed = choice.model_extra["seed"]
+        assert choice.model_extra["token_ids"] == alone(server, prompt, max_new_tokens=8, temperature=1.0, seed=seed)
+    assert answer.choices[1].model_extra["seed"] == answer.choices[0].model_extra["seed"] + 1

@@ -144,6 +144,7 @@ def test_members_lists_the_port_contract_in_order():
         "clear_compiled",
         "init_block_pool",
         "paged_step",
+        "compile_paged_steps",
     ]
     assert str(contract.members(contract.Port)["generate"]).startswith(
         "(model: 'Model', prompts: 'np.ndarray', generation: 'int | GenerationConfig', mode: 'str', return_logits: "
