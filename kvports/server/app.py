@@ -76,28 +76,7 @@ def create_app(state: ServerState) -> Any:
             allow_methods=["GET", "POST"],
             allow_headers=["*"],  # Authorization and Content-Type among them
         )
-
-    def error_response(error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: HttpRequest, error: ApiError) -> JSONResponse:
-        return error_response(error)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: HttpRequest, error: HTTPException) -> JSONResponse:
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        message = f"{request.method} {request.url.path}: {error.detail}"
-        return error_response(ApiError(error.status_code, message, None, None, kind))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: HttpRequest, error: RequestValidationError) -> JSONResponse:
-        return error_response(ApiError(400, "the request is not valid"))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: HttpRequest, error: Exception) -> JSONResponse:
-        message = f"the server failed on this request ({type(error).__name__})"
-        return error_response(ApiError(500, message, None, None, "server_error"))
+    add_error_handlers(app)
 
     def authorize(request: HttpRequest) -> None:
         if state.api_key is None:
@@ -191,6 +170,34 @@ def create_app(state: ServerState) -> Any:
         return Job(choices, asyncio.get_running_loop())
 
     return app
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def add_error_handlers(app: Any) -> None:
+    """Every failure answered with the OpenAI error object: ours, Starlette's, FastAPI's, and a 500
+    for anything unexpected (its type named, no traceback sent)."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: HttpRequest, error: ApiError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HttpRequest, error: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return error_response(ApiError(error.status_code, message, None, None, kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: HttpRequest, error: RequestValidationError) -> JSONResponse:
+        return error_response(ApiError(400, "the request is not valid"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: HttpRequest, error: Exception) -> JSONResponse:
+        message = f"the server failed on this request ({type(error).__name__})"
+        return error_response(ApiError(500, message, None, None, "server_error"))
 
 
 async def read_body(request: Any, seconds: float | None) -> bytes:
