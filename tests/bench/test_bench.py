@@ -443,7 +443,7 @@ def test_gpt2_mapping_names_every_parameter_once(seed_weights):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral"])  # what --to-hf writes: the baseline's own route
 def test_transformers_row_runs_each_family_in_its_own_class_with_our_tokens(family):
     hf_transformers = baseline_or_skip("hf_transformers")
     torch_port = port_or_skip("torch")

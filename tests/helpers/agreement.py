@@ -38,11 +38,13 @@ def assert_logits_close(
 
 
 # The largest |logit difference| from float32 each format may cost, relative to the largest |logit|:
-# bfloat16 keeps 8 bits of mantissa (2**-8 = 0.4% a product, compounded over the layers); int8 rounds
+# bfloat16 keeps 8 bits of mantissa (2**-8 = 0.4% a product, compounded over the layers; every port's
+# RMSNorm rounds to bfloat16 before its gain, as transformers' does: 6% on the tiny Q4_1 file of
+# tests/test_accepted.py, whose weights are large); int8 rounds
 # each weight to 1/254 of its row's largest (on SmolLM2, whose file already rounded them to 4 bits, 1.6 of
 # a largest logit of 32-35: docs/PRECISION.md); q4's kernels round its scales to bfloat16; float64 and
 # another load path of float32 differ from float32 in the last bits only.
-RELATIVE_COST = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 0.05, "int8": 0.08, "q4": 0.05, "none": 0.0}
+RELATIVE_COST = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 0.08, "int8": 0.08, "q4": 0.05, "none": 0.0}
 
 
 def format_cost(dtype: str, quant: str) -> float:
