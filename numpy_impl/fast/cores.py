@@ -1,0 +1,97 @@
+"""A step's large products split across the threads the process is given, set from outside the model.
+
+A decode step is one-row products, and OpenBLAS runs a one-row product (gemv) on one thread or
+splits it so finely that its threads wait for each other (docs/BENCH.md's profiles): given a
+second core, NumPy's decode barely moved. llama.cpp splits each product's OUTPUT rows across its
+threads; so does this. NumPy's matmul releases the GIL, so a thread pool runs the pieces at once,
+each through OpenBLAS at one thread (`kvports.threads.use_threads` sets OpenBLAS to 1 while this
+splits): the pieces are the parallelism, and two levels of threads would wait for each other.
+
+Splitting the output rows keeps each output's dot product whole, summed in the order the unsplit
+product sums it, so the tokens do not move (float64 bit-equal across ports). Splitting the
+reduction axis would sum in another order; this never does. OpenBLAS's kernels still treat some
+rows apart, by where they fall in the product, so a piece is cut only where its rows are summed as
+in the whole (tests/test_split_products.py holds it, at float32 and float64; found by measurement on
+OpenBLAS 0.3.31, Haswell kernels): float32's one-row kernel (gemv, the [in, out] layout) sums the
+rows of each 4096-row block by the block's length, so a product of at most 4096 rows is split only
+where its rows are a multiple of 64 and at multiples of 64, a longer one at multiples of 4096 (its
+blocks); a many-row product (gemm) whose pieces would fall under OpenBLAS's small-matrix size
+(M N K <= 100^3) takes another kernel there, so it is split only above that size.
+
+The split is installed as `functional.linear`, the one product every Linear and the tied head call,
+so the model and nn.py stay the lesson; with one thread nothing is installed and no pool exists.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvports.numpy_impl import functional
+
+MIN_SPLIT_BYTES = 1 << 21  # smaller weights: a handoff (~10-20 us) costs more than half the product saves
+ROW_ALIGN = 64  # pieces of a product of at most BLOCK_ROWS rows: multiples of 64, in a multiple of 64
+BLOCK_ROWS = 4096  # OpenBLAS's one-row block: a longer product is cut at multiples of it
+SMALL_GEMM = 100**3  # OpenBLAS's small-matrix kernel takes a many-row product of at most M N K this
+PLAIN_LINEAR = functional.linear  # the lesson's own, put back when the count returns to 1
+
+
+def piece_bounds(rows: int, threads: int) -> list[tuple[int, int]]:
+    """[start, stop) of each thread's output rows, near-equal, cut where the pieces sum as the
+    whole does (above); one piece, [0, rows), where no such cut exists."""
+    align = ROW_ALIGN if rows <= BLOCK_ROWS else BLOCK_ROWS
+    if rows <= BLOCK_ROWS and rows % ROW_ALIGN:
+        return [(0, rows)]
+    step = -(-rows // threads // align) * align  # ceil(rows / threads), rounded up to the alignment
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+class RowSplit:
+    """functional.linear with its output rows split across `threads` threads: the caller's thread
+    runs the first piece, a pool of threads - 1 runs the rest."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvports-numpy")
+
+    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        rows = weight.shape[0]
+        x2 = x.reshape(-1, x.shape[-1])  # [N, in]
+        bounds = piece_bounds(rows, self.threads)
+        smallest = min(stop - start for start, stop in bounds) * x2.shape[0] * x2.shape[1]
+        if weight.nbytes < MIN_SPLIT_BYTES or len(bounds) == 1 or (x2.shape[0] > 1 and smallest <= SMALL_GEMM):
+            return PLAIN_LINEAR(x, weight, bias)
+        y = np.empty((x2.shape[0], rows), dtype=np.result_type(x2, weight))  # [N, out]
+        (first, *rest) = bounds
+        # Each piece writes its own columns of y: [N, in] @ [in, stop - start], no copy of the weight.
+        pending = [self.pool.submit(np.matmul, x2, weight[a:b].T, out=y[:, a:b]) for a, b in rest]
+        np.matmul(x2, weight[first[0] : first[1]].T, out=y[:, first[0] : first[1]])
+        for piece in pending:
+            piece.result()
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], rows)  # [..., out]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+SPLIT: list[RowSplit] = []  # the installed split, if any (one per process: the thread count is the process's)
+
+
+def split_products(threads: int) -> None:
+    """Every large product of every NumPy model in this process split across `threads` threads
+    (1: the lesson's own functional.linear, no pool)."""
+    for old in SPLIT:
+        old.close()
+    SPLIT.clear()
+    functional.linear = PLAIN_LINEAR
+    if threads > 1:
+        SPLIT.append(RowSplit(threads))
+        functional.linear = SPLIT[0].linear
+
+
+def split_threads() -> int:
+    """The threads the products are split across (1: unsplit)."""
+    return SPLIT[0].threads if SPLIT else 1
