@@ -15,7 +15,7 @@ from tests.helpers.models import llama_like, random_prompts, random_weights
 from tests.helpers.ports import port_or_skip
 
 # Where each port splits its products: `split_products(threads)` and `split_threads()`, same names.
-SPLITTING = {"numpy": "kvports.numpy_impl.fast.cores"}
+SPLITTING = {"numpy": "kvports.numpy_impl.fast.cores", "torch": "kvports.torch_impl.fast.cores"}
 SPLIT_PORTS = pytest.mark.parametrize("name", sorted(SPLITTING))
 
 
@@ -28,7 +28,20 @@ def numpy_product(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return functional.linear(x, np.asarray(weight, order=memory_order(weight)))  # [..., out]
 
 
-PRODUCT = {"numpy": numpy_product}
+def torch_product(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """The same through the torch port's linear (fast/onednn.py), the weight laid out as load_model lays it."""
+    import torch
+
+    from kvports.shared.shapes import stored_transposed
+    from kvports.torch_impl.fast import onednn
+
+    w = torch.from_numpy(weight)  # [out, in]
+    w = w.t().contiguous().t() if stored_transposed(weight.shape) else w.contiguous()
+    with torch.no_grad():
+        return onednn.linear(torch.from_numpy(x), w).numpy()  # [..., out]
+
+
+PRODUCT = {"numpy": numpy_product, "torch": torch_product}
 
 # SmolLM2-135M's qkv, gate/up and down products (out, in), and two whose
 # rows are no multiple of a piece's.
@@ -41,9 +54,8 @@ def splitting(name, monkeypatch):
     port_or_skip(name)
     module = importlib.import_module(SPLITTING[name])
     monkeypatch.setattr(module, "MIN_SPLIT_BYTES", 0)
-    before = module.split_threads()
     yield module
-    module.split_products(before)
+    module.split_products(None)  # each port's own count again (NumPy's: unsplit, as without --threads)
 
 
 def unsplit_and_split(module, compute):
@@ -71,7 +83,7 @@ def test_split_generation_keeps_tokens_and_logits(name, splitting, dtype):
     port = port_or_skip(name)
     config = llama_like(vocab_size=512, d_model=256, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=48)
     model = port.load_model(config, random_weights(config), dtype)
-    prompts = random_prompts(config.vocab_size, 2, 9)
+    prompts = random_prompts(config.vocab_size, 1, 9)  # batch 1: every port splits its one-row products
 
     def generate():
         return port.generate(model, prompts, 8, "cached", return_logits=True)
@@ -86,7 +98,6 @@ def test_split_generation_keeps_tokens_and_logits(name, splitting, dtype):
 def test_one_thread_splits_nothing(name):
     port_or_skip(name)
     module = importlib.import_module(SPLITTING[name])
-    before = module.split_threads()
     try:
         module.split_products(1)
         assert module.split_threads() == 1
@@ -94,4 +105,4 @@ def test_one_thread_splits_nothing(name):
         module.split_products(2)
         assert module.split_threads() == 2
     finally:
-        module.split_products(before)
+        module.split_products(None)

@@ -80,14 +80,14 @@ class RowSplit:
 SPLIT: list[RowSplit] = []  # the installed split, if any (one per process: the thread count is the process's)
 
 
-def split_products(threads: int) -> None:
+def split_products(threads: int | None) -> None:
     """Every large product of every NumPy model in this process split across `threads` threads
-    (1: the lesson's own functional.linear, no pool)."""
+    (1 or None: the lesson's own functional.linear, no pool)."""
     for old in SPLIT:
         old.close()
     SPLIT.clear()
     functional.linear = PLAIN_LINEAR
-    if threads > 1:
+    if threads is not None and threads > 1:
         SPLIT.append(RowSplit(threads))
         functional.linear = SPLIT[0].linear
 
