@@ -4,7 +4,8 @@ On a busy machine a framework's default (a thread per CPU) makes its threads wai
 other: torch ran 10-90x slower than with one thread. Each library takes the count its own way:
 - torch: `torch.set_num_threads` (intra-op) now, if it is loaded, and `set_num_interop_threads`,
   which torch accepts only before its first parallel work (later it raises; that count stays);
-  OMP_NUM_THREADS for a torch not yet imported.
+  OMP_NUM_THREADS for a torch not yet imported. Its port splits a one-row product's output rows
+  across that count itself (torch_impl/fast/cores.py): MKL runs one on one thread.
 - NumPy: its port splits each large product's output rows across the threads itself
   (numpy_impl/fast/cores.py), so its BLAS (OpenBLAS, loaded with NumPy, long before any flag is
   read) runs each piece at one thread, set through threadpoolctl, which changes a loaded BLAS's
