@@ -83,7 +83,7 @@ def test_split_generation_keeps_tokens_and_logits(name, splitting, dtype):
     port = port_or_skip(name)
     config = llama_like(vocab_size=512, d_model=256, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=48)
     model = port.load_model(config, random_weights(config), dtype)
-    prompts = random_prompts(config.vocab_size, 1, 9)  # batch 1: every port splits its one-row products
+    prompts = random_prompts(config.vocab_size, 1, 17)  # batch 1: every port splits its one-row products
 
     def generate():
         return port.generate(model, prompts, 8, "cached", return_logits=True)
@@ -92,6 +92,27 @@ def test_split_generation_keeps_tokens_and_logits(name, splitting, dtype):
     assert any(thread.name.startswith(f"kvports-{name}") for thread in threading.enumerate())  # it did split
     assert np.array_equal(tokens, split_tokens)
     assert np.array_equal(logits, split_logits)
+
+
+@pytest.mark.parametrize("name", ["numpy"])  # the one port whose attention the split divides (by k/v heads)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_split_prompt_attention_is_bit_identical(name, splitting, dtype):
+    from kvports.numpy_impl import functional
+    from kvports.numpy_impl.model import attention_mask, token_positions
+
+    rng = np.random.default_rng(0)
+    B, H, Hkv, T, Dh = 2, 9, 3, 20, 16  # SmolLM2's 9 query heads over 3 k/v heads
+    query = rng.standard_normal((B, H, T, Dh)).astype(dtype)  # [B, H, T, Dh]
+    key, value = rng.standard_normal((2, B, Hkv, T, Dh)).astype(dtype)  # [B, Hkv, T, Dh] each
+    positions = token_positions(0, T, np.array([0, 3]))  # [B, T]: the second row left-padded
+    mask = attention_mask(positions, positions, None)  # [B, 1, T, T]
+
+    def attend():
+        return functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+
+    unsplit, split = unsplit_and_split(splitting, attend)
+    assert functional.scaled_dot_product_attention != splitting.PLAIN_ATTENTION  # the split one ran
+    assert np.array_equal(unsplit, split)
 
 
 @SPLIT_PORTS

@@ -18,8 +18,14 @@ where its rows are a multiple of 64 and at multiples of 64, a longer one at mult
 blocks); a many-row product (gemm) whose pieces would fall under OpenBLAS's small-matrix size
 (M N K <= 100^3) takes another kernel there, so it is split only above that size.
 
-The split is installed as `functional.linear`, the one product every Linear and the tied head call,
-so the model and nn.py stay the lesson; with one thread nothing is installed and no pool exists.
+A prompt's attention is split too, by key/value heads (`RowSplit.attention`): each head group's
+scores, softmax and weighted sum are independent of the others' and its ufuncs release the GIL,
+so the pool runs the groups at once, each computed exactly as unsplit (the same per-head products,
+the same shapes). A decode step's attention (one query row) is too small to pay for a handoff.
+
+The split is installed as `functional.linear` and `functional.scaled_dot_product_attention`, the
+calls every Linear, the tied head and every block make, so the model and nn.py stay the lesson;
+with one thread nothing is installed and no pool exists.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ MIN_SPLIT_BYTES = 1 << 21  # smaller weights: a handoff (~10-20 us) costs more t
 ROW_ALIGN = 64  # pieces of a product of at most BLOCK_ROWS rows: multiples of 64, in a multiple of 64
 BLOCK_ROWS = 4096  # OpenBLAS's one-row block: a longer product is cut at multiples of it
 SMALL_GEMM = 100**3  # OpenBLAS's small-matrix kernel takes a many-row product of at most M N K this
+MIN_SPLIT_QUERIES = 16  # fewer query rows (a decode step's one): attention runs unsplit
 PLAIN_LINEAR = functional.linear  # the lesson's own, put back when the count returns to 1
+PLAIN_ATTENTION = functional.scaled_dot_product_attention
 
 
 def piece_bounds(rows: int, threads: int) -> list[tuple[int, int]]:
@@ -73,6 +81,37 @@ class RowSplit:
             y += bias
         return y.reshape(*x.shape[:-1], rows)  # [..., out]
 
+    def attention(
+        self,
+        query: np.ndarray,
+        key: np.ndarray,
+        value: np.ndarray,
+        attn_mask: np.ndarray | None = None,
+        enable_gqa: bool = False,
+    ) -> np.ndarray:
+        """functional.scaled_dot_product_attention with its key/value heads split across the threads:
+        query [B, H, T, Dh] over key and value [B, Hkv, S, Dh] -> [B, H, T, Dh]."""
+        B, H, T, Dh = query.shape
+        Hkv = key.shape[1]
+        if T < MIN_SPLIT_QUERIES or Hkv < 2 or H % Hkv:
+            return PLAIN_ATTENTION(query, key, value, attn_mask, enable_gqa)
+        G = H // Hkv  # query heads per key/value head: a group's rows stay together
+        step = -(-Hkv // self.threads)  # key/value heads a piece
+        groups = [(start, min(start + step, Hkv)) for start in range(0, Hkv, step)]
+        out = np.empty(query.shape, dtype=query.dtype)  # [B, H, T, Dh]
+
+        def group(a: int, b: int) -> None:
+            out[:, a * G : b * G] = PLAIN_ATTENTION(
+                query[:, a * G : b * G], key[:, a:b], value[:, a:b], attn_mask, enable_gqa
+            )
+
+        (first, *rest) = groups
+        pending = [self.pool.submit(group, a, b) for a, b in rest]
+        group(*first)
+        for piece in pending:
+            piece.result()
+        return out  # [B, H, T, Dh]
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
@@ -87,9 +126,11 @@ def split_products(threads: int | None) -> None:
         old.close()
     SPLIT.clear()
     functional.linear = PLAIN_LINEAR
+    functional.scaled_dot_product_attention = PLAIN_ATTENTION
     if threads is not None and threads > 1:
         SPLIT.append(RowSplit(threads))
         functional.linear = SPLIT[0].linear
+        functional.scaled_dot_product_attention = SPLIT[0].attention
 
 
 def split_threads() -> int:
