@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from kvports.shared import cpu
 from kvports.shared.shapes import stored_transposed
-from kvports.torch_impl.fast import untie_head
+from kvports.torch_impl.fast import cores, untie_head
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _onednn_linear = torch.ops.mkldnn._linear_pointwise if ONEDNN else None
@@ -58,7 +57,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     eager_cpu = x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
     if packs and _onednn_linear is not None and eager_cpu and x.dtype == torch.bfloat16:
         return _onednn_linear(x, packed(weight), bias, "none", [], "")  # [..., out]: no fused activation
-    return F.linear(x, weight, bias)  # [..., out]; float32: MKL's sgemm, in either layout without a copy
+    # float32: MKL's sgemm, in either layout without a copy; a large one-row product split across torch's threads
+    return cores.linear(x, weight, bias)  # [..., out]
 
 
 def transpose_weights(model: nn.Module) -> nn.Module:

@@ -1,0 +1,129 @@
+"""A step's products split across the threads the process is given (each port's fast/cores.py):
+the split product is bit-identical to the unsplit one at float64 and float32 (output rows split,
+each dot product whole), a whole generation's tokens and logits do not move, and one thread
+splits nothing."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+import numpy as np
+import pytest
+
+from tests.helpers.models import llama_like, random_prompts, random_weights
+from tests.helpers.ports import port_or_skip
+
+# Where each port splits its products: `split_products(threads)` and `split_threads()`, same names.
+SPLITTING = {"numpy": "kvports.numpy_impl.fast.cores", "torch": "kvports.torch_impl.fast.cores"}
+SPLIT_PORTS = pytest.mark.parametrize("name", sorted(SPLITTING))
+
+
+def numpy_product(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """x [..., in] @ weight [out, in] as a loaded NumPy model runs it: the weight in its load-time
+    memory order, through functional.linear (looked up now: the split replaces it)."""
+    from kvports.numpy_impl import functional
+    from kvports.numpy_impl.fast.layout import memory_order
+
+    return functional.linear(x, np.asarray(weight, order=memory_order(weight)))  # [..., out]
+
+
+def torch_product(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """The same through the torch port's linear (fast/onednn.py), the weight laid out as load_model lays it."""
+    import torch
+
+    from kvports.shared.shapes import stored_transposed
+    from kvports.torch_impl.fast import onednn
+
+    w = torch.from_numpy(weight)  # [out, in]
+    w = w.t().contiguous().t() if stored_transposed(weight.shape) else w.contiguous()
+    with torch.no_grad():
+        return onednn.linear(torch.from_numpy(x), w).numpy()  # [..., out]
+
+
+PRODUCT = {"numpy": numpy_product, "torch": torch_product}
+
+# SmolLM2-135M's qkv, gate/up and down products (out, in), and two whose
+# rows are no multiple of a piece's.
+SHAPES = [(960, 576), (3072, 576), (576, 1536), (4999, 576), (300, 128)]
+
+
+@pytest.fixture
+def splitting(name, monkeypatch):
+    """The port's split module, every product split (no size floor), put back after."""
+    port_or_skip(name)
+    module = importlib.import_module(SPLITTING[name])
+    monkeypatch.setattr(module, "MIN_SPLIT_BYTES", 0)
+    yield module
+    module.split_products(None)  # each port's own count again (NumPy's: unsplit, as without --threads)
+
+
+def unsplit_and_split(module, compute):
+    module.split_products(1)
+    unsplit = compute()
+    module.split_products(2)
+    return unsplit, compute()
+
+
+@SPLIT_PORTS
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_split_product_is_bit_identical(name, splitting, dtype, shape, rows):
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal(shape).astype(dtype)  # [out, in]
+    x = rng.standard_normal((1, rows, shape[1])).astype(dtype)  # [1, rows, in]
+    unsplit, split = unsplit_and_split(splitting, lambda: PRODUCT[name](x, weight))
+    assert np.array_equal(unsplit, split)
+
+
+@SPLIT_PORTS
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_split_generation_keeps_tokens_and_logits(name, splitting, dtype):
+    port = port_or_skip(name)
+    config = llama_like(vocab_size=512, d_model=256, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=48)
+    model = port.load_model(config, random_weights(config), dtype)
+    prompts = random_prompts(config.vocab_size, 1, 17)  # batch 1: every port splits its one-row products
+
+    def generate():
+        return port.generate(model, prompts, 8, "cached", return_logits=True)
+
+    (tokens, logits), (split_tokens, split_logits) = unsplit_and_split(splitting, generate)
+    assert any(thread.name.startswith(f"kvports-{name}") for thread in threading.enumerate())  # it did split
+    assert np.array_equal(tokens, split_tokens)
+    assert np.array_equal(logits, split_logits)
+
+
+@pytest.mark.parametrize("name", ["numpy"])  # the one port whose attention the split divides (by k/v heads)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_split_prompt_attention_is_bit_identical(name, splitting, dtype):
+    from kvports.numpy_impl import functional
+    from kvports.numpy_impl.model import attention_mask, token_positions
+
+    rng = np.random.default_rng(0)
+    B, H, Hkv, T, Dh = 2, 9, 3, 20, 16  # SmolLM2's 9 query heads over 3 k/v heads
+    query = rng.standard_normal((B, H, T, Dh)).astype(dtype)  # [B, H, T, Dh]
+    key, value = rng.standard_normal((2, B, Hkv, T, Dh)).astype(dtype)  # [B, Hkv, T, Dh] each
+    positions = token_positions(0, T, np.array([0, 3]))  # [B, T]: the second row left-padded
+    mask = attention_mask(positions, positions, None)  # [B, 1, T, T]
+
+    def attend():
+        return functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+
+    unsplit, split = unsplit_and_split(splitting, attend)
+    assert functional.scaled_dot_product_attention != splitting.PLAIN_ATTENTION  # the split one ran
+    assert np.array_equal(unsplit, split)
+
+
+@SPLIT_PORTS
+def test_one_thread_splits_nothing(name):
+    port_or_skip(name)
+    module = importlib.import_module(SPLITTING[name])
+    try:
+        module.split_products(1)
+        assert module.split_threads() == 1
+        assert not module.SPLIT  # no pool
+        module.split_products(2)
+        assert module.split_threads() == 2
+    finally:
+        module.split_products(None)
