@@ -96,7 +96,8 @@ def test_split_generation_keeps_tokens_and_logits(name, splitting, dtype):
 
 @pytest.mark.parametrize("name", ["numpy"])  # the one port whose attention the split divides (by k/v heads)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_split_prompt_attention_is_bit_identical(name, splitting, dtype):
+@pytest.mark.parametrize("scale", [None, 0.3])  # Gemma 3's query_pre_attn_scalar gives its own scale
+def test_split_prompt_attention_is_bit_identical(name, splitting, dtype, scale):
     from kvports.numpy_impl import functional
     from kvports.numpy_impl.model import attention_mask, token_positions
 
@@ -108,7 +109,7 @@ def test_split_prompt_attention_is_bit_identical(name, splitting, dtype):
     mask = attention_mask(positions, positions, None)  # [B, 1, T, T]
 
     def attend():
-        return functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+        return functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True, scale=scale)
 
     unsplit, split = unsplit_and_split(splitting, attend)
     assert functional.scaled_dot_product_attention != splitting.PLAIN_ATTENTION  # the split one ran

@@ -88,13 +88,14 @@ class RowSplit:
         value: np.ndarray,
         attn_mask: np.ndarray | None = None,
         enable_gqa: bool = False,
+        scale: float | None = None,
     ) -> np.ndarray:
         """functional.scaled_dot_product_attention with its key/value heads split across the threads:
         query [B, H, T, Dh] over key and value [B, Hkv, S, Dh] -> [B, H, T, Dh]."""
         B, H, T, Dh = query.shape
         Hkv = key.shape[1]
         if T < MIN_SPLIT_QUERIES or Hkv < 2 or H % Hkv:
-            return PLAIN_ATTENTION(query, key, value, attn_mask, enable_gqa)
+            return PLAIN_ATTENTION(query, key, value, attn_mask, enable_gqa, scale)
         G = H // Hkv  # query heads per key/value head: a group's rows stay together
         step = -(-Hkv // self.threads)  # key/value heads a piece
         groups = [(start, min(start + step, Hkv)) for start in range(0, Hkv, step)]
@@ -102,7 +103,7 @@ class RowSplit:
 
         def group(a: int, b: int) -> None:
             out[:, a * G : b * G] = PLAIN_ATTENTION(
-                query[:, a * G : b * G], key[:, a:b], value[:, a:b], attn_mask, enable_gqa
+                query[:, a * G : b * G], key[:, a:b], value[:, a:b], attn_mask, enable_gqa, scale
             )
 
         (first, *rest) = groups
