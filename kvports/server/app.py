@@ -417,16 +417,22 @@ class Answer:
                 "content": [{**self.spell(step.token, step.logprob), "top_logprobs": self.top(step)} for step in steps]
             }
         tokens = [self.text_of(step.token) for step in steps]
-        offsets = []
-        for token in tokens:
-            offsets.append(self.offsets[index])
-            self.offsets[index] += len(token)
+        offsets = self.text_offsets(index, tokens)
         return {
             "tokens": tokens,
             "token_logprobs": [finite(step.logprob) for step in steps],
             "top_logprobs": [self.top_by_text(step) for step in steps],
             "text_offset": offsets,
         }
+
+    def text_offsets(self, index: int, tokens: list[str]) -> list[int]:
+        """Where each of `tokens` begins in choice `index`'s text so far (the legacy `text_offset`), the
+        choice's running offset moved past them."""
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(token)
+        return offsets
 
     def echoed(self) -> str:
         """The prompt's text, as `echo` begins a completion with it (vLLM's: its ids decoded)."""
@@ -443,10 +449,7 @@ class Answer:
         assert sequence is not None  # the engine made it before any token came
         steps = sequence.prompt_logprobs  # one per prompt token after the first
         tokens = [self.text_of(token) for token in self.checked.prompt]
-        offsets = []
-        for token in tokens:
-            offsets.append(self.offsets[index])
-            self.offsets[index] += len(token)
+        offsets = self.text_offsets(index, tokens)
         return {
             "tokens": tokens,
             "token_logprobs": [None] + [finite(step.logprob) for step in steps],
