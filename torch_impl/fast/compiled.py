@@ -4,29 +4,21 @@ over it (`generate_compiled`, which kvports/baselines/torch_compile.py runs).
 Torch only: eager mode attends over the slots filled so far (a shape that grows is free), but
 under torch.compile every new shape, and every new Python int the graph reads, is a recompile.
 With the length a tensor every decode step is one graph of one shape: it attends over every
-slot, the empty ones masked. The loop is generate.py's own; only the cache it starts from differs.
+slot, the empty ones masked. The loop is generate.py's generate_cached, called as it is; only the
+cache its model's forward receives differs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from kvports.shared.config import ModelConfig
 from kvports.shared.generation import GenerationConfig
-from kvports.torch_impl.generate import (
-    DecodeState,
-    OnToken,
-    check_logits,
-    decode_n_tokens,
-    finish,
-    next_token,
-    no_nonfinite,
-    start_generation,
-)
-from kvports.torch_impl.model import KVCache, TinyModel, init_cache
+from kvports.torch_impl.generate import OnToken, generate_cached
+from kvports.torch_impl.model import KVCache, TinyModel
 
 
 @dataclass
@@ -46,15 +38,34 @@ class CompiledKVCache(KVCache):
         return mask
 
 
-def init_compiled_cache(
-    config: ModelConfig, batch: int, total_len: int, dtype: torch.dtype, chunk: int = 1
-) -> CompiledKVCache:
-    cache = init_cache(config, batch, total_len, dtype, chunk)
+def as_compiled(cache: KVCache) -> CompiledKVCache:
+    """The same buffers, the length made a tensor: no copy."""
     fields = {field.name: getattr(cache, field.name) for field in dataclasses.fields(cache)}
-    return CompiledKVCache(**{**fields, "length": torch.zeros((), dtype=torch.int64)})
+    return CompiledKVCache(**{**fields, "length": torch.tensor(cache.length, dtype=torch.int64)})
 
 
-@torch.inference_mode()
+class CompiledCacheModel:
+    """The model, called with its cache's length made a tensor: generate_cached allocates a KVCache,
+    and its first forward (the prompt's) turns it into a CompiledKVCache, which every later step gets
+    back. Only the call is wrapped; generate_cached reads the model's config, emb and eval as they are."""
+
+    def __init__(self, model: TinyModel):
+        self.model = model
+        self.config = model.config
+        self.emb = model.emb
+
+    def eval(self) -> CompiledCacheModel:
+        self.model.eval()
+        return self
+
+    def __call__(
+        self, tokens: torch.Tensor, cache: KVCache, pad: torch.Tensor | None = None, logits_to_keep: int = 0
+    ) -> tuple[torch.Tensor, KVCache]:
+        if not isinstance(cache, CompiledKVCache):
+            cache = as_compiled(cache)
+        return self.model(tokens, cache, pad, logits_to_keep=logits_to_keep)  # [B, T or logits_to_keep, V], cache
+
+
 def generate_compiled(
     model: TinyModel,
     prompt: torch.Tensor,
@@ -62,17 +73,9 @@ def generate_compiled(
     return_logits: bool = False,
     on_token: OnToken = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """generate.generate_cached over a CompiledKVCache: the prompt in one forward, whose logits
-    choose the first token, then generate.py's decode_n_tokens. prompt [B, P] -> tokens [B, P + N]."""
-    model.eval()  # pitfall 3: dropout off
-    B, P = prompt.shape
-    decoding, tokens = start_generation(prompt, generation, model.emb.weight.dtype)
-    cache = init_compiled_cache(model.config, B, P + generation.max_new_tokens, model.emb.weight.dtype)
-    logits, cache = model(prompt.clamp(min=0), cache, decoding.pad)  # [B, P, V]
-    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # [B]
-    state = DecodeState(0, tokens, done, no_nonfinite(prompt.device), [] if return_logits else None, cache)
-    state, token = next_token(state, logits[:, -1], cache, decoding)
-    if on_token is not None:
-        check_logits(state, decoding)
-        on_token(token)
-    return finish(decode_n_tokens(model, state, decoding, on_token))
+    """generate.generate_cached, its loop unchanged, over a CompiledKVCache. prompt [B, P] -> tokens [B, P + N]."""
+    # The wrapper stands in for the model: generate_cached calls it, reads its config and emb, and
+    # sets eval mode, nothing else.
+    return generate_cached(
+        cast(TinyModel, CompiledCacheModel(model)), prompt, generation, return_logits, on_token=on_token
+    )
