@@ -29,6 +29,7 @@ from kvports.shared.config import ModelConfig
 
 NAME = "llama.cpp"
 MODES = ("cached",)
+GGML_TYPE_F32 = 0  # ggml_type's value
 
 
 @dataclass
@@ -58,6 +59,7 @@ def load_model(
     source: Path | None = None,
     threads: int | None = None,
     weights: str = "file",
+    f32_attention: bool = False,
 ) -> LlamaCppModel:
     """The GGUF file `source` (the file `tensors` were read from) as llama.cpp loads it, or with weights
     "f16" / "f32" the GGUF file kvports writes from `tensors` with source's metadata; `threads` for its
@@ -80,6 +82,9 @@ def load_model(
     context_params.n_ctx = config.max_seq_len
     context_params.n_batch = config.max_seq_len  # the whole prompt in one decode: one-forward prefill
     context_params.n_ubatch = config.max_seq_len
+    if f32_attention:
+        context_params.type_k = context_params.type_v = GGML_TYPE_F32
+        context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     if threads is not None:
         context_params.n_threads = context_params.n_threads_batch = threads
     context = llama_cpp.llama_init_from_model(model, context_params)
@@ -99,14 +104,14 @@ def weight_format(path: Path) -> str:
     return kinds.most_common(1)[0][0]
 
 
-def decode_next(model: LlamaCppModel, tokens: list[int]) -> int:
-    """Feeds `tokens` after what the context holds; the argmax of the last position's logits."""
+def decode_next(model: LlamaCppModel, tokens: list[int]) -> np.ndarray:
+    """Feeds `tokens` after what the context holds; the last position's logits [V], a view of llama.cpp's buffer
+    (valid until the next decode)."""
     array = (llama_cpp.llama_token * len(tokens))(*tokens)
     status = llama_cpp.llama_decode(model.context, llama_cpp.llama_batch_get_one(array, len(tokens)))
     if status != 0:
         raise RuntimeError(f"llama_decode returned {status}")
-    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(model.context, -1), shape=(model.n_vocab,))  # [V]
-    return int(np.argmax(logits))
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(model.context, -1), shape=(model.n_vocab,))  # [V]
 
 
 def generate(
@@ -116,8 +121,9 @@ def generate(
     mode: str = "cached",
     return_logits: bool = False,
     on_token: Callable[[np.ndarray], None] | None = None,
-) -> tuple[np.ndarray, None]:
-    """Greedy: tokens [1, P + N] and no logits; on_token(token [1]) after each decode."""
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Greedy: tokens [1, P + N] and, with return_logits, each step's logits [1, N, V] (float32, llama.cpp's
+    own); on_token(token [1]) after each decode."""
     if mode not in MODES:
         raise ValueError(f"{NAME} has modes {MODES}, not {mode!r}")
     if prompts.shape[0] != 1:
@@ -126,14 +132,19 @@ def generate(
         raise ValueError(f"prompt + new tokens {prompts.shape[1] + new_tokens} exceed llama.cpp's n_ctx {model.n_ctx}")
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(model.context), True)
     chosen: list[int] = []
+    steps: list[np.ndarray] = []
     feed = [int(token) for token in prompts[0]]
     for _ in range(new_tokens):
-        token = decode_next(model, feed)
+        logits = decode_next(model, feed)  # [V]
+        token = int(np.argmax(logits))
         chosen.append(token)
+        if return_logits:
+            steps.append(logits.copy())
         if on_token is not None:
             on_token(np.array([token], dtype=np.int64))
         feed = [token]
-    return np.concatenate([prompts, np.array([chosen], dtype=np.int64)], axis=1), None  # [1, P + N]
+    tokens = np.concatenate([prompts, np.array([chosen], dtype=np.int64)], axis=1)  # [1, P + N]
+    return tokens, np.asarray(steps, np.float32).reshape(1, -1, model.n_vocab) if return_logits else None  # [1, N, V]
 
 
 def synchronize(model: LlamaCppModel) -> None:

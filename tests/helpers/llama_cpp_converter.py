@@ -53,14 +53,20 @@ def converter_root() -> Path:
 
 
 def write_tokenizer(directory: Path, vocab_size: int, model_type: str) -> None:
-    """A word-level tokenizer of the model's vocabulary (w0, w1, ...), which the converter writes into
-    the file. Qwen2's tokenizer class adds <|endoftext|> after it: one word fewer leaves it room."""
+    """A byte-pair tokenizer of the model's vocabulary ("a", "b", "ab", then w3, w4, ...), which the converter
+    writes into the file. One merge ("a" "b"): llama.cpp refuses a BPE ("gpt2") vocabulary that has no merges
+    key, and its converter writes none for an empty list. Qwen2's tokenizer class adds <|endoftext|> after
+    it: one word fewer leaves it room. A Phi-3 vocabulary holds Phi-3's special tokens, which llama.cpp
+    looks up by name in a file whose model name says phi3."""
     from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
+    from tokenizers.models import BPE
     from tokenizers.pre_tokenizers import Whitespace
 
     words = vocab_size - (model_type == "qwen2")
-    tokenizer = Tokenizer(WordLevel({f"w{i}": i for i in range(words)}, unk_token="w0"))
+    special = ["<unk>", "<s>", "</s>", "<|endoftext|>"] if model_type == "phi3" else []
+    texts = ["a", "b", "ab", *special, *(f"w{i}" for i in range(3 + len(special), words))]
+    vocab = {text: i for i, text in enumerate(texts)}
+    tokenizer = Tokenizer(BPE(vocab, [("a", "b")], unk_token="a"))
     tokenizer.pre_tokenizer = Whitespace()
     tokenizer.save(str(directory / "tokenizer.json"))
     # Phi-3's converter takes the GPT-2 path for this class name only (it reads tokenizer.model otherwise).

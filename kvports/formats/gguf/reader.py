@@ -410,11 +410,15 @@ def gguf_config(reader: Any, source: str) -> ModelConfig:
     if blocks > len(layers):
         raise meta.refuse(p + "block_count", blocks, f"the file holds tensors of {len(layers)} layers (blk.N.*)")
     eos = [meta.token_id(key) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
-    window = meta.integer(p + "attention.sliding_window") if p + "attention.sliding_window" in meta else None
+    # 0 is no window, as llama.cpp reads it: its converter writes 0 for a Phi-3 whose config has none.
+    window = meta.integer(p + "attention.sliding_window", 0, low=0) or None
     family: dict[str, Any] = {}
     if arch == "gemma3":
         if window is None:
-            raise UserError(f"GGUF file {echo_path(source)} has no metadata gemma3.attention.sliding_window")
+            raise UserError(
+                f"GGUF file {echo_path(source)}: metadata gemma3.attention.sliding_window is missing or 0 "
+                "(Gemma 3's local layers need a window)"
+            )
         family = dict(
             qk_norm=True,
             post_norms=True,
