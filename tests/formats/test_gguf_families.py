@@ -15,14 +15,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")  # the converter imports it for every family
 import torch
 
+from kvports.agreement import comparable_steps, compare_tokens, logit_difference
 from kvports.formats.gguf.writer import write_gguf
 from kvports.formats.weights import load_weights
-from kvports.agreement import comparable_steps, compare_tokens, logit_difference
 from tests.helpers.hf_reference import FAMILY_CASES, Case, hf_generate, save_hf
 from tests.helpers.llama_cpp_converter import convert, converter_root, write_tokenizer
 from tests.helpers.models import random_prompts
 
-# Five conversions, each a process importing torch and transformers (about a minute; the first run
+# Six conversions, each a process importing torch and transformers (about a minute; the first run
 # also fetches the converter, about another).
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 8
