@@ -23,7 +23,7 @@ from kvports.commands.inputs import (
 )
 from kvports.devices import add_device_argument, tensor_parallel_layout
 from kvports.families import describe
-from kvports.flags import add_speculative_arguments, integer, positive_int
+from kvports.flags import add_speculative_arguments, integer, json_schema_file, positive_int
 from kvports.generating import Generation, generate
 from kvports.loading import JAX_CACHE_VARIABLE, load_model
 from kvports.shared.generation import PAD, GenerationConfig
@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stream", action="store_true", help="print tokens as they are made (with --json: one JSON line per step)"
+    )
+    parser.add_argument(
+        "--json-schema",
+        type=json_schema_file,
+        metavar="FILE",
+        help="each answer as JSON the schema in FILE describes (structured output through llguidance; --mode cached)",
     )
     parser.add_argument(
         "--logprobs",
