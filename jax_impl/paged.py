@@ -130,9 +130,10 @@ def paged_step(
 ) -> tuple[jax.Array, BlockPool, jax.Array | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
-    sampling settings and draw [B]; allowed [B, V]: the tokens each row may take (None: all); return_logits: whether the step's logits leave it too (what
-    the log-probabilities are reported from); every_position: every position's logits, not the
-    last one's (a prompt's own log-probabilities). Each row's next token [B] (PAD where its logits were not
+    sampling settings and draw [B]; allowed [B, V]: the tokens each row may take (None: all);
+    return_logits: whether the step's logits leave it too (what the log-probabilities are reported
+    from); every_position: every position's logits, not the last one's (a prompt's own log-probabilities).
+    Each row's next token [B] (PAD where its logits were not
     finite), the pool with this step's keys and values written in (the one passed in is donated:
     use the returned one), and the step's logits [B, V] (or None)."""
     model.eval()

@@ -405,8 +405,14 @@ def generate_constrained(
     engine = Engine(loaded.port, loaded.model, config, settings, dtype=inputs.dtype, grammars=grammars)
     seeds = generation.row_seeds(B)
     sequences = [
-        engine.add(Request(str(row), tuple(prompt), replace(generation, seed=seeds[row], seeds=()),
-                           response_format=inputs.response_format))
+        engine.add(
+            Request(
+                str(row),
+                tuple(prompt),
+                replace(generation, seed=seeds[row], seeds=()),
+                response_format=inputs.response_format,
+            )
+        )
         for row, prompt in enumerate(row_tokens(prompts))
     ]
     start = time.perf_counter()
@@ -424,7 +430,9 @@ def generate_constrained(
     tokens[:, :P] = prompts
     for row, sequence in enumerate(sequences):
         tokens[row, P : P + len(sequence.generated)] = sequence.generated
-    result = result_of(tokens, prompts, inputs, None, None, seconds, None if first_token is None else first_token - start, tokenizer)
+    result = result_of(
+        tokens, prompts, inputs, None, None, seconds, None if first_token is None else first_token - start, tokenizer
+    )
     return replace(result, finish_reason=[str(sequence.finish_reason) for sequence in sequences])
 
 

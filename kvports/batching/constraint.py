@@ -74,7 +74,9 @@ def json_schema(schema: object, name: str | None = None, names: Names = COMMAND_
         raise FormatError(f"the schema in {label} must be a JSON object, got {kind_of(schema)}")
     text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
     if len(text.encode("utf-8")) > MAX_SCHEMA_BYTES:
-        raise FormatError(f"the schema in {label} is {len(text.encode('utf-8'))} bytes of JSON, above {MAX_SCHEMA_BYTES}")
+        raise FormatError(
+            f"the schema in {label} is {len(text.encode('utf-8'))} bytes of JSON, above {MAX_SCHEMA_BYTES}"
+        )
     return ResponseFormat("json_schema", text, name)
 
 
@@ -119,7 +121,9 @@ def check_format(response_format: ResponseFormat, names: Names = COMMAND_LINE) -
     problem = llguidance().LLMatcher.validate_grammar(response_format.grammar)
     if problem:
         first = problem.strip().splitlines()[0][:300] if problem.strip() else problem
-        raise FormatError(f"the schema in {names.label('response_format')} is not one structured output can follow: {first}")
+        raise FormatError(
+            f"the schema in {names.label('response_format')} is not one structured output can follow: {first}"
+        )
     return response_format
 
 
@@ -148,7 +152,9 @@ class Grammars:
     def matcher(self, response_format: ResponseFormat) -> Matcher:
         llg = llguidance()
         if self.tokenizer is None:
-            self.tokenizer = llg.LLTokenizer(self.source.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_ids or None)
+            self.tokenizer = llg.LLTokenizer(
+                self.source.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_ids or None
+            )
         return Matcher(llg.LLMatcher(self.tokenizer, response_format.grammar), self.vocab_size)
 
 
@@ -158,7 +164,9 @@ class Matcher:
     def __init__(self, matcher: Any, vocab_size: int):
         self.matcher, self.vocab_size = matcher, vocab_size
         if matcher.is_error():
-            raise FormatError(f"response_format's schema is not one structured output can follow: {matcher.get_error()}")
+            raise FormatError(
+                f"response_format's schema is not one structured output can follow: {matcher.get_error()}"
+            )
 
     def allowed(self) -> np.ndarray:
         """[V] bool: the tokens the grammar lets the row take next."""
