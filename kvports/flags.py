@@ -7,13 +7,10 @@ A refusal here is one `error:` line and exit 2 (see `kvports.cli`)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 from pathlib import Path
 
-from kvports.batching import constraint
-from kvports.batching.constraint import MAX_SCHEMA_BYTES, ResponseFormat
 from kvports.shared.checks import MAX_SEED, check_count
 from kvports.shared.errors import UserError, echo
 from kvports.validation import MAX_DRAFT_TOKENS, MAX_NGRAM, MAX_TENSOR_PARALLEL
@@ -179,31 +176,3 @@ def add_quant_argument(parser: argparse.ArgumentParser) -> None:
         help="weight-only quantization: int8 (symmetric, per output channel, at load) or q4 (a Q4_0/Q4_1 GGUF "
         "file's own 4-bit blocks; its other matrices int8); torch and jax (default none)",
     )
-
-
-def json_schema_file(text: str) -> ResponseFormat:
-    """--json-schema FILE: a regular file of at most MAX_SCHEMA_BYTES holding one JSON schema (an
-    object), read as strict JSON; whether structured output can follow it is `check_request`'s."""
-    path = Path(text)
-    try:
-        if not path.is_file():
-            raise argparse.ArgumentTypeError(f"{echo(text)} is not a regular file")
-        size = path.stat().st_size
-        if size > MAX_SCHEMA_BYTES:
-            raise OutOfRange(f"{echo(text)} is {size} bytes, above {MAX_SCHEMA_BYTES}")
-        with path.open("rb") as file:
-            raw = file.read(MAX_SCHEMA_BYTES + 1)
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot read {echo(text)} ({exc.strerror or exc})") from None
-    try:
-        schema = json.loads(raw.decode("utf-8"), parse_constant=no_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(f"{echo(text)} is not valid JSON ({str(exc).splitlines()[0][:120]})") from None
-    try:
-        return constraint.json_schema(schema)
-    except UserError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a JSON number")
