@@ -124,19 +124,22 @@ def paged_step(
     top_k: jax.Array,
     top_p: jax.Array,
     uniform: jax.Array,
+    allowed: jax.Array | None = None,
     return_logits: bool = False,
     every_position: bool = False,
 ) -> tuple[jax.Array, BlockPool, jax.Array | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
-    sampling settings and draw [B]; return_logits: whether the step's logits leave it too (what
-    the log-probabilities are reported from); every_position: every position's logits, not the
-    last one's (a prompt's own log-probabilities). Each row's next token [B] (PAD where its logits were not
+    sampling settings and draw [B]; allowed [B, V]: the tokens each row may take (None: all);
+    return_logits: whether the step's logits leave it too (what the log-probabilities are reported
+    from); every_position: every position's logits, not the last one's (a prompt's own log-probabilities).
+    Each row's next token [B] (PAD where its logits were not
     finite), the pool with this step's keys and values written in (the one passed in is donated:
     use the returned one), and the step's logits [B, V] (or None)."""
     model.eval()
     logits, pool = _paged_forward(*split_model(model), pool, tokens, start, block_tables, every_position)
-    next_tokens = _sample_rows(logits[:, -1] if every_position else logits, temperature, top_k, top_p, uniform)  # [B]
+    last = logits[:, -1] if every_position else logits  # [B, V]
+    next_tokens = _sample_rows(last, temperature, top_k, top_p, uniform, allowed)  # [B]
     return next_tokens, pool, logits if return_logits else None  # [B], the pool, [B, V] ([B, T, V]) or None
 
 
@@ -189,6 +192,7 @@ def static_shapes(
         np.pad(sampling.top_k, (0, rows - B)),
         np.pad(sampling.top_p, (0, rows - B), constant_values=1.0),
         np.pad(sampling.uniform, (0, rows - B)),
+        None if sampling.allowed is None else np.pad(sampling.allowed, ((0, rows - B), (0, 0)), constant_values=True),
     )
     return tokens, start, block_tables, sampling
 

@@ -10,7 +10,7 @@ Shapes: B batch, V vocabulary.
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -85,12 +85,20 @@ def choose(
 
 
 def sample_rows(
-    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, uniform: jax.Array
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    uniform: jax.Array,
+    allowed: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Each row's next token [B] from logits [B, V] by its own settings, arrays [B] (temperature 0:
     greedy), the token it gets alone: values, not shapes, so one program serves any mix of them
-    (traced: one compile). A row whose logits hold an inf or a NaN gets PAD: the engine stops there."""
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [B]
+    (traced: one compile). A row whose logits hold an inf or a NaN gets PAD: the engine stops there.
+    allowed [B, V]: the tokens each row may take (a grammar's, from the host); the others -inf first."""
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [B]: the model's own logits, before any mask
+    if allowed is not None:  # None or not is the program's shape: a masked step compiles its own
+        logits = jnp.where(allowed, logits, -jnp.inf)  # [B, V]
     sampled = temperature > 0  # [B]
 
     def draw_rows(tokens: jax.Array) -> jax.Array:

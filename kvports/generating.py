@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvports import registry
+from kvports.batching.constraint import Grammars, ResponseFormat
 from kvports.batching.request import Request, check_request
 from kvports.devices import (
     DEVICES,
@@ -98,6 +99,9 @@ class RunInputs:
     tensor_parallel: int = 1  # devices the model is split across (Megatron-style); 1: one device
     threads: int | None = None  # every framework's thread count (None: each one's default)
     logprobs: int = 0  # each step's chosen token's log-probability and the K likeliest alternatives
+    # Each row's answer as JSON a schema describes (`--json-schema`): mode cached, run by the batching
+    # engine, whose steps mask each row's logits to its grammar (batching.constraint); None: free text.
+    response_format: ResponseFormat | None = None
 
     def setup(self, modes: Sequence[str] | None = None, frameworks: Sequence[str] | None = None) -> Setup:
         """What `check_rules` holds to the ports: these inputs, in `modes` (default: the inputs' own
@@ -170,7 +174,8 @@ def check_inputs(
     models = [("the model", config)] + ([("the draft", draft)] if draft is not None and speculative else [])
     unable = check_rules(inputs.setup(modes, frameworks), names, models)
     generation = inputs.generation
-    rows = check_prompts(prompts, config, generation, names)  # each row as a request, checked
+    check_format_run(inputs, modes, names)
+    rows = check_prompts(prompts, config, generation, names, inputs.response_format)  # each row as a request, checked
     check_seeds(generation, len(rows), names)
     draft_tokens = 0
     if speculative:
@@ -188,14 +193,33 @@ def check_inputs(
     return Checked(batch, unable)
 
 
+def check_format_run(inputs: RunInputs, modes: Sequence[str], names: Names = COMMAND_LINE) -> None:
+    """A response format runs through the batching engine: in cached mode, without log-probabilities."""
+    if inputs.response_format is None:
+        return
+    label = names.label("response_format")
+    other = [mode for mode in modes if mode != "cached"]
+    if other:
+        raise UserError(f"{label} runs in {names.show('mode', 'cached')} only, not {other[0]}")
+    if inputs.logprobs:
+        raise UserError(f"{label} reports no {names.label('logprobs')}: leave one of them out")
+
+
 def check_prompts(
-    prompts: Sequence[Sequence[object]], config: ModelConfig, generation: GenerationConfig, names: Names = COMMAND_LINE
+    prompts: Sequence[Sequence[object]],
+    config: ModelConfig,
+    generation: GenerationConfig,
+    names: Names = COMMAND_LINE,
+    response_format: ResponseFormat | None = None,
 ) -> list[list[int]]:
     """Several prompts run with one generation's settings (the command line's and the API's rows), as
     rows of ids: each held to `check_request` as the request it is, named by its index."""
     if len(prompts) == 0:
         raise UserError("no prompt given")
-    rows = [Request(str(index), tuple(prompt), generation) for index, prompt in enumerate(prompts)]  # type: ignore[arg-type]  # checked next
+    rows = [
+        Request(str(index), tuple(prompt), generation, response_format=response_format)  # type: ignore[arg-type]  # checked next
+        for index, prompt in enumerate(prompts)
+    ]
     return [
         [int(token) for token in check_request(row, config, names, row=index).prompt] for index, row in enumerate(rows)
     ]
@@ -322,6 +346,8 @@ def generate(
 ) -> Generation:
     """One generation, any mode, of prompts `check_inputs` returned [B, P] (a speculative run's
     draft prepared first). With on_token, the time to the first token is measured too."""
+    if inputs.response_format is not None:
+        return generate_constrained(loaded, prompts, inputs, on_token, tokenizer)
     draft = draft_model(loaded, inputs) if inputs.mode == "speculative" else None
     first: list[float] = []
 
@@ -357,6 +383,57 @@ def generate(
         steps = step_logprobs(logits, tokens, prompts.shape[1], inputs.logprobs)
         result = replace(result, logprobs=steps if tokenizer is None else with_token_text(steps, tokenizer))
     return result
+
+
+def generate_constrained(
+    loaded: LoadedModel, prompts: np.ndarray, inputs: RunInputs, on_token: OnToken | None, tokenizer: Any
+) -> Generation:
+    """A generation whose rows follow a response format: each prompt row a request of the batching
+    engine (the server's path, so the grammar's mask is applied in one place for every front door),
+    seeded as `generate` seeds its rows. A row ends when its grammar is complete ("stop"). on_token
+    hears each step's tokens [B], PAD for a row that made none in that step."""
+    from kvports.batching.engine import BatchSettings, Engine
+
+    if tokenizer is None:
+        raise UserError(f"{COMMAND_LINE.label('response_format')} needs the model's tokenizer (a GGUF file's own)")
+    B, P = prompts.shape
+    generation = inputs.generation
+    N = generation.max_new_tokens
+    config = loaded.config
+    grammars = Grammars(tokenizer, config.vocab_size, tuple(config.eos_token_ids))
+    settings = BatchSettings(max_batch=B, max_length=P + N)
+    engine = Engine(loaded.port, loaded.model, config, settings, dtype=inputs.dtype, grammars=grammars)
+    seeds = generation.row_seeds(B)
+    sequences = [
+        engine.add(
+            Request(
+                str(row),
+                tuple(prompt),
+                replace(generation, seed=seeds[row], seeds=()),
+                response_format=inputs.response_format,
+            )
+        )
+        for row, prompt in enumerate(row_tokens(prompts))
+    ]
+    start = time.perf_counter()
+    first_token: float | None = None
+    while not engine.idle:
+        made = [len(sequence.generated) for sequence in sequences]
+        engine.step()
+        if first_token is None:
+            first_token = time.perf_counter()
+        if on_token is not None:
+            grown = [len(sequence.generated) > before for sequence, before in zip(sequences, made, strict=True)]
+            on_token(np.asarray([s.generated[-1] if g else PAD for s, g in zip(sequences, grown, strict=True)]))
+    seconds = time.perf_counter() - start
+    tokens = np.full((B, P + N), PAD, dtype=np.int64)  # [B, P + N]
+    tokens[:, :P] = prompts
+    for row, sequence in enumerate(sequences):
+        tokens[row, P : P + len(sequence.generated)] = sequence.generated
+    result = result_of(
+        tokens, prompts, inputs, None, None, seconds, None if first_token is None else first_token - start, tokenizer
+    )
+    return replace(result, finish_reason=[str(sequence.finish_reason) for sequence in sequences])
 
 
 def with_token_text(rows: list[list[dict[str, Any]]], tokenizer: Any) -> list[list[dict[str, Any]]]:

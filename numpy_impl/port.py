@@ -156,6 +156,7 @@ def paged_step(
         np.asarray(sampling.top_k),
         np.asarray(sampling.top_p),
         np.asarray(sampling.uniform),
+        None if sampling.allowed is None else np.asarray(sampling.allowed),
         return_logits=logprobs is not None,
         every_position=every_position,
     )

@@ -10,7 +10,7 @@ Shapes: B batch, V vocabulary.
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import numpy as np
 
@@ -85,12 +85,20 @@ def choose(
 
 
 def sample_rows(
-    logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, uniform: np.ndarray
+    logits: np.ndarray,
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    uniform: np.ndarray,
+    allowed: Optional[np.ndarray] = None,
 ) -> np.ndarray:
     """Each row's next token [B] from logits [B, V] by its own settings, arrays [B] (temperature 0:
     greedy), the token it gets alone: values, not shapes, so one program serves any mix of them
-    (JAX's compiles once). A row whose logits hold an inf or a NaN gets PAD: the engine stops there."""
-    finite = np.isfinite(logits).all(axis=-1)  # [B]
+    (JAX's compiles once). A row whose logits hold an inf or a NaN gets PAD: the engine stops there.
+    allowed [B, V]: the tokens each row may take (a grammar's, from the host); the others -inf first."""
+    finite = np.isfinite(logits).all(axis=-1)  # [B]: the model's own logits, before any mask
+    if allowed is not None:
+        logits = np.where(allowed, logits, -np.inf)  # [B, V]
     sampled = temperature > 0  # [B]
     tokens = greedy(logits)  # [B]
     if sampled.any():  # a greedy step skips the sort (JAX: lax.cond)

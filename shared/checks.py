@@ -81,6 +81,7 @@ COMMAND_LINE = Names(
         ("seeds", "--seed"),
         ("num_samples", "--num-samples"),
         ("quant", "--quant"),
+        ("response_format", "--json-schema"),
     ),
 )
 
@@ -108,6 +109,7 @@ SERVER = Names(
         ("seeds", "'seed'"),
         ("stop_ids", "stop id"),
         ("logprobs", "'logprobs'"),
+        ("response_format", "'response_format'"),
     ),
 )
 

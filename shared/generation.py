@@ -98,6 +98,9 @@ class RowSampling:
     top_k: np.ndarray  # [B] int64: 0 for no top-k filter
     top_p: np.ndarray  # [B] float64: 1 for no nucleus filter
     uniform: np.ndarray  # [B] float64: each row's draw for the token it samples (0 where greedy)
+    # [B, V] bool: the tokens each row may take next (a structured output's grammar, computed on the host
+    # by kvports.batching.constraint), the rest set to -inf before the sampling rule; None: every token.
+    allowed: np.ndarray | None = None
 
     @staticmethod
     def of(generations: Sequence[GenerationConfig], uniform: np.ndarray) -> RowSampling:

@@ -129,14 +129,16 @@ def paged_step(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     uniform: torch.Tensor,
+    allowed: torch.Tensor | None = None,
     return_logits: bool = False,
     every_position: bool = False,
 ) -> tuple[torch.Tensor, BlockPool, torch.Tensor | None]:
     """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
     row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
-    sampling settings and draw [B]; return_logits: whether the step's logits leave it too (what
-    the log-probabilities are reported from); every_position: every position's logits, not the
-    last one's (a prompt's own log-probabilities). Each row's next token [B] (PAD where its logits were not
+    sampling settings and draw [B]; allowed [B, V]: the tokens each row may take (None: all);
+    return_logits: whether the step's logits leave it too (what the log-probabilities are reported
+    from); every_position: every position's logits, not the last one's (a prompt's own log-probabilities).
+    Each row's next token [B] (PAD where its logits were not
     finite), the pool with this step's keys and values written in, and the step's logits [B, V]
     ([B, T, V]) or None."""
     model.eval()
@@ -146,6 +148,6 @@ def paged_step(
     cache = paged_cache(pool, block_tables, start, pad, T)
     logits, _ = model(tokens.clamp(min=0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: its logits choose the next token [B].
-    next_tokens = sample_rows(logits[:, -1], temperature, top_k, top_p, uniform)  # [B]
+    next_tokens = sample_rows(logits[:, -1], temperature, top_k, top_p, uniform, allowed)  # [B]
     kept = logits if every_position else logits[:, -1]  # [B, T, V] or [B, V]
     return next_tokens, pool, kept if return_logits else None  # [B], the pool, the logits or None

@@ -250,6 +250,7 @@ def paged_step(
             on_device(sampling.top_k),
             on_device(sampling.top_p),
             on_device(sampling.uniform),
+            None if sampling.allowed is None else on_device(sampling.allowed),
             return_logits=logprobs is not None,
             every_position=every_position,
         )

@@ -10,7 +10,7 @@ Shapes: B batch, V vocabulary.
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -83,12 +83,20 @@ def choose(
 
 
 def sample_rows(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniform: torch.Tensor,
+    allowed: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Each row's next token [B] from logits [B, V] by its own settings, arrays [B] (temperature 0:
     greedy), the token it gets alone: values, not shapes, so one program serves any mix of them
-    (JAX's compiles once). A row whose logits hold an inf or a NaN gets PAD: the engine stops there."""
-    finite = torch.isfinite(logits).all(dim=-1)  # [B]
+    (JAX's compiles once). A row whose logits hold an inf or a NaN gets PAD: the engine stops there.
+    allowed [B, V]: the tokens each row may take (a grammar's, from the host); the others -inf first."""
+    finite = torch.isfinite(logits).all(dim=-1)  # [B]: the model's own logits, before any mask
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, -torch.inf)  # [B, V]
     sampled = temperature > 0  # [B]
     tokens = greedy(logits)  # [B]
     if bool(sampled.any()):  # a greedy step skips the sort (JAX: lax.cond)

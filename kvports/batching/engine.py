@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvports.batching.blocks import BlockManager, blocks_for
+from kvports.batching.constraint import Grammars, allowed_rows
 from kvports.batching.request import Request, check_request
 from kvports.batching.scheduler import Scheduler, Sequence, Step, TokenLogprobs
 from kvports.shared.checks import check_count
@@ -177,12 +178,15 @@ class Engine:
         *,
         dtype: str = "float32",
         end_nonfinite_rows: bool = False,
+        grammars: Grammars | None = None,
     ):
         self.port, self.model, self.config = port, model, config
         self.dtype = dtype  # the model's, named when a step's logits overflow it
         # True (a server): a row whose logits overflowed ends alone (reason "error"), the others run on.
         # False (a batch file): the step raises NonFiniteLogits, ending every request.
         self.end_nonfinite_rows = end_nonfinite_rows
+        # The model's tokenizer as llguidance's, for requests with a response format; None: none taken.
+        self.grammars = grammars
         self.settings = settings.validate(config)
         self.clock = clock
         self.blocks = BlockManager(settings.pool_blocks(config), settings.block_size, settings.prefix_caching)
@@ -195,6 +199,10 @@ class Engine:
         engine's longest sequence (its door checked it already, in its own words)."""
         check_request(request, self.config, max_tokens=self.settings.longest(self.config))
         sequence = Sequence(request, arrival=self.clock())
+        if request.response_format is not None:
+            if self.grammars is None:
+                raise UserError("a response format needs the model's tokenizer: this engine has none")
+            sequence.matcher = self.grammars.matcher(request.response_format)
         self.scheduler.add(sequence)
         return sequence
 
@@ -221,6 +229,10 @@ class Engine:
             if every_position:
                 counts += [row.request.prompt_logprobs for row in step.sequences]
             top = max((count for count in counts if count is not None), default=None)
+            # Each constrained row's grammar masks its logits: computed here on the host, once per step.
+            allowed = allowed_rows([row.matcher for row in step.sequences], self.config.vocab_size)  # [B, V] or None
+            if allowed is not None:
+                step.sampling = dataclasses.replace(step.sampling, allowed=allowed)
             next_tokens, self.pool, steps = self.port.paged_step(
                 self.model, self.pool, step.tokens, step.start, step.block_tables, step.sampling, top, every_position
             )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvports.batching.constraint import ResponseFormat, check_format
 from kvports.shared.checks import COMMAND_LINE, Names, check_generation, check_range
 from kvports.shared.config import ModelConfig
 from kvports.shared.errors import UserError, echo
@@ -36,6 +37,9 @@ class Request:
     # The prompt's own log-probabilities (every token's after the first) and this many likeliest
     # tokens' at each position, from its prefill (the prefix cache not used); None: none.
     prompt_logprobs: int | None = None
+    # What its answer must be (a JSON object, or JSON a schema describes): each step's tokens are
+    # masked to its grammar's (batching.constraint); None: free text.
+    response_format: ResponseFormat | None = None
 
     @property
     def max_length(self) -> int:
@@ -62,6 +66,8 @@ def check_request(
     if max_tokens is not None and total > max_tokens:
         raise UserError(f"{sum_of} tokens do not fit the block pool ({max_tokens} tokens)")
     check_generation(request.generation, config.vocab_size, names)
+    if request.response_format is not None:
+        check_format(request.response_format, names)
     return request
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvports.batching.blocks import BlockManager, blocks_for
+from kvports.batching.constraint import Matcher
 from kvports.batching.request import Request
 from kvports.shared.errors import UserError
 from kvports.shared.generation import PAD, GenerationConfig, RowSampling, uniforms
@@ -67,6 +68,7 @@ class Sequence:
     finish_time: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per generated token, if its request asked
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per prompt token after the first, if asked
+    matcher: Matcher | None = None  # its response format's grammar, walked token by token (the engine's)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.request.prompt)
@@ -218,7 +220,9 @@ class Scheduler:
             sequence.tokens.append(int(token))
             if sequence.first_token_time is None:
                 sequence.first_token_time = now
-            if int(token) in sequence.generation.stop_ids:
+            # A grammar that takes nothing more ends the answer as a stop id does (its last token kept).
+            complete = sequence.matcher is not None and sequence.matcher.take(int(token))
+            if int(token) in sequence.generation.stop_ids or complete:
                 sequence.finish_reason = "stop"
             elif len(sequence.generated) == sequence.generation.max_new_tokens:
                 sequence.finish_reason = "length"

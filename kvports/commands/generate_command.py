@@ -8,11 +8,14 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvports import registry
+from kvports.batching import constraint
+from kvports.batching.constraint import MAX_SCHEMA_BYTES, ResponseFormat
 from kvports.bench.formats import format_name
 from kvports.commands.inputs import (
     add_generation_arguments,
@@ -23,9 +26,10 @@ from kvports.commands.inputs import (
 )
 from kvports.devices import add_device_argument, tensor_parallel_layout
 from kvports.families import describe
-from kvports.flags import add_speculative_arguments, integer, positive_int
+from kvports.flags import OutOfRange, add_speculative_arguments, integer, positive_int
 from kvports.generating import Generation, generate
 from kvports.loading import JAX_CACHE_VARIABLE, load_model
+from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import PAD, GenerationConfig
 from kvports.threads import describe_threads, use_threads
 from kvports.validation import MAX_LOGPROBS, MAX_SAMPLES, MODES
@@ -53,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stream", action="store_true", help="print tokens as they are made (with --json: one JSON line per step)"
+    )
+    parser.add_argument(
+        "--json-schema",
+        type=json_schema_file,
+        metavar="FILE",
+        help="each answer as JSON the schema in FILE describes (structured output through llguidance; --mode cached)",
     )
     parser.add_argument(
         "--logprobs",
@@ -237,3 +247,31 @@ def logprob_lines(steps: list[dict[str, Any]]) -> list[str]:
 def spelled(entry: dict[str, Any]) -> str:
     """A token's text beside its id, quoted as JSON quotes it (a space or a newline shows): ' "Hello"'."""
     return f" {json.dumps(entry['text'], ensure_ascii=False)}" if "text" in entry else ""
+
+
+def json_schema_file(text: str) -> ResponseFormat:
+    """--json-schema FILE: a regular file of at most MAX_SCHEMA_BYTES holding one JSON schema (an
+    object), read as strict JSON; whether structured output can follow it is `check_request`'s."""
+    path = Path(text)
+    try:
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(f"{echo(text)} is not a regular file")
+        size = path.stat().st_size
+        if size > MAX_SCHEMA_BYTES:
+            raise OutOfRange(f"{echo(text)} is {size} bytes, above {MAX_SCHEMA_BYTES}")
+        with path.open("rb") as file:
+            raw = file.read(MAX_SCHEMA_BYTES + 1)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {echo(text)} ({exc.strerror or exc})") from None
+    try:
+        schema = json.loads(raw.decode("utf-8"), parse_constant=no_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+    try:
+        return constraint.json_schema(schema)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")

@@ -187,9 +187,12 @@ def read_checked(
             tensor_parallel=args.tensor_parallel,
             threads=args.threads,
             logprobs=getattr(args, "logprobs", 0),
+            response_format=getattr(args, "json_schema", None),
         )
         inputs, rows = generating.with_samples(inputs, prompt_rows(args, tokenizer), getattr(args, "num_samples", 1))
         check_default_prompt(args, config)
+        if inputs.response_format is not None and tokenizer is None:
+            raise UserError("--json-schema needs the model's tokenizer: a GGUF file's own, or --tokenizer DIR")
         checked = generating.check_inputs(inputs, config, rows, modes=modes, draft=draft, frameworks=frameworks)
         tensors = loading.read_tensors(file, args.dtype, args.quant)
     return CommandInputs(inputs, config, tensors, checked.prompts, tokenizer, None, checked.unable)

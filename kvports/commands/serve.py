@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvports.batching.arguments import add_engine_arguments
+from kvports.batching.constraint import Grammars
 from kvports.batching.engine import BatchSettings, Engine, EngineStats, run_bytes
 from kvports.batching.request import Request
 from kvports.commands import batch
@@ -222,7 +223,9 @@ def prepare(args: argparse.Namespace, wrap_port: Any = None) -> tuple[Any, Any]:
     use_threads(args.threads)
     loaded = load_model(args.framework, config, tensors, args.dtype, args.device, quant=args.quant)
     port = loaded.port if wrap_port is None else wrap_port(loaded.port)
-    engine = Engine(port, loaded.model, config, settings, dtype=args.dtype, end_nonfinite_rows=True)
+    # The tokenizer as llguidance's, for requests with a response_format (built on the first one).
+    grammars = None if tokenizer is None else Grammars(tokenizer, config.vocab_size, tuple(config.eos_token_ids))
+    engine = Engine(port, loaded.model, config, settings, dtype=args.dtype, end_nonfinite_rows=True, grammars=grammars)
     warm_up(engine, args.precompile)
     context = min(settings.longest(config), settings.pool_blocks(config) * settings.block_size)
     limits = Limits(model_name(args), config.vocab_size, context, tuple(config.eos_token_ids), config)

@@ -163,6 +163,7 @@ def create_app(state: ServerState) -> Any:
                     generation,
                     logprobs=checked.logprobs,
                     prompt_logprobs=checked.logprobs if checked.echo else None,
+                    response_format=checked.response_format,
                 ),
             )
             for index, generation in enumerate(checked.generations)

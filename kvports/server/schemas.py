@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvports.batching.constraint import FormatError, ResponseFormat, parse_response_format
 from kvports.batching.request import Chat, PromptError, Request, chat_prompt, check_request
 from kvports.formats.chat import check_text
 from kvports.shared.checks import MAX_SEED, SERVER
@@ -66,7 +67,7 @@ REFUSED = {  # known to OpenAI's clients and not done here: a 400 that says so, 
 EXTENSIONS = ("return_token_ids",)  # vLLM's: each choice carries its token ids
 CHAT_FIELDS = (
     *COMMON,
-    *("messages", "max_completion_tokens", "logprobs", "top_logprobs"),
+    *("messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"),
     *NO_OPS,
     *CHAT_NO_OPS,
     *CHAT_IGNORED,
@@ -133,6 +134,7 @@ class Completion:
     logprobs: int | None  # likeliest tokens to report at each step beside the chosen one's; None: no logprobs
     echo: bool = False  # a completion's text and log-probabilities begin with its prompt's
     prompt_only: bool = False  # max_tokens 0 (with echo): the prompt alone, its one computed token dropped
+    response_format: ResponseFormat | None = None  # a chat's answer as JSON (an object, or a schema's); None: text
 
 
 # ---------------------------------------------------------------- the body
@@ -402,6 +404,7 @@ def check_body(
     seed = integer(body, "seed", 0, MAX_SEED - MAX_N, None)
     if seed is None:  # a fresh draw, as OpenAI's: each choice says its seed, so it can be repeated
         seed = secrets.randbelow(MAX_SEED - MAX_N + 1)
+    response_format = requested_format(body, encode is not None) if chat else None
     prompt = messages_prompt(body, render) if chat else completion_prompt(body, encode)
     room = limits.context - len(prompt)
     field = "messages" if chat else "prompt"
@@ -441,9 +444,26 @@ def check_body(
     )
     for generation in generations:
         try:
-            check_request(Request("", tuple(prompt), generation), limits.config, SERVER, limits.context)
+            request = Request("", tuple(prompt), generation, response_format=response_format)
+            check_request(request, limits.config, SERVER, limits.context)
         except PromptError as exc:
             raise bad(field, str(exc)) from None
+        except FormatError as exc:
+            raise bad("response_format", str(exc)) from None
         except UserError as exc:  # what the ports' shared checks refuse past the bounds above
             raise bad(None, str(exc)) from None
-    return Completion(chat, tuple(prompt), generations, stop, stream, usage, return_ids, logprobs, echo, prompt_only)
+    return Completion(
+        chat, tuple(prompt), generations, stop, stream, usage, return_ids, logprobs, echo, prompt_only, response_format
+    )
+
+
+def requested_format(body: dict[str, Any], tokenizer: bool) -> ResponseFormat | None:
+    """A chat's 'response_format' (batching.constraint: OpenAI's text, json_object and json_schema);
+    its schema is compiled with the rest of the request (`check_request`)."""
+    try:
+        response_format = parse_response_format(body.get("response_format"), SERVER)
+    except UserError as exc:
+        raise bad("response_format", str(exc)) from None
+    if response_format is not None and not tokenizer:
+        raise bad("response_format", "this model has no tokenizer: 'response_format' needs one to follow a grammar")
+    return response_format
