@@ -36,7 +36,7 @@ model: setup
 # lm-eval (the eval extra, into the same virtualenv: it adds packages and changes none) against kvports serve
 # for every port on SmolLM2 at float32, on the project's own multiple-choice task (tools/eval/), and against
 # llama-cpp-python's server where it is installed: docs/SERVING.md's table. Not part of `make test`.
-EVAL_FLAGS ?= --json docs/data/eval_smollm2.json
+EVAL_FLAGS ?= --json docs/data/eval_smollm2.json --peer-server
 
 $(VENV)/.eval-installed: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet torch==2.13.0 -e '.[eval]'

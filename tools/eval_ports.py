@@ -14,7 +14,8 @@ prompts as token ids (tokenized_requests=True); llama-cpp-python's server takes 
 gets the same tokens decoded (the GGUF file adds no BOS, so its positions line up).
 
     python tools/eval_ports.py [--frameworks numpy,torch,jax] [--threads 2] [--concurrent 1]
-        [--out build/eval] [--json docs/data/eval_smollm2.json] [--limit N]
+        [--out build/eval] [--json docs/data/eval_smollm2.json] [--limit N] [--no-peer]
+    python tools/eval_ports.py --table [FILE]   # the table of a --json file (default: the committed run)
 
 Exit 0 when every kvports port chose the same answer for every item, 1 otherwise, 2 on a usage
 error (no lm-eval, no fetched model).
@@ -30,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
@@ -38,7 +40,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TASK = "kvports_mc"
 TASK_DIR = ROOT / "tools" / "eval"
 REFERENCE = "kvports torch"  # the reference port: every other server is compared with it
-PEER = "llama.cpp server"
+# llama-cpp-python's library on the token ids kvports got: on the GGUF file itself as llama.cpp runs it by
+# default (on its Q4_1 blocks, a float16 KV cache), and on the F32 GGUF file kvports writes from the weights
+# every port runs (bench --peers') with a float32 cache: the same arithmetic as the ports.
+PEER = "llama.cpp Q4_1 (library)"
+PEER_F32 = "llama.cpp F32, F32 cache (library)"
+# llama-cpp-python's own server through lm-eval (--peer-server): its echoed prompt's log-probabilities are
+# shifted by one position (llama_cpp_items says how), so its row shows what lm-eval gets from it, not a model.
+PEER_SERVER = "llama.cpp server"
+RESULTS = ROOT / "docs" / "data" / "eval_smollm2.json"  # the committed run, docs/SERVING.md's table
 LM_EVAL_S = 1800  # one server's whole lm-eval run, at most
 
 
@@ -80,6 +90,27 @@ def read_samples(folder: Path) -> dict[int, Item]:
     return items
 
 
+def read_requests(folder: Path) -> dict[int, list[tuple[str, str]]]:
+    """Each item's (context, continuation) pairs, one per choice, as lm-eval sent them."""
+    files = sorted(folder.rglob(f"samples_{TASK}_*.jsonl"), key=lambda path: path.stat().st_mtime)
+    requests = {}
+    for line in files[-1].read_text().splitlines():
+        record = json.loads(line)
+        pairs = [(request["arg_0"], request["arg_1"]) for request in record["arguments"].values()]
+        requests[int(record["doc_id"])] = pairs
+    return requests
+
+
+def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's split of a request into tokens (TemplateLM._encode_pair, causal): trailing spaces of
+    the context move to the continuation, the whole is encoded, and the context's tokens are cut off."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole, start = encode(context + continuation), encode(context)
+    return start, whole[len(start) :]
+
+
 def max_delta(first: dict[int, Item], second: dict[int, Item]) -> float:
     """The largest |difference| of one choice's log-likelihood between two servers, over every item."""
     return max(
@@ -87,10 +118,17 @@ def max_delta(first: dict[int, Item], second: dict[int, Item]) -> float:
     )
 
 
+def margin(item: Item) -> float:
+    """How far the chosen answer's log-likelihood is above the next one's: a server whose values are
+    within half of it of these chooses the same."""
+    best, second = sorted(item.loglikelihoods, reverse=True)[:2]
+    return best - second
+
+
 def compare(runs: dict[str, dict[int, Item]], reference: str = REFERENCE) -> dict:
     """Per server: accuracy, acc_norm, the items where it chose as the reference did and the largest
     log-likelihood distance from it; across kvports' ports: the items where every port chose alike,
-    and the largest distance between any two ports."""
+    the largest distance between any two ports, and the reference's closest call (its smallest margin)."""
     docs = sorted(runs[reference])
     for name, items in runs.items():
         if sorted(items) != docs:
@@ -103,9 +141,10 @@ def compare(runs: dict[str, dict[int, Item]], reference: str = REFERENCE) -> dic
             "same_choice_as_reference": sum(chosen(items[doc]) == chosen(runs[reference][doc]) for doc in docs),
             "max_abs_delta_vs_reference": max_delta(items, runs[reference]),
         }
-    ports = [name for name in runs if name != PEER]
+    ports = [name for name in runs if name.startswith("kvports ")]
     agreed = [doc for doc in docs if len({chosen(runs[name][doc]) for name in ports}) == 1]
     pairs = {f"{a} / {b}": max_delta(runs[a], runs[b]) for a, b in combinations(ports, 2)}
+    closest = min(docs, key=lambda doc: margin(runs[reference][doc]))
     return {
         "reference": reference,
         "items": len(docs),
@@ -115,6 +154,7 @@ def compare(runs: dict[str, dict[int, Item]], reference: str = REFERENCE) -> dic
         "ports_disagree_on": [doc for doc in docs if doc not in agreed],
         "max_abs_delta_between_ports": max(pairs.values(), default=0.0),
         "pairs": pairs,
+        "closest_call": {"doc_id": closest, "margin": margin(runs[reference][closest])},
     }
 
 
@@ -132,12 +172,16 @@ def per_item(runs: dict[str, dict[int, Item]]) -> list[dict]:
     ]
 
 
+def figure(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds:.1f}"
+
+
 def markdown(report: dict, timings: dict[str, dict]) -> str:
     """The table docs/SERVING.md pastes: a row per server."""
     total = report["items"]
     lines = [
         f"| server | accuracy | acc_norm | same choice as {report['reference']} | max \\|Δ log-likelihood\\| "
-        "| lm-eval s | start s | load before, after |",
+        "| seconds | start s | load before, after |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, row in report["servers"].items():
@@ -145,19 +189,69 @@ def markdown(report: dict, timings: dict[str, dict]) -> str:
         load = timing.get("load_average", [None, None])
         lines.append(
             f"| {name} | {row['accuracy']:.3f} | {row['acc_norm']:.3f} | {row['same_choice_as_reference']}/{total} "
-            f"| {row['max_abs_delta_vs_reference']:.2e} | {timing.get('seconds', float('nan')):.1f} "
-            f"| {timing.get('start_seconds', float('nan')):.1f} | {load[0]}, {load[1]} |"
+            f"| {row['max_abs_delta_vs_reference']:.2e} | {figure(timing.get('seconds'))} "
+            f"| {figure(timing.get('start_seconds'))} | {load[0]}, {load[1]} |"
         )
     verdict = "the same answer" if report["ports_agree_on"] == total else "different answers"
     lines.append("")
     lines.append(
         f"kvports' ports ({', '.join(report['ports'])}) chose {verdict} on {report['ports_agree_on']}/{total} "
-        f"items; the largest |Δ log-likelihood| between two ports: {report['max_abs_delta_between_ports']:.2e}."
+        f"items; the largest |Δ log-likelihood| between two ports: {report['max_abs_delta_between_ports']:.2e}; "
+        f"{report['reference']}'s closest call (item {report['closest_call']['doc_id']}): its two likeliest "
+        f"choices {report['closest_call']['margin']:.2e} apart."
     )
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- running
+
+
+def llama_cpp_items(
+    weights: Path, tokenizer: Path, reference: Path, items: dict[int, Item], threads: int, f32_cache: bool = False
+) -> dict:
+    """llama.cpp's log-likelihoods of the very token ids lm-eval sent kvports (the reference run's
+    requests, split as lm-eval splits them), from llama-cpp-python's library: one forward of each
+    request with every position's logits (logits_all), their log-softmax in float64. Not through its
+    server: llama-cpp-python's /v1/completions scores an echoed prompt's token i by the distribution
+    after it (llama.py: `logits_to_logprobs(self._scores)[token_offset:]`, token_offset 0 with echo)
+    and drops the completion's token, so lm-eval's sums from it are not log-likelihoods. f32_cache: keys
+    and values kept in float32 (llama.cpp's default cache is float16, 1e-2 off the ports' sums here)."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as native
+    import numpy as np
+    from llama_cpp import Llama
+    from tokenizers import Tokenizer
+
+    default = native.llama_model_default_params
+
+    def without_extra_buffers() -> object:  # the wheel's AMX repacking crashes on some CPUs (kvports bench)
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    native.llama_model_default_params = without_extra_buffers
+    cache = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if f32_cache else {}
+    model = Llama(
+        str(weights), n_ctx=512, n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False, **cache
+    )
+    hf = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+
+    def encode(text: str) -> list[int]:
+        return hf.encode(text, add_special_tokens=False).ids
+
+    scored = {}
+    for doc, pairs in read_requests(reference).items():
+        values = []
+        for context, continuation in pairs:
+            start, rest = encode_pair(encode, context, continuation)
+            model.reset()
+            model.eval(start + rest)
+            logits = np.asarray(model.scores[: len(start) + len(rest)], dtype=np.float64)  # [T, V]
+            shifted = logits - logits.max(axis=-1, keepdims=True)
+            logprobs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # [T, V]
+            values.append(float(sum(logprobs[len(start) + index - 1, token] for index, token in enumerate(rest))))
+        scored[doc] = Item(items[doc].target, tuple(values), items[doc].lengths)
+    return scored
 
 
 def lm_eval_command(url: str, model: str, tokenizer: Path, tokenized: bool, concurrent: int, out: Path) -> list[str]:
@@ -202,7 +296,7 @@ def evaluate_server(name: str, start: object, url: str, model: str, settings: ar
         ready = time.perf_counter() - began
         print(f"  {name}: ready in {ready:.1f} s; lm-eval running", file=sys.stderr, flush=True)
         before = load_average()
-        command = lm_eval_command(url, model, settings.tokenizer, name != PEER, settings.concurrent, out)
+        command = lm_eval_command(url, model, settings.tokenizer, name != PEER_SERVER, settings.concurrent, out)
         if settings.limit is not None:
             command += ["--limit", str(settings.limit)]
         seconds = run_lm_eval(command, out)
@@ -223,16 +317,67 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "eval", help="lm-eval's outputs")
     parser.add_argument("--json", type=Path, help="write the comparison and every item's figures here")
     parser.add_argument("--limit", type=int, help="lm-eval's --limit: the first N items only (a quick try)")
-    parser.add_argument("--no-peer", action="store_true", help="leave llama-cpp-python's server out")
+    parser.add_argument("--no-peer", action="store_true", help="leave llama.cpp out")
+    parser.add_argument(
+        "--peer-server", action="store_true", help="also llama-cpp-python's own server through lm-eval (shifted)"
+    )
+    parser.add_argument(
+        "--table", type=Path, nargs="?", const=RESULTS, help="print the table of a --json file, run nothing"
+    )
     return parser.parse_args(argv)
 
 
+def f32_gguf(weights: Path) -> Path:
+    """The F32 GGUF file of the weights the ports run (dequantized from `weights`), as kvports bench
+    --peers writes it: kept under $KVPORTS_HOME/gguf, written once."""
+    from kvports.formats.gguf.writer import cached_gguf
+    from kvports.loading import header, open_model, read_tensors
+
+    file = open_model(weights)
+    return cached_gguf(weights, header(file, "float32"), read_tensors(file, "float32"), "f32")
+
+
+def run_peers(settings: argparse.Namespace, weights: Path, bench: object, runs: dict, timings: dict) -> None:
+    """llama.cpp beside the ports where llama-cpp-python is installed: its library on the reference
+    run's token ids, and with --peer-server its own server through lm-eval (shifted: see PEER_SERVER)."""
+    from kvports.bench.measure import load_average
+    from kvports.bench.serving import free_port, start_peer
+
+    if settings.no_peer:
+        return
+    if importlib.util.find_spec("llama_cpp") is None:
+        print(f"  {PEER}: llama-cpp-python is not installed (pip install 'kvports[peers]'), left out", file=sys.stderr)
+        return
+    reference = REFERENCE if REFERENCE in runs else next(iter(runs))
+    folder = settings.out / reference.replace(" ", "-")
+    for name, file, f32_cache in ((PEER, weights, False), (PEER_F32, f32_gguf(weights), True)):
+        before, start = load_average(), time.perf_counter()
+        runs[name] = llama_cpp_items(file, settings.tokenizer, folder, runs[reference], settings.threads, f32_cache)
+        seconds = time.perf_counter() - start
+        timings[name] = {"seconds": seconds, "start_seconds": None, "load_average": [before, load_average()]}
+        print(f"  {name}: {len(runs[name])} items in {seconds:.1f} s", file=sys.stderr, flush=True)
+    if settings.peer_server:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        runs[PEER_SERVER], timings[PEER_SERVER] = evaluate_server(
+            PEER_SERVER,
+            start_peer(bench, port),
+            url,
+            "peer",
+            settings,  # type: ignore[arg-type]
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
-    from kvports.bench.serving import ServingBench, free_port, start_kvports, start_peer
+    from kvports.bench.serving import ServingBench, free_port, start_kvports
     from kvports.hub import model_path
     from kvports.shared.files import write_atomic
 
     settings = parse(argv)
+    if settings.table is not None:
+        document = json.loads(settings.table.read_text())
+        print(markdown(document["report"], document["timings"]))
+        return 0
     weights = model_path("smollm2")
     if not weights.exists():
         print("error: SmolLM2 is not fetched: run `kvports fetch smollm2` (make model)", file=sys.stderr)
@@ -258,15 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[name], timings[name] = evaluate_server(
             name, start_kvports(framework, bench, port), url, weights.stem, settings
         )
-    if settings.no_peer:
-        pass
-    elif importlib.util.find_spec("llama_cpp") is None:
-        print(f"  {PEER}: not installed (pip install 'kvports[peers]'), left out", file=sys.stderr)
-    else:
-        port = free_port()
-        runs[PEER], timings[PEER] = evaluate_server(
-            PEER, start_peer(bench, port), f"http://127.0.0.1:{port}", "peer", settings
-        )
+    run_peers(settings, weights, bench, runs, timings)
     reference = REFERENCE if REFERENCE in runs else next(iter(runs))
     report = compare(runs, reference)
     print(markdown(report, timings))

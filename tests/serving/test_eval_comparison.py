@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from tools.eval_ports import PEER, Item, chosen, compare, read_samples
+from tools import eval_ports
+from tools.eval_ports import PEER, Item, chosen, compare, encode_pair, read_requests, read_samples
 
 
 def item(target, *loglikelihoods, lengths=None):
@@ -54,6 +55,11 @@ def test_the_largest_loglikelihood_distance_is_over_every_choice_of_every_item_e
     assert report["pairs"]["kvports numpy / kvports jax"] == 0.0
 
 
+def test_the_closest_call_is_the_references_smallest_margin_between_its_two_likeliest_choices():
+    closest = compare(RUNS, "kvports torch")["closest_call"]
+    assert closest["doc_id"] == 2 and closest["margin"] == pytest.approx(2e-5)
+
+
 def test_the_peer_is_compared_with_the_reference_but_not_counted_among_the_ports():
     runs = {**RUNS, PEER: {0: item(0, -2.0, -1.0), 1: item(1, -2.0, -1.0), 2: item(0, -1.0, -2.0)}}
     report = compare(runs, "kvports torch")
@@ -70,10 +76,12 @@ def test_servers_that_scored_different_items_are_refused():
 def sample(doc_id, target, loglikelihoods, acc):
     """One line of lm-eval's --log_samples file for a multiple_choice task, as 0.4.13 writes it (its
     responses as strings)."""
+    choices = ["a", "bb", "ccc"]
     return {
         "doc_id": doc_id,
-        "doc": {"question": "q", "choices": ["a", "bb", "ccc"], "answer": target},
+        "doc": {"question": "q", "choices": choices, "answer": target},
         "target": str(target),
+        "arguments": {f"gen_args_{index}": {"arg_0": "Q?\nA:", "arg_1": f" {c}"} for index, c in enumerate(choices)},
         "filtered_resps": [[str(value), "False"] for value in loglikelihoods],
         "acc": acc,
     }
@@ -92,7 +100,29 @@ def test_lm_evals_samples_file_is_read_as_items_by_doc_id(tmp_path):
     assert chosen(items[1]) == 0
 
 
+def test_lm_evals_requests_are_read_as_each_items_context_and_continuations(tmp_path):
+    write_samples(tmp_path, [sample(0, 2, [-3.0, -2.5, -1.25], 1.0)])
+    assert read_requests(tmp_path) == {0: [("Q?\nA:", " a"), ("Q?\nA:", " bb"), ("Q?\nA:", " ccc")]}
+
+
+def characters(text):
+    return [ord(character) for character in text]
+
+
+def test_a_request_is_split_into_tokens_as_lm_eval_splits_it():
+    words = {"Answer:": [1], "Answer: Paris": [1, 2], "Answer:  Paris": [1, 3]}  # a tokenizer of whole strings
+    assert encode_pair(words.__getitem__, "Answer:", " Paris") == ([1], [2])
+    assert encode_pair(words.__getitem__, "Answer: ", " Paris") == ([1], [3])  # the context's space moves over
+    assert encode_pair(characters, "ab", "cd") == (characters("ab"), characters("cd"))
+
+
 def test_a_samples_file_whose_acc_is_not_the_largest_loglikelihoods_is_refused(tmp_path):
     write_samples(tmp_path, [sample(0, 2, [-3.0, -2.5, -1.25], 0.0)])
     with pytest.raises(SystemExit, match="lm-eval's acc"):
         read_samples(tmp_path)
+
+
+def test_serving_mds_table_is_the_committed_run():
+    document = json.loads(eval_ports.RESULTS.read_text())
+    table = eval_ports.markdown(document["report"], document["timings"])
+    assert table in (eval_ports.ROOT / "docs" / "SERVING.md").read_text(), "paste python tools/eval_ports.py --table"
