@@ -1,8 +1,9 @@
 """`make eval`: lm-eval's own `local-completions` model, run against `kvports serve` for each port
 on SmolLM2-135M-Instruct at float32, on the project's own multiple-choice task (tools/eval/: 42
-questions, 4 choices each), and against llama-cpp-python's server on the same GGUF file where
-llama_cpp is installed. Then the per-item comparison lm-eval's table does not give: does every
-port choose the same answer for every item, and how far apart are the log-likelihoods it chose by.
+questions, 4 choices each); beside them, where llama_cpp is installed, llama.cpp's log-likelihoods of
+the same requests from llama-cpp-python's library (`llama_cpp_items`), and with --peer-server its own
+server through lm-eval. Then the per-item comparison lm-eval's table does not give: does every port
+choose the same answer for every item, and how far apart are the log-likelihoods it chose by.
 
 Each server is started alone (loopback, a free port, the threads given), waited for, measured
 (lm-eval's wall time, the load average from before to after), and stopped before the next. lm-eval
@@ -14,7 +15,7 @@ prompts as token ids (tokenized_requests=True); llama-cpp-python's server takes 
 gets the same tokens decoded (the GGUF file adds no BOS, so its positions line up).
 
     python tools/eval_ports.py [--frameworks numpy,torch,jax] [--threads 2] [--concurrent 1]
-        [--out build/eval] [--json docs/data/eval_smollm2.json] [--limit N] [--no-peer]
+        [--out build/eval] [--json docs/data/eval_smollm2.json] [--limit N] [--no-peer] [--peer-server]
     python tools/eval_ports.py --table [FILE]   # the table of a --json file (default: the committed run)
 
 Exit 0 when every kvports port chose the same answer for every item, 1 otherwise, 2 on a usage
@@ -35,6 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvports.bench.serving import ServingBench
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = "kvports_mc"
@@ -281,18 +286,24 @@ def run_lm_eval(command: list[str], out: Path) -> float:
     return seconds
 
 
-def evaluate_server(name: str, start: object, url: str, model: str, settings: argparse.Namespace) -> tuple:
-    """Start a server (`start` has been called: its process), wait for it, run lm-eval, stop it."""
+def folder_of(settings: argparse.Namespace, name: str) -> Path:
+    """Where lm-eval writes a server's run."""
+    return settings.out / name.replace(" ", "-").replace(".", "")
+
+
+def evaluate_server(
+    name: str, process: subprocess.Popen, url: str, model: str, settings: argparse.Namespace
+) -> tuple[dict[int, Item], dict]:
+    """A started server's process: waited for, lm-eval run against it, stopped."""
     from kvports.bench.measure import load_average
     from kvports.bench.serving import stop, wait_ready
 
-    process = start
-    out = settings.out / name.replace(" ", "-").replace(".", "")
+    out = folder_of(settings, name)
     shutil.rmtree(out, ignore_errors=True)  # lm-eval's files are timestamped: one run's alone in its folder
     out.mkdir(parents=True)
     began = time.perf_counter()
     try:
-        wait_ready(process, url)  # type: ignore[arg-type]
+        wait_ready(process, url)
         ready = time.perf_counter() - began
         print(f"  {name}: ready in {ready:.1f} s; lm-eval running", file=sys.stderr, flush=True)
         before = load_average()
@@ -302,7 +313,7 @@ def evaluate_server(name: str, start: object, url: str, model: str, settings: ar
         seconds = run_lm_eval(command, out)
         timing = {"seconds": seconds, "start_seconds": ready, "load_average": [before, load_average()]}
     finally:
-        stop(process)  # type: ignore[arg-type]
+        stop(process)
     items = read_samples(out)
     right = sum(chosen(item) == item.target for item in items.values())
     print(f"  {name}: {len(items)} items in {seconds:.1f} s, {right} right", file=sys.stderr, flush=True)
@@ -337,7 +348,7 @@ def f32_gguf(weights: Path) -> Path:
     return cached_gguf(weights, header(file, "float32"), read_tensors(file, "float32"), "f32")
 
 
-def run_peers(settings: argparse.Namespace, weights: Path, bench: object, runs: dict, timings: dict) -> None:
+def run_peers(settings: argparse.Namespace, weights: Path, bench: ServingBench, runs: dict, timings: dict) -> None:
     """llama.cpp beside the ports where llama-cpp-python is installed: its library on the reference
     run's token ids, and with --peer-server its own server through lm-eval (shifted: see PEER_SERVER)."""
     from kvports.bench.measure import load_average
@@ -349,7 +360,7 @@ def run_peers(settings: argparse.Namespace, weights: Path, bench: object, runs: 
         print(f"  {PEER}: llama-cpp-python is not installed (pip install 'kvports[peers]'), left out", file=sys.stderr)
         return
     reference = REFERENCE if REFERENCE in runs else next(iter(runs))
-    folder = settings.out / reference.replace(" ", "-")
+    folder = folder_of(settings, reference)
     for name, file, f32_cache in ((PEER, weights, False), (PEER_F32, f32_gguf(weights), True)):
         before, start = load_average(), time.perf_counter()
         runs[name] = llama_cpp_items(file, settings.tokenizer, folder, runs[reference], settings.threads, f32_cache)
@@ -360,11 +371,7 @@ def run_peers(settings: argparse.Namespace, weights: Path, bench: object, runs: 
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         runs[PEER_SERVER], timings[PEER_SERVER] = evaluate_server(
-            PEER_SERVER,
-            start_peer(bench, port),
-            url,
-            "peer",
-            settings,  # type: ignore[arg-type]
+            PEER_SERVER, start_peer(bench, port), url, "peer", settings
         )
 
 
