@@ -4,12 +4,11 @@ On a busy machine a framework's default (a thread per CPU) makes its threads wai
 other: torch ran 10-90x slower than with one thread. Each library takes the count its own way:
 - torch: `torch.set_num_threads` (intra-op) now, if it is loaded, and `set_num_interop_threads`,
   which torch accepts only before its first parallel work (later it raises; that count stays);
-  OMP_NUM_THREADS for a torch not yet imported. Its port splits a one-row product's output rows
-  across that count itself (torch_impl/fast/cores.py): MKL runs one on one thread.
-- NumPy: its port splits each large product's output rows across the threads itself
-  (numpy_impl/fast/cores.py), so its BLAS (OpenBLAS, loaded with NumPy, long before any flag is
-  read) runs each piece at one thread, set through threadpoolctl, which changes a loaded BLAS's
-  count; at one thread nothing is split. OPENBLAS/MKL/OMP_NUM_THREADS reach child processes.
+  OMP_NUM_THREADS for a torch not yet imported.
+- NumPy: its BLAS (OpenBLAS, loaded with NumPy, long before any flag is read) through threadpoolctl,
+  which changes a loaded BLAS's count. OPENBLAS/MKL/OMP_NUM_THREADS reach child processes.
+- Each port's fast/cores.py (a product's output rows split over a pool of Python threads) is not
+  used: on an idle machine the library's own threads decoded faster (docs/BENCH.md).
 - JAX: its CPU client sizes its intra-op pool from NPROC when it starts (XLA's
   DefaultThreadPoolSize; XLA_FLAGS' `intra_op_parallelism_threads` is TensorFlow's option and
   changes nothing here). Measured in jax 0.10.2 on 2 CPUs: NPROC=1 gives the process 15 threads,
@@ -62,7 +61,6 @@ def use_threads(threads: int | None) -> None:
         pass
     else:
         threadpool_limits(limits=threads)  # applied now, for the process (not used as a context)
-        split_numpy_products(threads, threadpool_limits)
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(threads)
@@ -70,15 +68,6 @@ def use_threads(threads: int | None) -> None:
             torch.set_num_interop_threads(threads)
         except RuntimeError:  # torch has already run parallel work: its inter-op pool is fixed
             pass
-
-
-def split_numpy_products(threads: int, threadpool_limits: Any) -> None:
-    """NumPy's products split across `threads` by its port, its BLAS at one thread inside each piece."""
-    from kvports.numpy_impl.fast.cores import split_products
-
-    split_products(threads)
-    if threads > 1:
-        threadpool_limits(limits=1, user_api="blas")  # the pieces are the parallelism
 
 
 def settle_threads() -> None:

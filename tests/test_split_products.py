@@ -55,7 +55,7 @@ def splitting(name, monkeypatch):
     module = importlib.import_module(SPLITTING[name])
     monkeypatch.setattr(module, "MIN_SPLIT_BYTES", 0)
     yield module
-    module.split_products(None)  # each port's own count again (NumPy's: unsplit, as without --threads)
+    module.split_products(None)  # unsplit again, as every port runs by default
 
 
 def unsplit_and_split(module, compute):

@@ -26,6 +26,14 @@ the same shapes). A decode step's attention (one query row) is too small to pay 
 The split is installed as `functional.linear` and `functional.scaled_dot_product_attention`, the
 calls every Linear, the tied head and every block make, so the model and nn.py stay the lesson;
 with one thread nothing is installed and no pool exists.
+
+Not on by default (`kvports.threads.use_threads` leaves the threads to OpenBLAS): measured on an idle
+2-core machine (SmolLM2 float32, 2 threads, median of 3 interleaved; docs/BENCH.md, "Every thread a
+decode step is given"), the split decoded at 34.7 ms a token and prefilled 512 tokens at 531 tokens/s, OpenBLAS's
+own 2 threads at 22.8 ms and 578 tokens/s (1 thread: 31.6 ms, 330 tokens/s): a handoff to a pool
+thread and back at each of a step's ~150 products costs more than OpenBLAS's threads lose. The split
+won only on a machine oversubscribed several times over, where OpenBLAS's threads spin for busy cores.
+`split_products(n)` turns it on (tools/profile_cores.py and tests/test_split_products.py do).
 """
 
 from __future__ import annotations

@@ -14,8 +14,13 @@ which divides itself across torch's threads, and sums differently when cut into 
 Splitting the output rows keeps each dot product whole, summed as unsplit (tests/
 test_split_products.py: bit-identical at float32 and float64). Only float32 and float64 products
 without a bias are split (addmm adds a bias inside the kernel), never under torch.compile (inductor
-plans its own loops) nor with gradients on. The count is torch's own (torch.get_num_threads(), which
-`--threads` sets): one thread splits nothing and makes no pool.
+plans its own loops) nor with gradients on.
+
+Not on by default: measured on an idle 2-core machine (SmolLM2 float32, `python tools/profile_cores.py
+torch`, 33 tokens at 2 threads, median of 3 interleaved) the split took 1.73 s against 1.39 s unsplit:
+a handoff to a pool thread and back at each of a step's ~150 products costs more than half a product
+saves. Its one win was on a machine oversubscribed several times over, where MKL's and OpenMP's
+threads wait for busy cores. `split_products(n)` turns it on (the tools and tests do).
 """
 
 from __future__ import annotations
@@ -38,12 +43,12 @@ def piece_bounds(rows: int, threads: int) -> list[tuple[int, int]]:
 
 
 SPLIT: list[ThreadPoolExecutor] = []  # the pool of threads - 1, made at the first split product
-COUNT: list[int] = []  # a count set by split_products; empty: torch's own
+COUNT: list[int] = []  # a count set by split_products; empty: unsplit (the default, see the module's docstring)
 
 
 def split_products(threads: int | None) -> None:
-    """Products split across `threads` threads whatever torch's count (1: none, and no pool;
-    None: torch's own count, torch.get_num_threads(), as a loaded model runs)."""
+    """Products split across `threads` threads whatever torch's count (1 or None: none, and no pool,
+    as a loaded model runs)."""
     COUNT[:] = [] if threads is None else [threads]
     if split_threads() == 1:
         for old in SPLIT:
@@ -53,7 +58,7 @@ def split_products(threads: int | None) -> None:
 
 def split_threads() -> int:
     """The threads one-row products are split across (1: unsplit)."""
-    return COUNT[0] if COUNT else torch.get_num_threads()
+    return COUNT[0] if COUNT else 1
 
 
 def pool(threads: int) -> ThreadPoolExecutor:
