@@ -1,7 +1,7 @@
 """GGUF files of each family, made the way users get them: a tiny random transformers model
 converted by llama.cpp's own convert_hf_to_gguf.py (tests/helpers/llama_cpp_converter.py), so
 llama.cpp's tensor names, row orders and metadata keys are its converter's, not kvports' reading of
-them. Each file gives transformers' greedy tokens in every port, naive and cached, at float32, and
+them. Each file gives transformers' greedy tokens in every port, naive and cached, at float32 and float64, and
 llama.cpp's own (F32) where llama-cpp-python is installed (the peers extra), near-ties reported."""
 
 from __future__ import annotations
@@ -63,11 +63,19 @@ def converted(converter, name: str, case: Case, tmp_path_factory) -> tuple:
 
 @pytest.fixture(scope="module")
 def families(converter, tmp_path_factory):
-    """arch -> (the GGUF file's config and tensors, prompts, transformers' tokens and step logits, the file)."""
+    """arch -> (the file's config and tensors, prompts, transformers' tokens and step logits by dtype, the file)."""
     made = {}
     for arch, name in GGUF_CASES.items():
         model, config, tensors, prompts, path = converted(converter, name, FAMILY_CASES[name], tmp_path_factory)
-        made[arch] = (config, tensors, prompts, *hf_generate(model, prompts, NEW_TOKENS), path)
+        float32 = hf_generate(model, prompts, NEW_TOKENS)
+        # The file's F32 weights, computed in float64 by transformers as by the ports.
+        made[arch] = (
+            config,
+            tensors,
+            prompts,
+            {"float32": float32, "float64": hf_generate(model.double(), prompts, NEW_TOKENS)},
+            path,
+        )
     return made
 
 
@@ -76,12 +84,14 @@ def test_each_architecture_reads_as_its_family(families):
     assert found == {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "mistral"}
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("mode", ["naive", "cached"])
 @pytest.mark.parametrize("arch", GGUF_CASES)
-def test_a_converted_file_gives_transformers_greedy_tokens(port, families, arch, mode):
-    config, tensors, prompts, hf_tokens, hf_logits, _ = families[arch]
+def test_a_converted_file_gives_transformers_greedy_tokens(port, families, arch, mode, dtype):
+    config, tensors, prompts, hf_runs, _ = families[arch]
+    hf_tokens, hf_logits = hf_runs[dtype]
     tokens, logits = port.generate(
-        port.load_model(config, tensors, "float32"), prompts, NEW_TOKENS, mode, return_logits=True
+        port.load_model(config, tensors, dtype), prompts, NEW_TOKENS, mode, return_logits=True
     )
     np.testing.assert_array_equal(tokens, hf_tokens)
     np.testing.assert_allclose(logits, hf_logits, rtol=0, atol=LOGITS_ATOL)
