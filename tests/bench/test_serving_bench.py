@@ -44,8 +44,9 @@ def test_a_row_is_the_clients_timings_and_the_servers_counters():
     assert row_of("llama.cpp server", 2, results, 2.0, {}, {})["prefix_hit_rate"] is None
 
 
-def test_serving_md_table_is_the_committed_run():
+@pytest.mark.parametrize("name", ["serving_smollm2_t2.json", "serving_smollm2_idle.json"])
+def test_serving_md_table_is_the_committed_run(name):
     from kvports.bench.serving import table
 
-    run = json.loads((DOCS / "data" / "serving_smollm2_t2.json").read_text())
+    run = json.loads((DOCS / "data" / name).read_text())
     assert table(run) in (DOCS / "SERVING.md").read_text(), "paste kvports.bench.serving.table(the run) into it"
