@@ -71,7 +71,7 @@ def json_schema(schema: object, name: str | None = None, names: Names = COMMAND_
     """A schema (a JSON object) as a response format, bounded: its grammar is checked by `check_format`."""
     label = names.label("response_format")
     if not isinstance(schema, dict):
-        raise FormatError(f"the schema in {label} must be a JSON object, got {kind_of(schema)}")
+        raise FormatError(f"the schema in {label} must be a JSON object, got {json_type(schema)}")
     text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
     if len(text.encode("utf-8")) > MAX_SCHEMA_BYTES:
         raise FormatError(
@@ -88,7 +88,7 @@ def parse_response_format(value: object, names: Names = COMMAND_LINE) -> Respons
     if value is None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise FormatError(f"{label} must be an object with a 'type' ({', '.join(FORMATS)}), got {kind_of(value)}")
+        raise FormatError(f"{label} must be an object with a 'type' ({', '.join(FORMATS)}), got {json_type(value)}")
     kind = value["type"]
     if kind not in FORMATS:
         raise FormatError(f"{label} type {echo(kind)[:80]} is not one of {', '.join(FORMATS)}")
@@ -109,7 +109,7 @@ def parse_response_format(value: object, names: Names = COMMAND_LINE) -> Respons
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise FormatError(f"{label}: json_schema 'name' must be 1 to {MAX_NAME} letters, digits, '_' or '-'")
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise FormatError(f"{label}: json_schema 'strict' must be true or false, got {kind_of(spec['strict'])}")
+        raise FormatError(f"{label}: json_schema 'strict' must be true or false, got {json_type(spec['strict'])}")
     if spec.get("description") is not None and not isinstance(spec["description"], str):
         raise FormatError(f"{label}: json_schema 'description' must be a string")
     # No schema: any JSON, as OpenAI takes it; strict changes nothing here, every answer follows its schema.
@@ -127,7 +127,8 @@ def check_format(response_format: ResponseFormat, names: Names = COMMAND_LINE) -
     return response_format
 
 
-def kind_of(value: object) -> str:
+def json_type(value: object) -> str:
+    """What a JSON value is, as a refusal names it (the server's bodies too)."""
     if value is None:
         return "null"
     if isinstance(value, bool):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvports.batching.constraint import FormatError, ResponseFormat, parse_response_format
+from kvports.batching.constraint import FormatError, ResponseFormat, json_type, parse_response_format
 from kvports.batching.request import Chat, PromptError, Request, chat_prompt, check_request
 from kvports.formats.chat import check_text
 from kvports.shared.checks import MAX_SEED, SERVER
@@ -184,18 +184,6 @@ def depth(text: str) -> int:
 
 def refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not a JSON number")
-
-
-def json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "an array" if isinstance(value, list) else "an object"
 
 
 # ---------------------------------------------------------------- fields

@@ -136,3 +136,8 @@ class OverflowingPort:
         next_tokens, pool, steps = self.port.paged_step(model, pool, tokens, *rest)
         next_tokens = np.where((tokens == self.marker).any(axis=1), PAD, next_tokens)  # [B]
         return next_tokens, pool, steps
+
+
+def start_exact_server(framework: str, weights: object) -> Running:
+    """A float64 server of up to 4 rows: what the log-probability tests (echo, lm-eval) hold to 1e-9."""
+    return start_server("--framework", framework, "--weights", weights, "--dtype", "float64", "--max-batch", "4")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvports.registry import PORTS
-from tests.helpers.servers import WAIT_S, start_server
+from tests.helpers.servers import WAIT_S, start_exact_server
 
 openai = pytest.importorskip("openai")
 PROMPT = [9, 120, 33, 7, 200, 61, 18, 5, 77, 14, 3, 250, 41, 8, 16, 99, 2, 64, 31]  # past one 16-token block
@@ -18,9 +18,7 @@ TOP = 3
 
 @pytest.fixture(scope="module", params=PORTS)
 def server(request, chat_model):
-    running = start_server(
-        "--framework", request.param, "--weights", chat_model, "--dtype", "float64", "--max-batch", "4"
-    )
+    running = start_exact_server(request.param, chat_model)
     yield running
     running.stop()
 

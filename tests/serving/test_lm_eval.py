@@ -11,7 +11,7 @@ import pytest
 
 from kvports.cli import main
 from kvports.registry import PORTS
-from tests.helpers.servers import start_server
+from tests.helpers.servers import start_exact_server
 
 lm_eval = pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow
@@ -29,9 +29,7 @@ def tokenizer(chat_model, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=PORTS)
 def server(request, chat_model):
-    running = start_server(
-        "--framework", request.param, "--weights", chat_model, "--dtype", "float64", "--max-batch", "4"
-    )
+    running = start_exact_server(request.param, chat_model)
     yield running
     running.stop()
 
