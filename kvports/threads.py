@@ -7,8 +7,10 @@ other: torch ran 10-90x slower than with one thread. Each library takes the coun
   OMP_NUM_THREADS for a torch not yet imported.
 - NumPy: its BLAS (OpenBLAS, loaded with NumPy, long before any flag is read) through threadpoolctl,
   which changes a loaded BLAS's count. OPENBLAS/MKL/OMP_NUM_THREADS reach child processes.
-- Each port's fast/cores.py (a product's output rows split over a pool of Python threads) is not
-  used: on an idle machine the library's own threads decoded faster (docs/BENCH.md).
+- torch's decode products are split by output rows across torch's own thread count
+  (torch_impl/fast/cores.py, one torch.bmm a product): MKL runs a one-row product on one thread.
+  NumPy's split (a pool of Python threads) is not used: on an idle machine OpenBLAS's own
+  threads decoded faster (docs/BENCH.md).
 - JAX: its CPU client sizes its intra-op pool from NPROC when it starts (XLA's
   DefaultThreadPoolSize; XLA_FLAGS' `intra_op_parallelism_threads` is TensorFlow's option and
   changes nothing here). Measured in jax 0.10.2 on 2 CPUs: NPROC=1 gives the process 15 threads,

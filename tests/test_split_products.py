@@ -1,12 +1,14 @@
 """A step's products split across the threads the process is given (each port's fast/cores.py):
 the split product is bit-identical to the unsplit one at float64 and float32 (output rows split,
-each dot product whole), a whole generation's tokens and logits do not move, and one thread
-splits nothing."""
+each dot product whole), a whole generation's tokens and logits do not move, one thread splits
+nothing, and torch splits across its own thread count unless told otherwise."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -55,7 +57,29 @@ def splitting(name, monkeypatch):
     module = importlib.import_module(SPLITTING[name])
     monkeypatch.setattr(module, "MIN_SPLIT_BYTES", 0)
     yield module
-    module.split_products(None)  # unsplit again, as every port runs by default
+    module.split_products(None)  # the port's default again (NumPy: unsplit; torch: its thread count)
+
+
+@contextlib.contextmanager
+def counting_splits(name: str, monkeypatch) -> Iterator[list[int]]:
+    """How many products the block split: NumPy's pool runs each piece but the caller's (threads
+    named kvports-numpy), torch runs the pieces as one torch.bmm on its own threads."""
+    import torch
+
+    count: list[int] = []
+    if name == "torch":
+        bmm = torch.bmm
+
+        def counted(*args, **kwargs):
+            count.append(1)
+            return bmm(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "bmm", counted)
+        yield count
+        monkeypatch.setattr(torch, "bmm", bmm)
+    else:
+        yield count
+        count += [1 for thread in threading.enumerate() if thread.name.startswith("kvports-numpy")]
 
 
 def unsplit_and_split(module, compute):
@@ -79,7 +103,7 @@ def test_split_product_is_bit_identical(name, splitting, dtype, shape, rows):
 
 @SPLIT_PORTS
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_split_generation_keeps_tokens_and_logits(name, splitting, dtype):
+def test_split_generation_keeps_tokens_and_logits(name, splitting, dtype, monkeypatch):
     port = port_or_skip(name)
     config = llama_like(vocab_size=512, d_model=256, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=48)
     model = port.load_model(config, random_weights(config), dtype)
@@ -88,8 +112,9 @@ def test_split_generation_keeps_tokens_and_logits(name, splitting, dtype):
     def generate():
         return port.generate(model, prompts, 8, "cached", return_logits=True)
 
-    (tokens, logits), (split_tokens, split_logits) = unsplit_and_split(splitting, generate)
-    assert any(thread.name.startswith(f"kvports-{name}") for thread in threading.enumerate())  # it did split
+    with counting_splits(name, monkeypatch) as splits:
+        (tokens, logits), (split_tokens, split_logits) = unsplit_and_split(splitting, generate)
+    assert splits  # it did split
     assert np.array_equal(tokens, split_tokens)
     assert np.array_equal(logits, split_logits)
 
@@ -117,14 +142,39 @@ def test_split_prompt_attention_is_bit_identical(name, splitting, dtype, scale):
 
 
 @SPLIT_PORTS
-def test_one_thread_splits_nothing(name):
-    port_or_skip(name)
-    module = importlib.import_module(SPLITTING[name])
+def test_one_thread_splits_nothing(name, splitting, monkeypatch):
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((3072, 576)).astype("float32")  # [out, in]: SmolLM2's gate/up, split at 2
+    x = rng.standard_normal((1, 1, 576)).astype("float32")  # [1, 1, in]
+    splitting.split_products(1)
+    with counting_splits(name, monkeypatch) as splits:
+        PRODUCT[name](x, weight)
+    assert splitting.split_threads() == 1
+    assert not splits
+    assert not getattr(splitting, "SPLIT", [])  # and NumPy made no pool
+
+
+@pytest.mark.parametrize("name", ["torch"])
+def test_torch_splits_across_its_own_threads_by_default(name, splitting):
+    import torch
+
+    splitting.split_products(None)
+    threads = torch.get_num_threads()
     try:
-        module.split_products(1)
-        assert module.split_threads() == 1
-        assert not module.SPLIT  # no pool
-        module.split_products(2)
-        assert module.split_threads() == 2
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            assert splitting.split_threads() == count
     finally:
-        module.split_products(None)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", ["torch"])
+@pytest.mark.parametrize("shape", [(4999, 576), (300, 128)], ids=["4999x576", "300x128"])
+def test_torch_leaves_a_product_unsplit_where_its_rows_do_not_cut_evenly(name, splitting, monkeypatch, shape):
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal(shape).astype("float32")  # [out, in]: 2499.5 or 150 rows a piece
+    x = rng.standard_normal((1, 1, shape[1])).astype("float32")  # [1, 1, in]
+    splitting.split_products(2)
+    with counting_splits(name, monkeypatch) as splits:
+        PRODUCT[name](x, weight)
+    assert not splits
