@@ -25,11 +25,31 @@ MODES = ("cached",)  # the seed's naive loop is the torch port's naive row
 
 
 def check_seed_shaped(config: ModelConfig) -> None:
-    """The seed's architecture or GPT-2's: learned positions, LayerNorm, full multi-head attention,
-    a 4x MLP and biases everywhere; exact or tanh GELU, an untied or tied head."""
+    """The seed's architecture or GPT-2's: learned positions, LayerNorm, full multi-head attention at
+    1 / sqrt(Dh), a 4x MLP and biases everywhere; exact or tanh GELU, an untied or tied head. Every
+    field a family added (a bias on q/k/v alone, q/k norms, post-norms, an embedding or attention
+    scale) is refused too: this model has no place for it, and would run without it."""
     seed = ModelConfig()
-    fields = ("positions", "norm", "n_kv_heads", "ffn_hidden", "attn_bias", "ffn_bias", "sliding_window")
+    fields = (
+        "positions",
+        "norm",
+        "attn_bias",
+        "ffn_bias",
+        "sliding_window",
+        "qkv_bias",
+        "qk_norm",
+        "post_norms",
+        "embed_scale",
+        "attn_scale",
+    )
     different = [name for name in fields if getattr(config, name) != getattr(seed, name)]
+    # What the seed's shapes imply, however a config spells it (None or the same number).
+    implied = {
+        "n_kv_heads": config.kv_heads == config.n_heads,
+        "ffn_hidden": config.ffn_dim == 4 * config.d_model,
+        "head_size": config.head_dim * config.n_heads == config.d_model,
+    }
+    different += [name for name, same in implied.items() if not same]
     if config.activation not in ("gelu", "gelu_tanh"):
         different.append("activation")
     if different:
