@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvports import generating, loading
+from kvports.batching.constraint import parse_response_format
 from kvports.generating import Generation
 from kvports.shared.checks import API
 from kvports.shared.contract import OnToken
@@ -81,6 +82,7 @@ class Model:
         on_token: OnToken | None = None,
         logprobs: int = 0,
         num_samples: int = 1,
+        response_format: dict[str, Any] | None = None,
     ) -> Generation:
         """Generate from `prompts`: one prompt (ids, or "1,2,3" as the command line writes it) or a
         batch of them (rows may differ in length); None: the seed's prompt. `generation`: a
@@ -90,7 +92,10 @@ class Model:
         on_token(token [B]) as each token reaches the host. logprobs=K (naive and cached, K <= 20):
         each new token's log-probability and its step's K likeliest, as `.logprobs`. num_samples: each
         prompt that many times, seeded seed, seed + 1, ... (a row's draws depend on its seed, not its
-        place in the batch; GenerationConfig(seeds=...) gives each prompt its own)."""
+        place in the batch; GenerationConfig(seeds=...) gives each prompt its own). response_format:
+        OpenAI's, as a request body gives it ({"type": "json_object"}, or {"type": "json_schema",
+        "json_schema": {"name": ..., "schema": {...}}}): each row's answer is JSON (that the schema
+        describes), mode cached, through the batching engine as the server's requests are."""
         check_arguments(stop_ids=stop_ids, draft=draft, return_logits=return_logits, on_token=on_token)
         if generation is None or (isinstance(generation, int) and not isinstance(generation, bool)):
             new_tokens = new_tokens if generation is None else generation
@@ -110,6 +115,7 @@ class Model:
             quant=self.loaded.quant,
             tensor_parallel=self.loaded.tensor_parallel,
             logprobs=logprobs,
+            response_format=parse_response_format(response_format, API),
         )
         rows = prompt_rows(prompts, self.tokenizer) if not isinstance(prompts, ChatPrompt) else [prompts.ids]
         inputs, rows = generating.with_samples(inputs, rows, num_samples, API)

@@ -381,3 +381,39 @@ def test_the_real_model_answers_in_words_and_streams_the_same_words(framework):
     assert smol.chat(question, new_tokens=12).answer == ["The capital of France is Paris."]
     pieces = list(smol.stream(messages=question, new_tokens=12))
     assert len(pieces) > 1 and "".join(pieces) == "The capital of France is Paris."
+
+
+# ---------------------------------------------------------------- structured output
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+def test_a_response_format_gives_the_command_lines_json_answer(text_model, capsys, tmp_path):
+    pytest.importorskip("llguidance")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    given = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    result = text_model.generate("hi", 30, response_format=given)
+    answer = json.loads(result.answer[0])
+    assert set(answer) == {"ok", "n"} and isinstance(answer["ok"], bool) and 0 <= answer["n"] <= 9
+    command_line = cli_json(capsys, text_model, "--text", "hi", "--new-tokens", "30", "--json-schema", str(schema))
+    assert result.tokens == command_line["tokens"]
+
+
+@pytest.mark.parametrize(
+    "given, options, words",
+    [
+        ({"type": "xml"}, {}, "response_format type 'xml' is not one of"),
+        ("json", {}, "response_format must be an object"),
+        ({"type": "json_object"}, {"mode": "naive"}, "response_format runs in mode=cached only, not naive"),
+    ],
+    ids=["unknown-type", "not-an-object", "naive-mode"],
+)
+def test_a_bad_response_format_is_refused_naming_the_argument(chat_model, given, options, words):
+    model = kvports.load("numpy", chat_model)
+    assert words in api_message(lambda: model.generate("hi", 5, response_format=given, **options))
