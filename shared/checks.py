@@ -91,7 +91,13 @@ API = Names(api=True)
 
 # A batch file's line: the command line's words, but the line's own field for the new tokens.
 BATCH_LINE = Names(
-    api=False, labels=(*COMMAND_LINE.labels, ("new_tokens", "max_new_tokens"), ("messages", "'messages'"))
+    api=False,
+    labels=(
+        *COMMAND_LINE.labels,
+        ("new_tokens", "max_new_tokens"),
+        ("messages", "'messages'"),
+        ("response_format", "'response_format'"),
+    ),
 )
 
 

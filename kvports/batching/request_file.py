@@ -6,8 +6,9 @@ encoded with --tokenizer) or as a chat (`"messages": [{"role": "user", "content"
 rendered with a GGUF file's chat template, as `kvports generate --chat-file` does), and
 optionally `id`, `max_new_tokens`, `temperature`, `top_k`,
 `top_p`, `seed` and `stop_ids` (`kvports generate`'s settings; without `stop_ids`, the
-model's eos ids, as `kvports generate` stops). A bad line is one error naming its line
-number; the other lines still run.
+model's eos ids, as `kvports generate` stops), and `response_format` (OpenAI's object, as the
+server takes it: the answer JSON; it needs the model's tokenizer). A bad line is one error
+naming its line number; the other lines still run.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvports.batching.constraint import parse_response_format
 from kvports.batching.request import Chat, Request, chat_prompt, check_request
 from kvports.shared.checks import BATCH_LINE
 from kvports.shared.config import ModelConfig
@@ -24,7 +26,7 @@ from kvports.shared.errors import UserError, echo
 from kvports.shared.generation import GenerationConfig
 
 SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids")
-FIELDS = ("id", "prompt", "text", "messages", *SETTINGS)
+FIELDS = ("id", "prompt", "text", "messages", *SETTINGS, "response_format")
 
 Encode = Callable[[str], list[int]]
 
@@ -78,6 +80,9 @@ def parse_line(
         if not isinstance(data["prompt"], list):
             raise UserError(f"'prompt' must be a list of token ids, got {type(data['prompt']).__name__}")
         prompt = data["prompt"]
+    response_format = parse_response_format(data.get("response_format"), BATCH_LINE)
+    if response_format is not None and encode is None:
+        raise UserError("'response_format' needs the model's tokenizer (a GGUF file's own, or --tokenizer DIR)")
     request_id = data.get("id", str(line))
     if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
         raise UserError(f"'id' must be a string or an integer, got {echo(request_id)}")
@@ -86,6 +91,7 @@ def parse_line(
         prompt=tuple(prompt),
         generation=generation_of(data, default_new_tokens, default_stops),
         text=data.get("text"),
+        response_format=response_format,
     )
 
 

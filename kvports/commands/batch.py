@@ -19,6 +19,7 @@ import numpy as np
 
 from kvports.batching.arguments import add_engine_arguments
 from kvports.batching.blocks import blocks_for
+from kvports.batching.constraint import Grammars
 from kvports.batching.engine import (
     MAX_BATCH,
     BatchSettings,
@@ -250,7 +251,9 @@ def run_requests(
     dtype: str = "float32",
 ) -> dict[str, Any]:
     """Run every request, printing each one's line as it finishes; the summary."""
-    engine = Engine(port, model, config, settings, dtype=dtype)
+    # A line's response_format is masked by the tokenizer's grammar (built only when a line asks).
+    grammars = None if tokenizer is None else Grammars(tokenizer, config.vocab_size, tuple(config.eos_token_ids))
+    engine = Engine(port, model, config, settings, dtype=dtype, grammars=grammars)
     start = time.perf_counter()
     for request in requests:
         engine.add(request)

@@ -403,11 +403,13 @@ def test_bad_request_lines_are_reported_by_number_and_the_rest_parse():
         '{"prompt": [64]}',
         '{"text": "hi"}',
         '{"prompt": [1], "stop_ids": [3, 99]}',
+        '{"prompt": [1], "response_format": {"type": "json_object"}}',
     ]
     requests, bad = parse_requests(lines, CONFIG, default_new_tokens=5)
     assert [req.id for req in requests] == ["1", "x"]
-    assert [line.line for line in bad] == [2, 4, 5, 6, 8, 9, 10, 11]
+    assert [line.line for line in bad] == [2, 4, 5, 6, 8, 9, 10, 11, 12]
     assert "needs --tokenizer" in str(bad[6]) and str(bad[0]).startswith("line 2: not valid JSON")
+    assert str(bad[8]) == "line 12: 'response_format' needs the model's tokenizer (a GGUF file's own, or --tokenizer DIR)"
 
 
 @pytest.fixture
@@ -492,6 +494,42 @@ def test_a_messages_request_is_the_chat_generate_renders(capsys, chat_model, tmp
     prompt = chat_ids(chat_model, messages, gguf_tokenizer(chat_model))
     assert lines[0]["prompt_tokens"] == len(prompt)
     assert alone["tokens"][0] == prompt + lines[0]["tokens"]
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+
+
+def test_a_response_format_line_answers_the_json_generate_gives(capsys, chat_model, tmp_path):
+    pytest.importorskip("llguidance")
+    given = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+    line = {"id": "json", "prompt": [5, 6, 7], "max_new_tokens": 20, "response_format": given}
+    code, lines, err = run_batch(capsys, chat_model, tmp_path, [line, {"id": "free", "prompt": [5, 6, 7]}])
+    assert code == 0, err
+    answers = {line["id"]: line for line in lines[:-1]}
+    assert set(json.loads(answers["json"]["text"])) == {"n"}
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    argv = ["generate", "--framework", "numpy", "--mode", "cached", "--weights", chat_model, "--json"]
+    code, out, err = run_cli(capsys, *argv, "--prompt", "5,6,7", "--new-tokens", "20", "--json-schema", schema)
+    assert code == 0, err
+    assert json.loads(out)["tokens"][0] == [5, 6, 7] + answers["json"]["tokens"]
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ({"type": "yaml"}, "line 1: 'response_format' type 'yaml' is not one of text, json_object, json_schema"),
+        (
+            {"type": "json_schema"},
+            "line 1: 'response_format' of type json_schema needs 'json_schema': an object with 'name' and 'schema'",
+        ),
+    ],
+)
+def test_a_bad_response_format_line_is_refused_by_number_and_the_rest_run(capsys, chat_model, tmp_path, given, message):
+    lines = [{"prompt": [5, 6], "response_format": given}, {"prompt": [5, 6]}]
+    code, answers, err = run_batch(capsys, chat_model, tmp_path, lines)
+    assert code == 2 and err.splitlines() == [f"error: {message}"]
+    assert [answer["id"] for answer in answers[:-1]] == ["2"]
 
 
 @pytest.mark.parametrize(
