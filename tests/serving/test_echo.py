@@ -25,7 +25,8 @@ def server(request, chat_model):
 
 def echo(server, **fields):
     api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=WAIT_S)
-    return api.completions.create(model="tiny", prompt=PROMPT, echo=True, logprobs=TOP, temperature=0, **fields)
+    fields.setdefault("temperature", 0)
+    return api.completions.create(model="tiny", prompt=PROMPT, echo=True, logprobs=TOP, **fields)
 
 
 def full_forward_logprobs(server) -> np.ndarray:
@@ -67,6 +68,18 @@ def test_a_cached_prompt_is_computed_again_for_its_logprobs(server):
     first, again = echo(server, max_tokens=1), echo(server, max_tokens=1)  # the second finds the prefix cached
     assert again.choices[0].logprobs.token_logprobs == first.choices[0].logprobs.token_logprobs
     assert again.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_every_choice_of_n_echoes_the_prompts_own_logprobs(server):
+    alone = echo(server, max_tokens=1).choices[0].logprobs
+    choices = echo(server, max_tokens=1, n=2, temperature=1, seed=3).choices
+    assert len(choices) == 2
+    # The prompt's, before each sampled token's, within float64's rounding of the prompt computed alone:
+    # two rows of one prefill and a row alone may take other kernels (torch's rows differed at 1e-15).
+    for choice in choices:
+        echoed = choice.logprobs.token_logprobs[: len(PROMPT)]
+        assert echoed[0] is None
+        np.testing.assert_allclose(echoed[1:], alone.token_logprobs[1 : len(PROMPT)], rtol=0, atol=1e-9)
 
 
 def test_echo_with_a_stream_is_a_400(server):
