@@ -344,7 +344,8 @@ def compile_paged_steps(model: TinyModel, pool: Any, max_step_tokens: int, longe
     sampling of each row count, with and without a mask of allowed tokens (a response format).
     Compiled ahead of time (lowered from a step's own kind of arrays, not run); a later step of the
     same shape finds the program. How many programs it compiled: a fixed few for any `longest`."""
-    forwards, row_counts = set(), set()
+    forwards: set[tuple[int, int, bool]] = set()
+    row_counts: set[int] = set()
     for every_position in (False, True):
         for B in range(1, pool.max_batch + 1):
             for T in range(1, longest + 1):
