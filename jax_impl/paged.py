@@ -17,6 +17,7 @@ this step, S' = M * bs slots a query attends over.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -36,8 +37,8 @@ class BlockPool:
     # Every running sequence's keys and values, in blocks; a new pool comes back from each step.
     keys: jax.Array  # [L, NB, bs, Hkv, Dh]
     values: jax.Array  # [L, NB, bs, Hkv, Dh]
-    # The step's fixed shapes: every step runs max_batch rows (decode) or a power of two of them
-    # (prefill), each over max_blocks blocks, so a handful of compiled programs serve every step.
+    # The step's fixed shapes: every step runs max_batch rows (decode) or a bucket of them (prefill,
+    # in chunks of a few fixed widths), each over max_blocks blocks, so a few compiled programs serve every step.
     max_batch: int = dataclasses.field(metadata=dict(static=True))
     max_blocks: int = dataclasses.field(metadata=dict(static=True))
 
@@ -117,8 +118,8 @@ def paged_cache(
 def paged_step(
     model: TinyModel,
     pool: BlockPool,
-    tokens: jax.Array,
-    start: jax.Array,
+    tokens: Sequence[jax.Array],
+    start: Sequence[jax.Array],
     block_tables: jax.Array,
     temperature: jax.Array,
     top_k: jax.Array,
@@ -127,23 +128,36 @@ def paged_step(
     allowed: jax.Array | None = None,
     return_logits: bool = False,
     every_position: bool = False,
-) -> tuple[jax.Array, BlockPool, jax.Array | None]:
-    """One step of the running batch: tokens [B, T] (PAD on the left of shorter rows) after each
-    row's `start` [B] tokens in the pool; block_tables [B, M] (-1 past a row's blocks); each row's
-    sampling settings and draw [B]; allowed [B, V]: the tokens each row may take (None: all);
-    return_logits: whether the step's logits leave it too (what the log-probabilities are reported
-    from); every_position: every position's logits, not the last one's (a prompt's own log-probabilities).
-    Each row's next token [B] (PAD where its logits were not
-    finite), the pool with this step's keys and values written in (the one passed in is donated:
-    use the returned one), and the step's logits [B, V] (or None)."""
+) -> tuple[jax.Array, BlockPool, jax.Array | np.ndarray | None]:
+    """One step of the running batch: tokens, its [B, T] block (PAD on the left of shorter rows) cut
+    into chunks of the fixed widths static_shapes chose, [B, w] each, left to right; start: each
+    row's tokens in the pool before each chunk, [B] each; block_tables [B, M] (-1 past a row's
+    blocks); each row's sampling settings and draw [B]; allowed [B, V]: the tokens each row may take
+    (None: all); return_logits: whether the step's logits leave it too (what the log-probabilities
+    are reported from); every_position: every position's logits, not the last one's (a prompt's own
+    log-probabilities). Each row's next token [B] (PAD where its logits were not finite), the pool
+    with this step's keys and values written in (the one passed in is donated: use the returned
+    one), and the step's logits [B, V] (or [B, T, V], joined on the host, or None).
+    JAX only: the chunks. Each is one compiled forward of a fixed width, so a few programs serve
+    every prompt length and all of them compile before a server is ready (compile_paged_steps)."""
     model.eval()
-    logits, pool = _paged_forward(*split_model(model), pool, tokens, start, block_tables, every_position)
-    last = logits[:, -1] if every_position else logits  # [B, V]
+    static, leaves = split_model(model)
+    pieces = []
+    for chunk, chunk_start in zip(tokens, start, strict=True):
+        # Each chunk writes its keys and values before the next reads them: a prompt's later chunks
+        # attend to its earlier ones through the pool, as a cached step attends to its prefix.
+        last, logits, pool = _paged_forward(static, leaves, pool, chunk, chunk_start, block_tables, every_position)
+        pieces.append(logits)
+    # Left padding puts every row's last token in the last chunk's last column: sampled from there.
     next_tokens = _sample_rows(last, temperature, top_k, top_p, uniform, allowed)  # [B]
-    return next_tokens, pool, logits if return_logits else None  # [B], the pool, [B, V] ([B, T, V]) or None
+    if not return_logits:
+        return next_tokens, pool, None
+    # Joined on the host: joining on the device would compile once per number of chunks.
+    joined = np.concatenate([np.asarray(piece) for piece in pieces], axis=1) if every_position else None  # [B, T, V]
+    return next_tokens, pool, last if joined is None else joined  # [B], the pool, [B, V] or [B, T, V]
 
 
-# What paged_step compiles: one program per (rows, T) shape, and per every_position; the pool is donated.
+# What paged_step compiles: one program per (rows, width) shape, and per every_position; the pool is donated.
 @partial(jax.jit, static_argnums=(0, 6), donate_argnames="pool")
 def _paged_forward(
     static: Static,
@@ -153,19 +167,20 @@ def _paged_forward(
     start: jax.Array,
     block_tables: jax.Array,
     every_position: bool = False,
-) -> tuple[jax.Array, BlockPool]:
+) -> tuple[jax.Array, jax.Array | None, BlockPool]:
     model = merge_model(static, leaves)
     # Inside the program, zeros included: an eager sum would compile once per new shape.
     pad = jnp.sum(tokens == PAD, axis=1, dtype=jnp.int32)  # [B]
     cache = paged_cache(pool, block_tables, start, pad, tokens.shape[1])
     logits, cache = model(jnp.maximum(tokens, 0), cache, pad)  # [B, T, V]
     # Left padding puts every row's last token in column T - 1: only its logits leave the program,
-    # unless a prompt's own log-probabilities were asked for.
-    kept = logits if every_position else logits[:, -1]  # [B, T, V] or [B, V]
-    return kept, dataclasses.replace(pool, keys=cache.keys, values=cache.values)
+    # and every position's too when a prompt's own log-probabilities were asked for (sliced here,
+    # not on the host's copy: an eager slice would compile once per shape).
+    kept = logits if every_position else None  # [B, T, V] or None
+    return logits[:, -1], kept, dataclasses.replace(pool, keys=cache.keys, values=cache.values)  # [B, V], ...
 
 
-# One program per number of rows, whatever the rows' sampling values.
+# One program per number of rows, and per whether a mask of allowed tokens comes, whatever the rows' values.
 _sample_rows = jax.jit(sample_rows)
 
 
@@ -176,16 +191,24 @@ def static_shapes(
     start: np.ndarray,
     block_tables: np.ndarray,
     sampling: RowSampling,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, RowSampling]:
-    """A step's NumPy inputs padded to a compiled shape: decode steps (T = 1) to max_batch rows, so
-    one program serves every decode step; prefill steps up to the next size in 1, 2, 3, 4, 6, 8,
-    12, ... (powers of two and their halfway points) in rows and in T, so a few programs serve
-    every mix of prompts and padding adds at most half; block tables to max_blocks. Padding rows
-    are all PAD and greedy: nothing of theirs is written, and their tokens are dropped."""
+    every_position: bool = False,
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, RowSampling]:
+    """A step's NumPy inputs padded to compiled shapes: decode steps (T = 1) to max_batch rows, so
+    one program serves every decode step; prefill steps to the next size in 1, 2, 3, 4, 6, 8, 12, ...
+    rows (powers of two and their halfway points), and their [B, T] block, padded on the left to a
+    multiple of the narrowest chunk width, cut into chunks of CHUNK_WIDTHS (step_shape): each
+    chunk's tokens [rows, w] and each row's tokens in the pool before it [rows]. Block tables to
+    max_blocks. Padding rows are all PAD and greedy: nothing of theirs is written, and their tokens
+    are dropped."""
     B, T = tokens.shape
-    rows, width = step_shape(max_batch, B, T)
+    rows, widths = step_shape(max_batch, B, T, every_position)
+    width = sum(widths)
     tokens = np.pad(tokens, ((0, rows - B), (width - T, 0)), constant_values=PAD)  # [rows, width]: more left padding
     start = np.pad(start, (0, rows - B))  # [rows]
+    # [rows, width + 1]: each row's real tokens before each column (left padding: the prompt's count)
+    before = np.concatenate([np.zeros((rows, 1), np.int64), np.cumsum(tokens != PAD, axis=1)], axis=1)
+    edges = np.cumsum((0, *widths))  # [chunks + 1]: each chunk's first column, and the block's end
+    chunks = [(tokens[:, edges[i] : edges[i + 1]], start + before[:, edges[i]]) for i in range(len(widths))]
     block_tables = np.pad(block_tables, ((0, rows - B), (0, max_blocks - block_tables.shape[1])), constant_values=-1)
     sampling = RowSampling(
         np.pad(sampling.temperature, (0, rows - B)),  # [rows]
@@ -194,14 +217,31 @@ def static_shapes(
         np.pad(sampling.uniform, (0, rows - B)),
         None if sampling.allowed is None else np.pad(sampling.allowed, ((0, rows - B), (0, 0)), constant_values=True),
     )
-    return tokens, start, block_tables, sampling
+    return chunks, block_tables, sampling
 
 
-def step_shape(max_batch: int, B: int, T: int) -> tuple[int, int]:
-    """The compiled (rows, T) a step of B rows of T tokens runs in (static_shapes' padding)."""
-    if T == 1:
-        return max_batch, 1
-    return min(max_batch, _bucket(B)), _bucket(T)
+# The widths a prefill step's block runs in, narrowest first. Why chunks: a width per prompt length
+# would be a program per length (147 at a server's defaults, growing with --max-length); these few,
+# times the row counts, are every program a server runs, compiled before it is ready. 16: a short
+# prompt (a chat's) pads at most 15 columns; 64: a long one runs in calls whose fixed cost (reading
+# every weight, gathering each row's blocks) is small next to their compute (docs/SERVING.md).
+CHUNK_WIDTHS = (16, 64)
+
+
+def step_shape(max_batch: int, B: int, T: int, every_position: bool = False) -> tuple[int, tuple[int, ...]]:
+    """The compiled rows, and the chunk widths left to right, a step of B rows of T tokens runs in
+    (static_shapes' padding): T rounded up to a multiple of the narrowest width, the widest
+    chunks first from the right. A step of one token a row runs as a decode step, unless every
+    position's logits are asked for."""
+    if T == 1 and not every_position:
+        return max_batch, (1,)
+    narrowest = CHUNK_WIDTHS[0]
+    left = -(-T // narrowest) * narrowest  # columns still to cut, from the right
+    widths: list[int] = []
+    for width in reversed(CHUNK_WIDTHS):
+        widths += [width] * (left // width)
+        left %= width
+    return min(max_batch, _bucket(B)), tuple(reversed(widths))
 
 
 def _bucket(n: int) -> int:

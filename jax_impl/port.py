@@ -295,19 +295,15 @@ def paged_step(
     and the likeliest ids and their log-probabilities [B, K]."""
     B, T = tokens.shape
     given = np.asarray(tokens)  # [B, T]: the step's own, what each position's log-probability scores
-    tokens, start, block_tables, sampling = paged.static_shapes(
-        pool.max_batch, pool.max_blocks, tokens, start, block_tables, sampling
+    chunks, block_tables, sampling = paged.static_shapes(
+        pool.max_batch, pool.max_blocks, tokens, start, block_tables, sampling, every_position
     )
-    device = _inputs_sharding(model)
-
-    def on_device(array: np.ndarray) -> jax.Array:
-        return jax.device_put(np.asarray(array, dtype=np.int32 if array.dtype.kind == "i" else None), device)
-
+    on_device = _on_device(model)
     next_tokens, pool, logits = paged.paged_step(
         model,
         pool,
-        on_device(tokens),
-        on_device(start),
+        [on_device(chunk) for chunk, _ in chunks],  # [rows, w] each
+        [on_device(chunk_start) for _, chunk_start in chunks],  # [rows] each
         on_device(block_tables),
         on_device(sampling.temperature),
         on_device(sampling.top_k),
@@ -329,35 +325,54 @@ def paged_step(
     return next_tokens, pool, steps  # [B], the pool, ([B], [B, K], [B, K]) ([B, T], [B, T, K] x 2) or None
 
 
-@exact
-def compile_paged_steps(model: TinyModel, pool: Any, max_step_tokens: int, longest: int) -> int:
-    """Compile, before a server says it is ready, every program a paged step can need: each (rows,
-    T) shape static_shapes pads a step to, for steps of B rows of T tokens that the scheduler can
-    make (B * T within max_step_tokens, or one prompt up to `longest`), the forward and the row
-    sampling of each. Compiled ahead of time (lowered from the step's own arrays, not run); a later
-    step of the same shape finds the program. How many shapes it compiled. Log-probability steps
-    (a small program per count asked) still compile when first asked."""
-    shapes = set()
-    for B in range(1, pool.max_batch + 1):
-        for T in range(1, longest + 1):
-            if B > 1 and B * T > max_step_tokens:
-                break
-            shapes.add(paged.step_shape(pool.max_batch, B, T))
+def _on_device(model: TinyModel) -> Callable[[np.ndarray], jax.Array]:
+    """A step's NumPy input to where the model's arrays are, its integers as int32."""
     device = _inputs_sharding(model)
 
     def on_device(array: np.ndarray) -> jax.Array:
         return jax.device_put(np.asarray(array, dtype=np.int32 if array.dtype.kind == "i" else None), device)
 
+    return on_device
+
+
+@exact
+def compile_paged_steps(model: TinyModel, pool: Any, max_step_tokens: int, longest: int) -> int:
+    """Compile, before a server says it is ready, every program a paged step can need: the forward of
+    each (rows, chunk width) static_shapes can run a step in, for steps of B rows of T tokens the
+    scheduler can make (B * T within max_step_tokens, or one prompt up to `longest`), with the last
+    position's logits and with every position's (a prompt's own log-probabilities); and the row
+    sampling of each row count, with and without a mask of allowed tokens (a response format).
+    Compiled ahead of time (lowered from a step's own kind of arrays, not run); a later step of the
+    same shape finds the program. How many programs it compiled: a fixed few for any `longest`."""
+    forwards: set[tuple[int, int, bool]] = set()
+    row_counts: set[int] = set()
+    for every_position in (False, True):
+        for B in range(1, pool.max_batch + 1):
+            for T in range(1, longest + 1):
+                if B > 1 and B * T > max_step_tokens:
+                    break
+                rows, widths = paged.step_shape(pool.max_batch, B, T, every_position)
+                forwards.update((rows, width, every_position) for width in widths)
+                row_counts.add(rows)
+    on_device = _on_device(model)
+    vocabulary = None
     # Widest first: in the other order the first two one-row shapes were traced again when a step
     # first ran them (seen, cause not found); in this one no shape was.
-    for rows, width in sorted(shapes, reverse=True):
+    for rows, width, every_position in sorted(forwards, reverse=True):
         tokens = on_device(np.zeros((rows, width), dtype=np.int64))  # [rows, width]
         start = on_device(np.zeros(rows, dtype=np.int64))  # [rows]
         block_tables = on_device(np.zeros((rows, pool.max_blocks), dtype=np.int64))  # [rows, M]
-        lowered = paged._paged_forward.lower(*paged.split_model(model), pool, tokens, start, block_tables, False)
+        lowered = paged._paged_forward.lower(
+            *paged.split_model(model), pool, tokens, start, block_tables, every_position
+        )
         lowered.compile()
-        logits = lowered.out_info[0]  # [rows, V]
-        sampling = RowSampling.of([], np.zeros(0))  # the dtypes a step's sampling arrays have
-        arrays = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.uniform)
-        paged._sample_rows.lower(logits, *(on_device(np.zeros(rows, dtype=array.dtype)) for array in arrays)).compile()
-    return len(shapes)
+        vocabulary = lowered.out_info[0]  # [rows, V]: the last position's logits, what sampling takes
+    assert vocabulary is not None
+    sampling = RowSampling.of([], np.zeros(0))  # the dtypes a step's sampling arrays have
+    arrays = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.uniform)
+    for rows in sorted(row_counts, reverse=True):
+        logits = jax.ShapeDtypeStruct((rows, vocabulary.shape[-1]), vocabulary.dtype, sharding=vocabulary.sharding)
+        values = [on_device(np.zeros(rows, dtype=array.dtype)) for array in arrays]
+        for allowed in (None, on_device(np.ones((rows, vocabulary.shape[-1]), dtype=bool))):
+            paged._sample_rows.lower(logits, *values, allowed).compile()
+    return len(forwards) + 2 * len(row_counts)

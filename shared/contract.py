@@ -177,9 +177,11 @@ class Port(Timed, Protocol):
         ...
 
     def compile_paged_steps(self, model: Any, pool: Any, max_step_tokens: int, longest: int) -> int:
-        """Compiles, before a server serves, every program a `paged_step` without log-probabilities can
-        need: each step shape the scheduler can make (B rows x T tokens within `max_step_tokens`, or one
-        prompt up to `longest`) as the port pads it (JAX); how many shapes. The eager ports: 0."""
+        """Compiles, before a server serves, every program a `paged_step` can need: for each step the
+        scheduler can make (B rows x T tokens within `max_step_tokens`, or one prompt up to `longest`),
+        the forward of each (rows, chunk width) the port runs it in, with the last position's logits and
+        with every position's, and the row sampling of each row count with and without an `allowed`
+        mask (JAX); how many programs: a fixed few, whatever `longest`. The eager ports: 0."""
         ...
 
 

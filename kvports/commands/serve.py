@@ -129,10 +129,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--precompile",
-        action="store_true",
-        help="JAX: compile every step shape the scheduler can make before saying ready, so no request waits "
-        "on a compile (start-up grows with --max-batch and --max-length: tens of programs for a small "
-        "server, over a hundred at the defaults); other frameworks: nothing to do",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="JAX: compile every program a step can run before saying ready, so no request waits on a "
+        "compile (a fixed few: prefill runs in chunks of fixed widths; tens of seconds on a CPU for "
+        "SmolLM2); --no-precompile: a faster start, each new step shape compiling when it first comes. "
+        "Other frameworks: nothing to do (default: on)",
     )
     add_threads_argument(parser)
 
@@ -272,17 +274,21 @@ def model_name(args: argparse.Namespace) -> str:
     return args.weights.stem if args.weights is not None else "kvports-seed"
 
 
-def warm_up(engine: Engine, precompile: bool = False) -> None:
+def warm_up(engine: Engine, precompile: bool = True) -> None:
     """Before the server says it is ready: one short request runs through the engine (JAX compiles its
-    decode program and a one-row prefill); with --precompile JAX then compiles every other step shape
-    the scheduler can make (`Engine.compile_steps`), so no client waits on a compile. After a step,
+    decode program and a one-row prefill); then, unless --no-precompile, JAX compiles every other
+    program a step can run (`Engine.compile_steps`), so no client waits on a compile. After a step,
     as every later step finds it: JAX keys its programs by whether each input is committed to a
     device, and a step's output pool is. The warm-up's counts are then forgotten."""
     prompt = tuple([0] * min(8, engine.settings.longest(engine.config) - 2))
     engine.add(Request("warm-up", prompt, GenerationConfig(max_new_tokens=2)))
     engine.run()
     if precompile:
-        engine.compile_steps()
+        started = time.perf_counter()
+        programs = engine.compile_steps()
+        if programs:
+            seconds = time.perf_counter() - started
+            print(f"kvports serve: compiled {programs} programs in {seconds:.1f} s", file=sys.stderr, flush=True)
     engine.stats = EngineStats()
     engine.blocks.peak_used = 0
 

@@ -139,5 +139,8 @@ class OverflowingPort:
 
 
 def start_exact_server(framework: str, weights: object) -> Running:
-    """A float64 server of up to 4 rows: what the log-probability tests (echo, lm-eval) hold to 1e-9."""
-    return start_server("--framework", framework, "--weights", weights, "--dtype", "float64", "--max-batch", "4")
+    """A float64 server of up to 4 rows: what the log-probability tests (echo, lm-eval) hold to 1e-9. JAX
+    compiles each program when first asked (--no-precompile: 4-5 s less to start, cold; test_jax_ready holds
+    the default to compiling them all first)."""
+    argv = ("--framework", framework, "--weights", weights, "--dtype", "float64", "--max-batch", "4")
+    return start_server(*argv, "--no-precompile")

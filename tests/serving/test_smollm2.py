@@ -25,7 +25,9 @@ def server(request):
         model_path("smollm2")
     except UserError:
         pytest.skip("SmolLM2 is not fetched: run make model")
-    running = start_server("--framework", request.param, "--model", "smollm2", "--max-batch", "2", "--max-length", "64")
+    # --no-precompile: these requests need a few of the 13 programs a JAX server compiles first (seconds each).
+    argv = ("--framework", request.param, "--model", "smollm2", "--max-batch", "2", "--max-length", "64")
+    running = start_server(*argv, "--no-precompile")
     yield running
     running.stop()
 

@@ -55,7 +55,8 @@ def follows_schema(answer: object) -> bool:
 @pytest.fixture(scope="module", params=PORTS)
 def server(request, chat_model):
     port_or_skip(request.param)
-    running = start_server("--framework", request.param, "--weights", chat_model, "--max-batch", "4")
+    # --no-precompile: JAX compiles each program when first asked (test_jax_ready holds the default).
+    running = start_server("--framework", request.param, "--weights", chat_model, "--max-batch", "4", "--no-precompile")
     yield running
     running.stop()
 
