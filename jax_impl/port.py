@@ -336,14 +336,21 @@ def _on_device(model: TinyModel) -> Callable[[np.ndarray], jax.Array]:
 
 
 @exact
-def compile_paged_steps(model: TinyModel, pool: Any, max_step_tokens: int, longest: int) -> int:
+def compile_paged_steps(
+    model: TinyModel,
+    pool: Any,
+    max_step_tokens: int,
+    longest: int,
+    on_compiled: Callable[[int, int], None] | None = None,
+) -> int:
     """Compile, before a server says it is ready, every program a paged step can need: the forward of
     each (rows, chunk width) static_shapes can run a step in, for steps of B rows of T tokens the
     scheduler can make (B * T within max_step_tokens, or one prompt up to `longest`), with the last
     position's logits and with every position's (a prompt's own log-probabilities); and the row
     sampling of each row count, with and without a mask of allowed tokens (a response format).
     Compiled ahead of time (lowered from a step's own kind of arrays, not run); a later step of the
-    same shape finds the program. How many programs it compiled: a fixed few for any `longest`."""
+    same shape finds the program. How many programs it compiled: a fixed few for any `longest`;
+    on_compiled(done, total) after each (a progress bar's: SmolLM2's take ~10 s each on a CPU)."""
     forwards: set[tuple[int, int, bool]] = set()
     row_counts: set[int] = set()
     for every_position in (False, True):
@@ -356,6 +363,14 @@ def compile_paged_steps(model: TinyModel, pool: Any, max_step_tokens: int, longe
                 row_counts.add(rows)
     on_device = _on_device(model)
     vocabulary = None
+    total, done = len(forwards) + 2 * len(row_counts), 0
+
+    def compiled() -> None:
+        nonlocal done
+        done += 1
+        if on_compiled is not None:
+            on_compiled(done, total)
+
     # Widest first: in the other order the first two one-row shapes were traced again when a step
     # first ran them (seen, cause not found); in this one no shape was.
     for rows, width, every_position in sorted(forwards, reverse=True):
@@ -366,6 +381,7 @@ def compile_paged_steps(model: TinyModel, pool: Any, max_step_tokens: int, longe
             *paged.split_model(model), pool, tokens, start, block_tables, every_position
         )
         lowered.compile()
+        compiled()
         vocabulary = lowered.out_info[0]  # [rows, V]: the last position's logits, what sampling takes
     assert vocabulary is not None
     sampling = RowSampling.of([], np.zeros(0))  # the dtypes a step's sampling arrays have
@@ -375,4 +391,5 @@ def compile_paged_steps(model: TinyModel, pool: Any, max_step_tokens: int, longe
         values = [on_device(np.zeros(rows, dtype=array.dtype)) for array in arrays]
         for allowed in (None, on_device(np.ones((rows, vocabulary.shape[-1]), dtype=bool))):
             paged._sample_rows.lower(logits, *values, allowed).compile()
-    return len(forwards) + 2 * len(row_counts)
+            compiled()
+    return total

@@ -176,12 +176,20 @@ class Port(Timed, Protocol):
         t + 1 and the last the new token (a prompt's own log-probabilities)."""
         ...
 
-    def compile_paged_steps(self, model: Any, pool: Any, max_step_tokens: int, longest: int) -> int:
+    def compile_paged_steps(
+        self,
+        model: Any,
+        pool: Any,
+        max_step_tokens: int,
+        longest: int,
+        on_compiled: Callable[[int, int], None] | None = None,
+    ) -> int:
         """Compiles, before a server serves, every program a `paged_step` can need: for each step the
         scheduler can make (B rows x T tokens within `max_step_tokens`, or one prompt up to `longest`),
         the forward of each (rows, chunk width) the port runs it in, with the last position's logits and
         with every position's, and the row sampling of each row count with and without an `allowed`
-        mask (JAX); how many programs: a fixed few, whatever `longest`. The eager ports: 0."""
+        mask (JAX); how many programs: a fixed few, whatever `longest`; `on_compiled(done, total)`
+        after each program. The eager ports: 0."""
         ...
 
 

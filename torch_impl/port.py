@@ -264,6 +264,12 @@ def paged_step(
     return next_tokens, pool, steps  # [B], the pool, ([B], [B, K], [B, K]) ([B, T], [B, T, K] x 2) or None
 
 
-def compile_paged_steps(model: TinyModel, pool: Any, max_step_tokens: int, longest: int) -> int:
+def compile_paged_steps(
+    model: TinyModel,
+    pool: Any,
+    max_step_tokens: int,
+    longest: int,
+    on_compiled: Callable[[int, int], None] | None = None,
+) -> int:
     """Nothing to compile ahead: eager steps run at any shape (JAX's compiles each). 0 shapes."""
     return 0

@@ -263,12 +263,12 @@ class Engine:
                 blocks_for(self.settings.longest(self.config), self.blocks.block_size),
             )
 
-    def compile_steps(self) -> int:
-        """Compile every step shape this engine's scheduler can make (JAX), before the first request
-        waits on one; how many shapes."""
+    def compile_steps(self, on_compiled: Callable[[int, int], None] | None = None) -> int:
+        """Compile every program this engine's steps can run (JAX), before the first request waits on
+        one; how many programs. on_compiled(done, total) after each."""
         self.make_pool()
         return self.port.compile_paged_steps(
-            self.model, self.pool, self.settings.max_step_tokens, self.settings.longest(self.config)
+            self.model, self.pool, self.settings.max_step_tokens, self.settings.longest(self.config), on_compiled
         )
 
     def end_failed_rows(self, step: Step, next_tokens: np.ndarray) -> list[Sequence]:

@@ -409,7 +409,8 @@ def test_bad_request_lines_are_reported_by_number_and_the_rest_parse():
     assert [req.id for req in requests] == ["1", "x"]
     assert [line.line for line in bad] == [2, 4, 5, 6, 8, 9, 10, 11, 12]
     assert "needs --tokenizer" in str(bad[6]) and str(bad[0]).startswith("line 2: not valid JSON")
-    assert str(bad[8]) == "line 12: 'response_format' needs the model's tokenizer (a GGUF file's own, or --tokenizer DIR)"
+    needs = "line 12: 'response_format' needs the model's tokenizer (a GGUF file's own, or --tokenizer DIR)"
+    assert str(bad[8]) == needs
 
 
 @pytest.fixture

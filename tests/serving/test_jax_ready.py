@@ -61,3 +61,21 @@ def test_a_burst_after_ready_compiles_nothing(chat_model):
         running.stop()
     assert len(counts) == 16 and all(count >= 1 for count in counts)
     assert traces == []
+
+
+def test_each_program_is_counted_as_it_compiles():
+    """What serve's progress bar hears: (done, total) after each program, total the count returned.
+    One row and prompts of at most 32 tokens: the decode step, the 16-wide forward with the last
+    position's logits and with every position's, and the row sampling with and without a mask."""
+    from kvports.registry import load_port
+    from kvports.shared.config import ModelConfig
+    from tests.helpers.models import random_weights
+
+    port = load_port("jax")
+    config = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64)
+    model = port.load_model(config, random_weights(config), "float32")
+    pool = port.init_block_pool(model, 12, 4, 1, 8)
+    heard: list[tuple[int, int]] = []
+    total = port.compile_paged_steps(model, pool, 64, 32, lambda done, total: heard.append((done, total)))
+    assert total == 5
+    assert heard == [(done, 5) for done in range(1, 6)]
