@@ -3,6 +3,8 @@ greedy chat answer equals transformers' on the same file, and it names Paris."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 
 import numpy as np
@@ -45,19 +47,49 @@ def prompt(path):
 
 
 @pytest.fixture(scope="module")
-def transformers_answer(path, prompt):
+def parsed_once():
+    """A context for transformers' loads of the file: gguf-py's reader made once per file and its
+    tensor-name map once per (architecture, layers), each a pure function of its arguments. transformers
+    parsed the file's 100,000 strings on each load (its config, its tensors, its tokenizer) and built
+    the map again for every tensor: seconds each. What it reads and computes is unchanged."""
+    gguf = pytest.importorskip("gguf")
+    readers: dict = {}
+    name_maps = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = library_reader(path, *args, **kwargs)
+        return readers[key]
+
+    library_reader = gguf.GGUFReader
+
+    @contextlib.contextmanager
+    def context():
+        # Only around transformers' calls: kvports' own reader subclasses the library's class.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(gguf, "GGUFReader", reader)
+            patch.setattr(gguf, "get_tensor_name_map", name_maps)
+            yield
+
+    return context
+
+
+@pytest.fixture(scope="module")
+def transformers_answer(path, prompt, parsed_once):
     """transformers' greedy answer on the same file, stopping at <|im_end|> as ours does: its tokens
     [1, P + n] and step logits [1, n, V]."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     import torch
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent,
-        gguf_file=path.name,
-        dtype=torch.float32,
-        quantization_config=transformers.GgufConfig(dequantize=True),
-    ).eval()
+    with parsed_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent,
+            gguf_file=path.name,
+            dtype=torch.float32,
+            quantization_config=transformers.GgufConfig(dequantize=True),
+        ).eval()
     with torch.no_grad():
         out = model.generate(
             torch.from_numpy(prompt),
@@ -72,9 +104,10 @@ def transformers_answer(path, prompt):
     return out.sequences.numpy(), torch.stack(out.logits, dim=1).to(torch.float64).numpy()
 
 
-def test_tokenizer_equals_transformers_on_the_real_file(path):
+def test_tokenizer_equals_transformers_on_the_real_file(path, parsed_once):
     transformers = pytest.importorskip("transformers")
-    theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with parsed_once():
+        theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     ours = gguf_tokenizer(path)
     for text in STRINGS:
         assert ours.encode(text).ids == theirs(text)["input_ids"], text

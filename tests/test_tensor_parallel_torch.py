@@ -4,6 +4,7 @@ ends every rank. Slow: each sharded model spawns two interpreters that import to
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import signal
@@ -42,11 +43,46 @@ def load_pair(config, seed: int = 0):
     return one, torch_port.load_model(config, tensors, "float64", tensor_parallel=2)
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_FAMILIES))
-def pair(request):
-    one, two = load_pair(TINY_FAMILIES[request.param])
-    yield one, two
-    two.close()
+CONFIGS = {**TINY_FAMILIES, "mqa": MQA}
+
+
+class Sharded:
+    """The module's sharded models, each loaded once and kept until the module ends: starting two ranks
+    (two interpreters importing torch) and ending them is most of this file's time. A test that ends a
+    model's ranks `take`s one out; a later test asking for that config loads it again."""
+
+    def __init__(self) -> None:
+        self.pairs: dict[str, tuple] = {}
+
+    def pair(self, name: str) -> tuple:
+        """(one process, two ranks) of CONFIGS[name] in float64, its ranks running."""
+        if name not in self.pairs or running(self.pairs[name][1].pids) != self.pairs[name][1].pids:
+            self.pairs[name] = load_pair(CONFIGS[name])
+        return self.pairs[name]
+
+    def take(self):
+        """A sharded model whose ranks run, the caller's to end: one this module started, or a new one."""
+        name = next(iter(self.pairs), "mqa")
+        two = self.pair(name)[1]
+        del self.pairs[name]
+        return two
+
+    def close(self) -> None:
+        # Each close waits for its ranks to shut down (about a second and a half): the waits overlap.
+        with concurrent.futures.ThreadPoolExecutor() as pool:
+            list(pool.map(lambda pair: pair[1].close(), self.pairs.values()))
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    models = Sharded()
+    yield models
+    models.close()
+
+
+@pytest.fixture(params=sorted(TINY_FAMILIES))
+def pair(request, sharded):
+    return sharded.pair(request.param)
 
 
 @pytest.mark.parametrize("sampling", sorted(GENERATIONS))
@@ -91,25 +127,22 @@ def test_two_ranks_stream_each_token_as_it_is_made(pair):
     assert len(streamed) == GENERATIONS["sampled"].max_new_tokens or (tokens[:, -1] == -1).all()
 
 
-def test_more_ranks_than_key_value_heads_replicate_them():
+def test_more_ranks_than_key_value_heads_replicate_them(sharded):
     torch_port = port_or_skip("torch")
-    one, two = load_pair(MQA)
-    try:
-        assert "key/value heads replicated" in two.layout
-        # Naive too, briefly: each step's new width costs DTensor a new sharding decision per product.
-        for mode, steps in (("cached", 12), ("naive", 4)):
-            expected, expected_logits = torch_port.generate(one, PROMPTS, steps, mode, return_logits=True)
-            tokens, logits = torch_port.generate(two, PROMPTS, steps, mode, return_logits=True)
-            np.testing.assert_array_equal(tokens, expected)
-            np.testing.assert_allclose(logits, expected_logits, rtol=0, atol=LOGITS_ATOL)
-    finally:
-        two.close()
+    one, two = sharded.pair("mqa")
+    assert "key/value heads replicated" in two.layout
+    # Naive too, briefly: each step's new width costs DTensor a new sharding decision per product.
+    for mode, steps in (("cached", 12), ("naive", 4)):
+        expected, expected_logits = torch_port.generate(one, PROMPTS, steps, mode, return_logits=True)
+        tokens, logits = torch_port.generate(two, PROMPTS, steps, mode, return_logits=True)
+        np.testing.assert_array_equal(tokens, expected)
+        np.testing.assert_allclose(logits, expected_logits, rtol=0, atol=LOGITS_ATOL)
 
 
-def test_a_rank_killed_mid_run_ends_every_rank_with_its_one_line_message():
+def test_a_rank_killed_mid_run_ends_every_rank_with_its_one_line_message(sharded):
     """A UserError: the command line prints it as its one `error:` line, not a traceback."""
     torch_port = port_or_skip("torch")
-    two = torch_port.load_model(MQA, random_weights(MQA), "float64", tensor_parallel=2)
+    two = sharded.take()
     pids = two.pids
 
     def kill_rank_1(token):
@@ -121,18 +154,18 @@ def test_a_rank_killed_mid_run_ends_every_rank_with_its_one_line_message():
     assert running(pids) == []
 
 
-def test_a_rank_that_raises_ends_every_rank_with_its_message():
+def test_a_rank_that_raises_ends_every_rank_with_its_message(sharded):
     torch_port = port_or_skip("torch")
-    two = torch_port.load_model(MQA, random_weights(MQA), "float64", tensor_parallel=2)
-    out_of_vocabulary = np.full((1, 3), MQA.vocab_size, dtype=np.int64)  # the embedding's IndexError, on each rank
+    two = sharded.take()
+    out_of_vocabulary = np.full((1, 3), two.config.vocab_size, dtype=np.int64)  # the embedding's IndexError, each rank
     with pytest.raises(UserError, match=r"^tensor-parallel rank \d of 2 failed: IndexError: index out of range"):
         torch_port.generate(two, out_of_vocabulary, 4, "cached")
     assert running(two.pids) == []
 
 
-def test_closing_ends_every_rank():
+def test_closing_ends_every_rank(sharded):
     torch_port = port_or_skip("torch")
-    two = torch_port.load_model(MQA, random_weights(MQA), "float64", tensor_parallel=2)
+    two = sharded.take()
     two.close()
     assert running(two.pids) == []
     with pytest.raises(RuntimeError, match="ranks have ended"):

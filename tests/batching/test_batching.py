@@ -119,9 +119,9 @@ def test_requests_arriving_while_others_run_get_their_tokens_alone(port, weights
 
 def test_requests_stopping_at_different_steps_get_their_tokens_alone(port, weights):
     model = port.load_model(CONFIG, weights, "float64")
-    requests = []
-    for index, req in enumerate(ragged_requests()[:4]):
-        alone, _ = port.generate(model, np.asarray([req.prompt]), req.generation, "cached")
+    requests, ragged = [], ragged_requests()
+    for index, req in enumerate(ragged[:4]):
+        alone, _ = generate_alone(port, model, req, ragged)  # the shape every float64 alone run here has
         stop = int(alone[0, len(req.prompt) + index])  # the alone run's token at step `index` ends this one
         requests.append(request(req.id, req.prompt, 20, stop_ids=(stop,)))
     _, finished = run_engine(port, model, requests)
@@ -457,8 +457,9 @@ def test_batch_cli_gives_each_request_its_tokens_alone(tmp_path, capsys, weights
     assert code == 0
     lines = {line["id"]: line for line in map(json.loads, out.splitlines()[:-1])}
     model = port.load_model(CONFIG, weights, "float64")
-    for req in ragged_requests():
-        alone, _ = port.generate(model, np.asarray([req.prompt]), req.generation, "cached")
+    requests = ragged_requests()
+    for req in requests:
+        alone, _ = generate_alone(port, model, req, requests)  # [1, P + N]
         assert lines[req.id]["tokens"] == alone[0, len(req.prompt) :].tolist()
         assert lines[req.id]["finish_reason"] == "length"
 

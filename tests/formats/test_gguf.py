@@ -204,6 +204,19 @@ def test_metadata_array_longer_than_its_bound_is_refused(files, monkeypatch):
     gguf_reader.cached_reader.cache_clear()
 
 
+def test_every_metadata_field_reads_as_the_gguf_librarys_reader_reads_it(files):
+    """The reader's own loop over string arrays (the tokenizer's) gives the library's values."""
+    gguf = pytest.importorskip("gguf")
+    path = files["F16"]
+    ours, theirs = gguf_reader.bounded_reader(path, path.stat().st_size), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    strings = [key for key, field in theirs.fields.items() if field.types[-1] == gguf.GGUFValueType.STRING]
+    assert "tokenizer.ggml.tokens" in strings and "tokenizer.ggml.merges" in strings
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].types == field.types, key
+        assert np.array_equal(np.asarray(ours.fields[key].contents()), np.asarray(field.contents())), key
+
+
 # --- convert, and the flags' own refusals ---------------------------------------------------------
 
 
