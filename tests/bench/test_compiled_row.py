@@ -50,3 +50,29 @@ def test_every_forward_of_the_compiled_rows_loop_gets_the_tensor_length_cache(mo
     monkeypatch.setattr(model, "forward", records)
     generate_compiled(model, torch.from_numpy(np.asarray(PROMPTS)), GenerationConfig(max_new_tokens=4))
     assert seen == [CompiledKVCache] * 4  # the prompt's forward, then one a step for the 3 tokens after the first
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dynamo_traces_a_loaded_rope_models_forward_whole_and_keeps_its_tokens(threads):
+    """The port's own loaded model (its Linear through fast/onednn.py and fast/cores.py) with RoPE, as
+    the bench's compiled row runs it, traced by dynamo in one graph (fullgraph: a graph break raises),
+    at 1 and 2 threads. A break there once failed the row: cores.py asked torch.get_num_threads() before
+    seeing it was compiling, and the graph resumed after the break failed its own guard on the RoPE
+    frequencies under inference mode. The eager backend keeps the test quick: the break is dynamo's."""
+    from kvports.torch_impl import port
+
+    config = ModelConfig(**{**CONFIG.__dict__, "positions": "rope"})
+    model = port.load_model(config, random_weights(config, seed=4), "float32")
+    prompt = torch.from_numpy(np.asarray(PROMPTS))
+    generation = GenerationConfig(max_new_tokens=5)
+    eager, _ = generate_cached(model, prompt, generation)
+    threads_before = torch.get_num_threads()
+    torch._dynamo.reset()
+    try:
+        torch.set_num_threads(threads)
+        model.compile(backend="eager", fullgraph=True)
+        tokens, _ = generate_compiled(model, prompt, generation)
+    finally:
+        torch.set_num_threads(threads_before)
+        torch._dynamo.reset()
+    assert torch.equal(tokens, eager)

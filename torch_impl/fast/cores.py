@@ -69,11 +69,13 @@ def pieces(weight: torch.Tensor, threads: int) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear: x [..., in], weight [out, in] -> [..., out], a one-row product's output rows split
     across torch's threads."""
+    # Asked first: under torch.compile, torch.get_num_threads() (split_threads) would break the graph.
+    if torch.compiler.is_compiling() or torch.is_grad_enabled():
+        return F.linear(x, weight, bias)  # [..., out]
     threads = split_threads()
     small = weight.numel() * weight.element_size() < MIN_SPLIT_BYTES
     plain = threads == 1 or small or bias is not None or not x.is_cpu or x.dtype not in SPLIT_DTYPES
-    plain = plain or x.numel() > MAX_ROWS * x.shape[-1] or torch.is_grad_enabled() or torch.compiler.is_compiling()
-    split = None if plain else pieces(weight, threads)
+    split = None if plain or x.numel() > MAX_ROWS * x.shape[-1] else pieces(weight, threads)
     if split is None:
         return F.linear(x, weight, bias)  # [..., out]
     inputs = x.reshape(1, 1, -1).expand(threads, 1, x.shape[-1])  # [P, 1, in]: one row, every piece's
