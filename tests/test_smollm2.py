@@ -79,17 +79,14 @@ def parsed_once():
 def transformers_answer(path, prompt, parsed_once):
     """transformers' greedy answer on the same file, stopping at <|im_end|> as ours does: its tokens
     [1, P + n] and step logits [1, n, V]."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     import torch
 
+    from kvports.baselines.hf_transformers import load_gguf
+
     with parsed_once():
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent,
-            gguf_file=path.name,
-            dtype=torch.float32,
-            quantization_config=transformers.GgufConfig(dequantize=True),
-        ).eval()
+        model = load_gguf(path)
     with torch.no_grad():
         out = model.generate(
             torch.from_numpy(prompt),

@@ -17,13 +17,10 @@ def answer(path: Path, question: str, new_tokens: int) -> tuple[list[int], str]:
     import torch
     import transformers
 
+    from kvports.baselines.hf_transformers import load_gguf
+
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent,
-        gguf_file=path.name,
-        dtype=torch.float32,
-        quantization_config=transformers.GgufConfig(dequantize=True),
-    ).eval()
+    model = load_gguf(path)
     messages = [{"role": "user", "content": question}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])  # [1, P]

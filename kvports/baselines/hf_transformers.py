@@ -6,6 +6,7 @@ Llama, MistralForCausalLM for Mistral. The mappings are `kvports convert`'s, inv
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -111,6 +112,18 @@ def generate(
             streamer=streamer,
         )  # [B, P + N]
     return tokens.cpu().numpy(), None
+
+
+def load_gguf(path: Path) -> Any:
+    """transformers' own model of a GGUF file (its reader, its conversion, its class), dequantized to
+    float32 (GgufConfig(dequantize=True): without it, it multiplies the packed blocks in float32
+    whatever dtype is asked): the referee tests/test_smollm2.py and tools/transformers_answer.py read."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent,
+        gguf_file=path.name,
+        dtype=torch.float32,
+        quantization_config=transformers.GgufConfig(dequantize=True),
+    ).eval()
 
 
 def synchronize(model: Any) -> None:
