@@ -30,19 +30,33 @@ def filter_logits(logits: jax.Array, top_k: Union[int, jax.Array], top_p: Union[
     exactly as the same values given one row at a time (traced: one program for any values)."""
     V = logits.shape[-1]
     if isinstance(top_k, jax.Array):  # lax.top_k takes one static k: one sort serves every row's
-        kth = jnp.take_along_axis(jnp.sort(logits, axis=-1, descending=True), jnp.clip(top_k - 1, 0, V - 1), axis=-1)
-        logits = jnp.where((0 < top_k) & (top_k < V) & (logits < kth), -jnp.inf, logits)  # [B, V]
+        filtering = (0 < top_k) & (top_k < V)  # [B, 1]: a row with k 0 (or V) keeps every token
+
+        def keep_top_k(logits: jax.Array) -> jax.Array:
+            descending = jnp.sort(logits, axis=-1, descending=True)  # [B, V]
+            kth = jnp.take_along_axis(descending, jnp.clip(top_k - 1, 0, V - 1), axis=-1)  # [B, 1]
+            return jnp.where(filtering & (logits < kth), -jnp.inf, logits)  # [B, V]
+
+        # A step where no row filters skips the sort: a traced condition (torch and NumPy look at the host)
+        logits = lax.cond(jnp.any(filtering), keep_top_k, lambda logits: logits, logits)
     elif 0 < top_k < V:
         kth = lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)  # [B, V]; ties with the k-th stay
-    # Per row, top_p 1 removes only what has probability 0 already: the same probabilities
-    if isinstance(top_p, jax.Array) or top_p < 1.0:
+
+    def nucleus(logits: jax.Array) -> jax.Array:
         order = jnp.argsort(logits, axis=-1, stable=True)  # [B, V], ascending
         ascending = jnp.take_along_axis(logits, order, axis=-1)  # [B, V]
         remove = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1) <= 1 - top_p  # [B, V], in ascending order
         remove = remove.at[:, -1].set(False)
         in_vocab_order = jnp.zeros_like(remove).at[jnp.arange(logits.shape[0])[:, None], order].set(remove)  # [B, V]
-        logits = jnp.where(in_vocab_order, -jnp.inf, logits)  # [B, V]
+        return jnp.where(in_vocab_order, -jnp.inf, logits)  # [B, V]
+
+    # Per row, top_p 1 removes only what has probability 0 already: the same probabilities, so a
+    # step where every row has it skips the sort
+    if isinstance(top_p, jax.Array):
+        logits = lax.cond(jnp.any(top_p < 1.0), nucleus, lambda logits: logits, logits)
+    elif top_p < 1.0:
+        logits = nucleus(logits)
     return logits
 
 

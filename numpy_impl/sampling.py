@@ -29,13 +29,16 @@ def filter_logits(logits: np.ndarray, top_k: Union[int, np.ndarray], top_p: Unio
     exactly as the same values given one row at a time."""
     V = logits.shape[-1]
     if isinstance(top_k, np.ndarray):
-        kth = np.take_along_axis(-np.sort(-logits, axis=-1), np.clip(top_k - 1, 0, V - 1), axis=-1)  # [B, 1]
-        logits = np.where((0 < top_k) & (top_k < V) & (logits < kth), -np.inf, logits)  # [B, V]
+        filtering = (0 < top_k) & (top_k < V)  # [B, 1]: a row with k 0 (or V) keeps every token
+        if filtering.any():  # a step where no row filters skips the sort (JAX: lax.cond)
+            kth = np.take_along_axis(-np.sort(-logits, axis=-1), np.clip(top_k - 1, 0, V - 1), axis=-1)  # [B, 1]
+            logits = np.where(filtering & (logits < kth), -np.inf, logits)  # [B, V]
     elif 0 < top_k < V:
         kth = -np.partition(-logits, top_k - 1, axis=-1)[:, top_k - 1 : top_k]  # [B, 1]
         logits = np.where(logits < kth, -np.inf, logits)  # [B, V]; ties with the k-th stay
-    # Per row, top_p 1 removes only what has probability 0 already: the same probabilities
-    if isinstance(top_p, np.ndarray) or top_p < 1.0:
+    # Per row, top_p 1 removes only what has probability 0 already: the same probabilities, so a
+    # step where every row has it skips the sort
+    if bool((top_p < 1.0).any()) if isinstance(top_p, np.ndarray) else top_p < 1.0:
         order = np.argsort(logits, axis=-1, kind="stable")  # [B, V], ascending
         ascending = np.take_along_axis(logits, order, axis=-1)  # [B, V]
         remove = F.softmax(ascending, axis=-1).cumsum(axis=-1) <= 1 - top_p  # [B, V], in ascending order

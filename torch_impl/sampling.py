@@ -30,13 +30,16 @@ def filter_logits(
     exactly as the same values given one row at a time."""
     V = logits.shape[-1]
     if isinstance(top_k, torch.Tensor):
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).clamp(0, V - 1))  # [B, 1]
-        logits = logits.masked_fill((0 < top_k) & (top_k < V) & (logits < kth), float("-inf"))  # [B, V]
+        filtering = (0 < top_k) & (top_k < V)  # [B, 1]: a row with k 0 (or V) keeps every token
+        if bool(filtering.any()):  # a step where no row filters skips the sort (JAX: lax.cond)
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).clamp(0, V - 1))  # [B, 1]
+            logits = logits.masked_fill(filtering & (logits < kth), float("-inf"))  # [B, V]
     elif 0 < top_k < V:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))  # [B, V]; ties with the k-th stay
-    # Per row, top_p 1 removes only what has probability 0 already: the same probabilities
-    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
+    # Per row, top_p 1 removes only what has probability 0 already: the same probabilities, so a
+    # step where every row has it skips the sort
+    if bool((top_p < 1.0).any()) if isinstance(top_p, torch.Tensor) else top_p < 1.0:
         ascending, order = logits.sort(dim=-1, stable=True)  # [B, V] each
         remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p  # [B, V], in ascending order
         remove[:, -1] = False
