@@ -27,7 +27,7 @@ import numpy as np
 
 from kvports.jax_impl.model import TinyModel, attention_mask, token_positions
 from kvports.jax_impl.sampling import sample_rows
-from kvports.jax_impl.split import Static, merge_model, split_model
+from kvports.jax_impl.split import Static, merge_model, split_once
 from kvports.shared.generation import PAD, RowSampling
 
 
@@ -37,8 +37,9 @@ class BlockPool:
     # Every running sequence's keys and values, in blocks; a new pool comes back from each step.
     keys: jax.Array  # [L, NB, bs, Hkv, Dh]
     values: jax.Array  # [L, NB, bs, Hkv, Dh]
-    # The step's fixed shapes: every step runs max_batch rows (decode) or a bucket of them (prefill,
-    # in chunks of a few fixed widths), each over max_blocks blocks, so a few compiled programs serve every step.
+    # The step's largest shapes: a step runs a rung of rows up to max_batch (decode: 1, 4, 16, ...;
+    # prefill: a bucket, in chunks of a few fixed widths) over a rung of blocks a row up to max_blocks
+    # (prefill: max_blocks), so a few compiled programs serve every step.
     max_batch: int = dataclasses.field(metadata=dict(static=True))
     max_blocks: int = dataclasses.field(metadata=dict(static=True))
 
@@ -140,8 +141,7 @@ def paged_step(
     one), and the step's logits [B, V] (or [B, T, V], joined on the host, or None).
     JAX only: the chunks. Each is one compiled forward of a fixed width, so a few programs serve
     every prompt length and all of them compile before a server is ready (compile_paged_steps)."""
-    model.eval()
-    static, leaves = split_model(model)
+    static, leaves = split_once(model)  # split the first time this model is stepped: every step runs it
     pieces = []
     for chunk, chunk_start in zip(tokens, start, strict=True):
         # Each chunk writes its keys and values before the next reads them: a prompt's later chunks
@@ -193,15 +193,17 @@ def static_shapes(
     sampling: RowSampling,
     every_position: bool = False,
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, RowSampling]:
-    """A step's NumPy inputs padded to compiled shapes: decode steps (T = 1) to max_batch rows, so
-    one program serves every decode step; prefill steps to the next size in 1, 2, 3, 4, 6, 8, 12, ...
-    rows (powers of two and their halfway points), and their [B, T] block, padded on the left to a
-    multiple of the narrowest chunk width, cut into chunks of CHUNK_WIDTHS (step_shape): each
-    chunk's tokens [rows, w] and each row's tokens in the pool before it [rows]. Block tables to
-    max_blocks. Padding rows are all PAD and greedy: nothing of theirs is written, and their tokens
-    are dropped."""
+    """A step's NumPy inputs padded to compiled shapes: decode steps (T = 1) to the next of a few
+    row counts and blocks a row (decode_sizes: 1, 4, 16, ... rows up to max_batch; 8, 32, 128, ...
+    blocks up to max_blocks), so a handful of programs serve every decode step; prefill steps to the
+    next size in 1, 2, 3, 4, 6, 8, 12, ... rows (powers of two and their halfway points), and their
+    [B, T] block, padded on the left to a multiple of the narrowest chunk width, cut into chunks of
+    CHUNK_WIDTHS (step_shape): each chunk's tokens [rows, w] and each row's tokens in the pool before
+    it [rows], their block tables to max_blocks. Padding rows are all PAD and greedy: nothing of
+    theirs is written, and their tokens are dropped."""
     B, T = tokens.shape
     rows, widths = step_shape(max_batch, B, T, every_position)
+    blocks = step_blocks(max_blocks, block_tables.shape[1], T, every_position)
     width = sum(widths)
     tokens = np.pad(tokens, ((0, rows - B), (width - T, 0)), constant_values=PAD)  # [rows, width]: more left padding
     start = np.pad(start, (0, rows - B))  # [rows]
@@ -209,7 +211,7 @@ def static_shapes(
     before = np.concatenate([np.zeros((rows, 1), np.int64), np.cumsum(tokens != PAD, axis=1)], axis=1)
     edges = np.cumsum((0, *widths))  # [chunks + 1]: each chunk's first column, and the block's end
     chunks = [(tokens[:, edges[i] : edges[i + 1]], start + before[:, edges[i]]) for i in range(len(widths))]
-    block_tables = np.pad(block_tables, ((0, rows - B), (0, max_blocks - block_tables.shape[1])), constant_values=-1)
+    block_tables = np.pad(block_tables, ((0, rows - B), (0, blocks - block_tables.shape[1])), constant_values=-1)
     sampling = RowSampling(
         np.pad(sampling.temperature, (0, rows - B)),  # [rows]
         np.pad(sampling.top_k, (0, rows - B)),
@@ -234,7 +236,7 @@ def step_shape(max_batch: int, B: int, T: int, every_position: bool = False) -> 
     chunks first from the right. A step of one token a row runs as a decode step, unless every
     position's logits are asked for."""
     if T == 1 and not every_position:
-        return max_batch, (1,)
+        return _rung(B, decode_sizes(max_batch, 1)), (1,)
     narrowest = CHUNK_WIDTHS[0]
     left = -(-T // narrowest) * narrowest  # columns still to cut, from the right
     widths: list[int] = []
@@ -242,6 +244,37 @@ def step_shape(max_batch: int, B: int, T: int, every_position: bool = False) -> 
         widths += [width] * (left // width)
         left %= width
     return min(max_batch, _bucket(B)), tuple(reversed(widths))
+
+
+# A decode step reads every weight once whatever its rows, then gathers each row's blocks and
+# attends over them: at SmolLM2's serve defaults (16 rows of 64 blocks of 16 slots) one step took
+# 235 ms, 69 ms over 8 blocks a row and 26 ms for one row over 8 (docs/SERVING.md). So a decode step
+# runs in the fewest rows, and blocks a row, of a ladder that grows 4x a rung: a few programs, none
+# more than 4x the work the step needs.
+DECODE_RUNG = 4
+DECODE_MIN_BLOCKS = 8  # the fewest blocks a row a decode step reads: 128 slots at the default block size, 16
+
+
+def step_blocks(max_blocks: int, M: int, T: int, every_position: bool = False) -> int:
+    """The blocks a row a step of T tokens a row runs over, its longest row having M: a decode
+    step's rung of decode_sizes; a prefill chunk's, every row's max_blocks."""
+    if T == 1 and not every_position:
+        return _rung(M, decode_sizes(max_blocks, DECODE_MIN_BLOCKS))
+    return max_blocks
+
+
+def decode_sizes(largest: int, smallest: int) -> list[int]:
+    """The rungs of a decode step's rows (or blocks a row): smallest, DECODE_RUNG times that, ...,
+    up to largest, which is always the last."""
+    sizes = [smallest]
+    while sizes[-1] * DECODE_RUNG < largest:
+        sizes.append(sizes[-1] * DECODE_RUNG)
+    return [size for size in sizes if size < largest] + [largest]
+
+
+def _rung(n: int, sizes: list[int]) -> int:
+    """The smallest of sizes (ascending, the last the largest there is) at least n."""
+    return next((size for size in sizes if size >= n), sizes[-1])
 
 
 def _bucket(n: int) -> int:

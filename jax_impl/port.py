@@ -344,14 +344,14 @@ def compile_paged_steps(
     on_compiled: Callable[[int, int], None] | None = None,
 ) -> int:
     """Compile, before a server says it is ready, every program a paged step can need: the forward of
-    each (rows, chunk width) static_shapes can run a step in, for steps of B rows of T tokens the
+    each (rows, chunk width, blocks a row) static_shapes can run a step in, for steps of B rows of T tokens the
     scheduler can make (B * T within max_step_tokens, or one prompt up to `longest`), with the last
     position's logits and with every position's (a prompt's own log-probabilities); and the row
     sampling of each row count, with and without a mask of allowed tokens (a response format).
     Compiled ahead of time (lowered from a step's own kind of arrays, not run); a later step of the
     same shape finds the program. How many programs it compiled: a fixed few for any `longest`;
     on_compiled(done, total) after each (a progress bar's: SmolLM2's take ~10 s each on a CPU)."""
-    forwards: set[tuple[int, int, bool]] = set()
+    forwards: set[tuple[int, int, int, bool]] = set()
     row_counts: set[int] = set()
     for every_position in (False, True):
         for B in range(1, pool.max_batch + 1):
@@ -359,7 +359,10 @@ def compile_paged_steps(
                 if B > 1 and B * T > max_step_tokens:
                     break
                 rows, widths = paged.step_shape(pool.max_batch, B, T, every_position)
-                forwards.update((rows, width, every_position) for width in widths)
+                # A decode step's blocks a row follow its longest row: every rung; a prefill's, max_blocks.
+                decode = T == 1 and not every_position
+                rungs = paged.decode_sizes(pool.max_blocks, paged.DECODE_MIN_BLOCKS) if decode else [pool.max_blocks]
+                forwards.update((rows, width, blocks, every_position) for width in widths for blocks in rungs)
                 row_counts.add(rows)
     on_device = _on_device(model)
     vocabulary = None
@@ -373,12 +376,12 @@ def compile_paged_steps(
 
     # Widest first: in the other order the first two one-row shapes were traced again when a step
     # first ran them (seen, cause not found); in this one no shape was.
-    for rows, width, every_position in sorted(forwards, reverse=True):
+    for rows, width, blocks, every_position in sorted(forwards, reverse=True):
         tokens = on_device(np.zeros((rows, width), dtype=np.int64))  # [rows, width]
         start = on_device(np.zeros(rows, dtype=np.int64))  # [rows]
-        block_tables = on_device(np.zeros((rows, pool.max_blocks), dtype=np.int64))  # [rows, M]
+        block_tables = on_device(np.zeros((rows, blocks), dtype=np.int64))  # [rows, M]
         lowered = paged._paged_forward.lower(
-            *paged.split_model(model), pool, tokens, start, block_tables, every_position
+            *paged.split_once(model), pool, tokens, start, block_tables, every_position
         )
         lowered.compile()
         compiled()

@@ -1,7 +1,8 @@
 """A model as jit takes it: a static description and a flat list of arrays.
 
 JAX only: jit over the model's split state, not the module, because flattening an nnx module
-on every call costs more than a decode step. The split happens once per generation; the
+on every call costs more than a decode step. The split happens once per generation (once per
+model for the batching engine's steps: split_once); the
 graphdef and the state's tree structure are static (models of one config share them, and with
 them every compiled program), the state's arrays a flat list that jit takes at C++ speed.
 generate.py, speculative.py and paged.py jit their loops and steps over it.
@@ -9,6 +10,7 @@ generate.py, speculative.py and paged.py jit their loops and steps over it.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
@@ -41,6 +43,20 @@ def split_model(model: nnx.Module) -> tuple[Static, list[jax.Array]]:
     leaves, treedef = jax.tree.flatten(state)
     static = Static(graphdef, treedef)
     return _INTERNED.setdefault(static, static), leaves
+
+
+# Each stepped model's split, for the model's life (paged.py): a batching engine steps one loaded
+# model many times, and flattening SmolLM2's 30 layers with eval() took ~35 ms a step on a CPU,
+# more than the step's own program. A loaded model's arrays never change after its load.
+_STEPPED: weakref.WeakKeyDictionary[nnx.Module, tuple[Static, list[jax.Array]]] = weakref.WeakKeyDictionary()
+
+
+def split_once(model: nnx.Module) -> tuple[Static, list[jax.Array]]:
+    """split_model of a model in eval mode (set here, the first time), kept for the model's life."""
+    if model not in _STEPPED:
+        model.eval()  # pitfall 3: dropout off
+        _STEPPED[model] = split_model(model)
+    return _STEPPED[model]
 
 
 def merge_model(static: Static, leaves: list[jax.Array]) -> Any:

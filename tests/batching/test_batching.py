@@ -588,25 +588,75 @@ def test_batch_bench_runs_both_workloads_and_both_ways_agree(capsys):
 # ---------------------------------------------------------------- JAX: static shapes
 
 
-def test_one_compiled_program_serves_every_decode_step(weights):
+def test_each_decode_shape_compiles_once_and_a_few_serve_every_decode_step(weights, monkeypatch):
+    """A decode step runs in a rung of rows and of blocks a row (jax_impl/paged.py's decode_sizes):
+    4 rows that finish one by one over 12 blocks take rows 4 then 1 and blocks 8 then 12, each
+    shape traced at its first step only."""
     jax_port = port_or_skip("jax")
+    from kvports.jax_impl import paged
     from tests.helpers.compiles import counting_traces
 
     jax_port.clear_compiled()
     model = jax_port.load_model(CONFIG, weights, "float32")
     engine = Engine(jax_port, model, CONFIG, SETTINGS)
-    for req in ragged_requests()[:4]:  # 4 rows: max_batch; they finish at different steps
+    # 4 rows (max_batch) that finish at different steps; the first grows past 8 blocks, the last ends alone
+    longer = request("long", range(30), 16)
+    for req in [longer, *ragged_requests()[1:4]]:
         engine.add(req)
-    traces, decode_traces = [], []
+    shapes: list[tuple[int, int]] = []  # each step's [B, T] and [B, M], as the engine passes them
+    stepping = jax_port.paged_step
+
+    def recording(model, pool, tokens, start, block_tables, *args, **kwargs):
+        shapes.append((tokens.shape, block_tables.shape))
+        return stepping(model, pool, tokens, start, block_tables, *args, **kwargs)
+
+    monkeypatch.setattr(jax_port, "paged_step", recording)
+    traced_at: dict[tuple[int, int], list[int]] = {}  # each decode program's (rows, blocks): its steps' traces
     while not engine.idle:
-        decodes = engine.stats.steps["decode"]
         with counting_traces() as step_traces:
             engine.step()
-        traces.append(len(step_traces))
-        if engine.stats.steps["decode"] > decodes:
-            decode_traces.append(len(step_traces))
-    assert sum(traces) > 0 and len(decode_traces) > 10  # the counter sees compiles...
-    assert decode_traces[1:] == [0] * (len(decode_traces) - 1)  # ...and none after the first decode step
+        (B, T), (_, M) = shapes[-1]
+        if T == 1:
+            rows = paged.step_shape(SETTINGS.max_batch, B, T)[0]
+            traced_at.setdefault((rows, paged.step_blocks(engine.pool.max_blocks, M, T)), []).append(len(step_traces))
+    assert {rows for rows, _ in traced_at} == {1, 4} and {blocks for _, blocks in traced_at} == {8, 12}, traced_at
+    for shape, traces in traced_at.items():
+        assert traces[0] > 0 and traces[1:] == [0] * (len(traces) - 1), (shape, traces)
+
+
+@pytest.mark.parametrize(
+    ("B", "M", "rows", "blocks"),
+    [(1, 1, 1, 8), (2, 8, 4, 8), (4, 9, 4, 32), (5, 32, 16, 32), (6, 33, 16, 64), (16, 64, 16, 64)],
+)
+def test_a_decode_step_runs_in_the_least_rungs_of_rows_and_blocks_that_hold_it(B, M, rows, blocks):
+    """16 rows of 64 blocks at most: rows 1, 4, 16; blocks a row 8, 32, 64 (the largest always a rung)."""
+    port_or_skip("jax")
+    from kvports.jax_impl import paged
+
+    assert paged.step_shape(16, B, 1) == (rows, (1,))
+    assert paged.step_blocks(64, M, 1) == blocks
+
+
+@pytest.mark.parametrize(("T", "every_position"), [(1, True), (2, False), (40, False)])
+def test_a_prefill_step_runs_over_every_block_a_row_may_have(T, every_position):
+    port_or_skip("jax")
+    from kvports.jax_impl import paged
+
+    assert paged.step_blocks(64, 3, T, every_position) == 64
+
+
+def test_an_engine_flattens_its_model_once_for_every_step(weights, monkeypatch):
+    """Flattening an nnx model (and eval()) cost ~35 ms a step on SmolLM2, more than its step's program."""
+    jax_port = port_or_skip("jax")
+    from kvports.jax_impl import split
+
+    flattened = []
+    splitting = split.split_model
+    monkeypatch.setattr(split, "split_model", lambda model: flattened.append(model) or splitting(model))
+    model = jax_port.load_model(CONFIG, weights, "float32")
+    engine, finished = run_engine(jax_port, model, ragged_requests()[:3])
+    assert engine.stats.steps["decode"] > 5 and len(finished) == 3
+    assert flattened == [model]
 
 
 def test_a_step_donates_the_block_pool(weights):

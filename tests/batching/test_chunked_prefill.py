@@ -57,7 +57,7 @@ def test_a_prefill_in_chunks_gives_the_tokens_and_logprobs_of_one_call(monkeypat
 @pytest.mark.parametrize(
     ("T", "every_position", "shape"),
     [
-        (1, False, (16, (1,))),  # one token a row: the decode program, at max_batch rows
+        (1, False, (16, (1,))),  # one token a row: a decode program, at the rung of rows above 5
         (1, True, (6, (16,))),
         (3, False, (6, (16,))),
         (16, False, (6, (16,))),

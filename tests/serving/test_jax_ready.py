@@ -1,9 +1,10 @@
 """A JAX server compiles nothing once it says it is ready, by default: every program a step can
-run (the decode step, each chunk width of a prefill at each row count, with every position's
-logits or the last one's, and the row sampling with and without a response format's mask) was
-compiled before (serve's warm-up, `compile_paged_steps`). A burst of 16 concurrent requests, prompts
-shorter and longer than a chunk, greedy and sampled, one echoing its prompt's log-probabilities and
-one constrained to JSON, traces no program."""
+run (the decode step at each rung of rows and blocks a row, each chunk width of a prefill at each
+row count, with every position's logits or the last one's, and the row sampling with and without a
+response format's mask) was compiled before (serve's warm-up, `compile_paged_steps`). A burst of 16
+concurrent requests, prompts shorter and longer than a chunk (over up to 11 blocks of 4: both rungs
+of blocks), greedy and sampled, one echoing its prompt's log-probabilities and one constrained to
+JSON, traces no program."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ LENGTHS = (1, 3, 7, 12, 20, 5, 9, 2, 30, 17, 40, 25, 14)
 
 def test_a_burst_after_ready_compiles_nothing(chat_model):
     running = start_server(
-        "--framework", "jax", "--weights", chat_model, "--max-batch", "4", "--max-length", "64", "--block-size", "8"
+        "--framework", "jax", "--weights", chat_model, "--max-batch", "4", "--max-length", "64", "--block-size", "4"
     )
 
     async def burst() -> list[int]:
