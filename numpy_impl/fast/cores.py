@@ -38,7 +38,10 @@ won only on a machine oversubscribed several times over, where OpenBLAS's thread
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +51,8 @@ MIN_SPLIT_BYTES = 1 << 21  # smaller weights: a handoff (~10-20 us) costs more t
 ROW_ALIGN = 64  # pieces of a product of at most BLOCK_ROWS rows: multiples of 64, in a multiple of 64
 BLOCK_ROWS = 4096  # OpenBLAS's one-row block: a longer product is cut at multiples of it
 SMALL_GEMM = 100**3  # OpenBLAS's small-matrix kernel takes a many-row product of at most M N K this
-MIN_SPLIT_QUERIES = 16  # fewer query rows (a decode step's one): attention runs unsplit
+MIN_SPLIT_QUERIES = 16  # fewer query rows (a decode step's one): attention runs as the lesson's
+QUERY_BLOCK = 64  # a prompt's queries a softmax block: its keys end at its last query's
 PLAIN_LINEAR = functional.linear  # the lesson's own, put back when the count returns to 1
 PLAIN_ATTENTION = functional.scaled_dot_product_attention
 
@@ -89,6 +93,25 @@ class RowSplit:
             y += bias
         return y.reshape(*x.shape[:-1], rows)  # [..., out]
 
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class PromptAttention:
+    """functional.scaled_dot_product_attention for a prompt's many queries, exactly as the lesson's: the
+    same two products (scores, then the weighted sum of the values), and the softmax between them on
+    the rows that need it. A causal prompt's query block [a, z) sees no key past its last query's, so
+    its softmax runs over the keys before that end and the rest of its rows are set to the zeros the
+    masked keys' exp gives; each row is then summed whole (NumPy sums a row pairwise, its grouping set
+    by the row's length), so every probability equals the lesson's bit for bit. The blocks' softmax
+    runs on `threads` threads at once (NumPy's ufuncs release the GIL), the caller's thread taking the
+    first share, a pool of threads - 1 the rest; the products stay OpenBLAS's, with its own threads:
+    cut into blocks they would sum some rows in another order (its edge kernels)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvports-numpy") if threads > 1 else None
+
     def attention(
         self,
         query: np.ndarray,
@@ -98,50 +121,91 @@ class RowSplit:
         enable_gqa: bool = False,
         scale: float | None = None,
     ) -> np.ndarray:
-        """functional.scaled_dot_product_attention with its key/value heads split across the threads:
-        query [B, H, T, Dh] over key and value [B, Hkv, S, Dh] -> [B, H, T, Dh]."""
+        """query [B, H, T, Dh] over key and value [B, Hkv, S, Dh] -> [B, H, T, Dh]; attn_mask [B, 1, T, S]."""
         B, H, T, Dh = query.shape
-        Hkv = key.shape[1]
-        if T < MIN_SPLIT_QUERIES or Hkv < 2 or H % Hkv:
+        Hkv, S = key.shape[1], key.shape[2]
+        if T < MIN_SPLIT_QUERIES or attn_mask is None or attn_mask.shape[1] != 1 or H % Hkv:
             return PLAIN_ATTENTION(query, key, value, attn_mask, enable_gqa, scale)
-        G = H // Hkv  # query heads per key/value head: a group's rows stay together
-        step = -(-Hkv // self.threads)  # key/value heads a piece
-        groups = [(start, min(start + step, Hkv)) for start in range(0, Hkv, step)]
-        out = np.empty(query.shape, dtype=query.dtype)  # [B, H, T, Dh]
+        G = H // Hkv
+        q = query.reshape(B, Hkv, G * T, Dh)  # [B, Hkv, G T, Dh]
+        scores = (q @ key.swapaxes(-2, -1)).reshape(B, Hkv, G, T, S)  # [B, Hkv, G, T, S]: the lesson's product
+        scale = 1.0 / math.sqrt(Dh) if scale is None else scale
+        ends = S - np.argmax(attn_mask[:, 0, :, ::-1], axis=-1)  # [B, T]: 1 + each query's last visible key
+        blocks = [
+            (b, a, min(a + QUERY_BLOCK, T), int(ends[b, a : a + QUERY_BLOCK].max()))
+            for b in range(B)
+            for a in range(0, T, QUERY_BLOCK)
+        ]
 
-        def group(a: int, b: int) -> None:
-            out[:, a * G : b * G] = PLAIN_ATTENTION(
-                query[:, a * G : b * G], key[:, a:b], value[:, a:b], attn_mask, enable_gqa, scale
-            )
+        def softmax(shares: list[tuple[int, int, int, int]]) -> None:
+            for b, a, z, end in shares:
+                rows = scores[b, :, :, a:z]  # [Hkv, G, z - a, S]
+                seen = rows[..., :end]  # [Hkv, G, z - a, end]: every key any of these queries sees
+                seen *= scale
+                np.copyto(seen, -np.inf, where=~attn_mask[b, 0, a:z, :end])  # [z - a, end] over every head
+                np.subtract(seen, seen.max(axis=-1, keepdims=True), out=seen)
+                np.exp(seen, out=seen)
+                rows[..., end:] = 0.0  # what exp(-inf) gives the keys no query of the block sees
+                seen /= rows.sum(axis=-1, keepdims=True)  # the whole row: the lesson's grouping of the sum
 
-        (first, *rest) = groups
-        pending = [self.pool.submit(group, a, b) for a, b in rest]
-        group(*first)
+        shares = balanced(blocks, self.threads, lambda block: (block[2] - block[1]) * block[3])
+        pending = [self.pool.submit(softmax, share) for share in shares[1:]] if self.pool else []
+        softmax(shares[0])
         for piece in pending:
             piece.result()
-        return out  # [B, H, T, Dh]
+        return (scores.reshape(B, Hkv, G * T, S) @ value).reshape(B, H, T, Dh)  # [B, H, T, Dh]
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+
+def balanced(items: list[Any], parts: int, cost: Callable[[Any], int]) -> list[list[Any]]:
+    """`items` dealt into `parts` shares of near-equal total cost (the costliest first, each to the
+    lightest share so far)."""
+    shares: list[list[Any]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for item in sorted(items, key=cost, reverse=True):
+        lightest = loads.index(min(loads))
+        shares[lightest].append(item)
+        loads[lightest] += cost(item)
+    return shares
 
 
 SPLIT: list[RowSplit] = []  # the installed split, if any (one per process: the thread count is the process's)
+ATTENTION: list[PromptAttention] = []  # the installed prompt attention, if any
 
 
 def split_products(threads: int | None) -> None:
-    """Every large product of every NumPy model in this process split across `threads` threads
-    (1 or None: the lesson's own functional.linear, no pool)."""
+    """Every large product of every NumPy model in this process split across `threads` threads, and a
+    prompt's attention with them (`split_attention`); 1 or None: the lesson's own, no pool."""
     for old in SPLIT:
         old.close()
     SPLIT.clear()
     functional.linear = PLAIN_LINEAR
-    functional.scaled_dot_product_attention = PLAIN_ATTENTION
     if threads is not None and threads > 1:
         SPLIT.append(RowSplit(threads))
         functional.linear = SPLIT[0].linear
-        functional.scaled_dot_product_attention = SPLIT[0].attention
+    split_attention(threads)
+
+
+def split_attention(threads: int | None) -> None:
+    """A prompt's attention in every NumPy model in this process as `PromptAttention` across `threads`
+    threads (1 or None: the lesson's own, no pool). On by default: `kvports.threads.use_threads` calls it."""
+    for old in ATTENTION:
+        old.close()
+    ATTENTION.clear()
+    functional.scaled_dot_product_attention = PLAIN_ATTENTION
+    if threads is not None and threads > 1:
+        ATTENTION.append(PromptAttention(threads))
+        functional.scaled_dot_product_attention = ATTENTION[0].attention
 
 
 def split_threads() -> int:
     """The threads the products are split across (1: unsplit)."""
     return SPLIT[0].threads if SPLIT else 1
+
+
+def attention_threads() -> int:
+    """The threads a prompt's attention runs on (1: the lesson's)."""
+    return ATTENTION[0].threads if ATTENTION else 1
