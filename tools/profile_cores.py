@@ -72,7 +72,7 @@ def time_prefill(model, cores, tokens: int, rounds: int) -> None:
     rates = {name: round(tokens / statistics.median(values)) for name, values in seconds.items()}
     equal = all((value == logits["lesson"]).all() for value in logits.values())
     with open("/proc/loadavg") as load:
-        print(f"numpy prefill of {tokens} tokens, OpenBLAS at 2 threads, median of {rounds} interleaved: {rates} tokens/s")
+        print(f"numpy, {tokens}-token prefill, OpenBLAS 2 threads, median of {rounds} interleaved: {rates} tokens/s")
         print(f"logits equal to the lesson's: {equal}; load average {' '.join(load.read().split()[:3])}")
 
 
