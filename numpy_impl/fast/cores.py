@@ -44,7 +44,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-
 from threadpoolctl import ThreadpoolController
 
 from kvports.numpy_impl import functional
@@ -114,7 +113,7 @@ class PromptAttention:
     def __init__(self, threads: int):
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvports-numpy") if threads > 1 else None
-        self.blas = [c for c in ThreadpoolController().select(user_api="blas").lib_controllers]
+        self.blas = list(ThreadpoolController().select(user_api="blas").lib_controllers)  # NumPy's BLAS
 
     def attention(
         self,
@@ -128,7 +127,13 @@ class PromptAttention:
         """query [B, H, T, Dh] over key and value [B, Hkv, S, Dh] -> [B, H, T, Dh]; attn_mask [B, 1, T, S]."""
         B, H, T, Dh = query.shape
         Hkv, S = key.shape[1], key.shape[2]
-        if T < MIN_SPLIT_QUERIES or attn_mask is None or attn_mask.shape[1] != 1 or H % Hkv or query.dtype != np.float32:
+        if (
+            T < MIN_SPLIT_QUERIES
+            or attn_mask is None
+            or attn_mask.shape[1] != 1
+            or H % Hkv
+            or query.dtype != np.float32
+        ):
             return PLAIN_ATTENTION(query, key, value, attn_mask, enable_gqa, scale)
         G = H // Hkv
         scale = 1.0 / math.sqrt(Dh) if scale is None else scale
@@ -162,7 +167,7 @@ class PromptAttention:
             for piece in pending:
                 piece.result()
         finally:
-            for blas, count in zip(self.blas, before):
+            for blas, count in zip(self.blas, before, strict=True):
                 blas.set_num_threads(count)
         return out  # [B, H, T, Dh]
 
