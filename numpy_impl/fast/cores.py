@@ -18,22 +18,30 @@ where its rows are a multiple of 64 and at multiples of 64, a longer one at mult
 blocks); a many-row product (gemm) whose pieces would fall under OpenBLAS's small-matrix size
 (M N K <= 100^3) takes another kernel there, so it is split only above that size.
 
-A prompt's attention is split too, by key/value heads (`RowSplit.attention`): each head group's
-scores, softmax and weighted sum are independent of the others' and its ufuncs release the GIL,
-so the pool runs the groups at once, each computed exactly as unsplit (the same per-head products,
-the same shapes). A decode step's attention (one query row) is too small to pay for a handoff.
+A prompt's attention is replaced too (`PromptAttention`, float32): its causal query blocks of 64
+are computed alone, each over the keys before its last query's end, so the masked upper triangle's
+scores, softmax and weighted sum are never computed, and the blocks are dealt across the threads
+(NumPy's matmul and ufuncs release the GIL), OpenBLAS at one thread inside while they run. A
+block's products are OpenBLAS's at the block's shapes, whose edge kernels and shorter weighted sum
+round in other places than the whole product: float32 logits move by ~1e-6 of their size, the
+tokens do not; float64 keeps the lesson's attention, bit for bit. An exact version (the lesson's two
+products, only the softmax skipped) saved nothing: the skipped half's rows are strided, and a
+ufunc's call per row cost what it saved. A decode step's attention (one query row) runs as the lesson's.
 
-The split is installed as `functional.linear` and `functional.scaled_dot_product_attention`, the
+The splits are installed as `functional.linear` and `functional.scaled_dot_product_attention`, the
 calls every Linear, the tied head and every block make, so the model and nn.py stay the lesson;
 with one thread nothing is installed and no pool exists.
 
-Not on by default (`kvports.threads.use_threads` leaves the threads to OpenBLAS): measured on an idle
-2-core machine (SmolLM2 float32, 2 threads, median of 3 interleaved; docs/BENCH.md, "Every thread a
-decode step is given"), the split decoded at 34.7 ms a token and prefilled 512 tokens at 531 tokens/s, OpenBLAS's
-own 2 threads at 22.8 ms and 578 tokens/s (1 thread: 31.6 ms, 330 tokens/s): a handoff to a pool
-thread and back at each of a step's ~150 products costs more than OpenBLAS's threads lose. The split
-won only on a machine oversubscribed several times over, where OpenBLAS's threads spin for busy cores.
-`split_products(n)` turns it on (tools/profile_cores.py and tests/test_split_products.py do).
+The product split is not on by default (`kvports.threads.use_threads` leaves the products to
+OpenBLAS): measured on an idle 2-core machine (SmolLM2 float32, 2 threads, median of 3 interleaved;
+docs/BENCH.md, "Every thread a decode step is given"), it decoded at 34.7 ms a token and prefilled
+512 tokens at 531 tokens/s, OpenBLAS's own 2 threads at 22.8 ms and 578 tokens/s (1 thread: 31.6 ms,
+330 tokens/s): a handoff to a pool thread and back at each of a step's ~150 products costs more than
+OpenBLAS's threads lose. It won only on a machine oversubscribed several times over, where OpenBLAS's
+threads spin for busy cores. `split_products(n)` turns it on (tools/profile_cores.py and
+tests/test_split_products.py do). The prompt attention is on at 2 threads or more
+(`kvports.threads.use_threads` calls `split_attention`): one handoff a layer, and the attention's
+work cut by a third (docs/BENCH.md, "NumPy's prompt attention by causal blocks").
 """
 
 from __future__ import annotations
