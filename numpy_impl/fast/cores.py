@@ -200,29 +200,27 @@ SPLIT: list[RowSplit] = []  # the installed split, if any (one per process: the 
 ATTENTION: list[PromptAttention] = []  # the installed prompt attention, if any
 
 
+def reinstall(installed: list[Any], threads: int | None, make: Callable[[int], Any]) -> Any:
+    """`installed`'s split closed and replaced by `make(threads)` where threads > 1; None where not."""
+    for old in installed:
+        old.close()
+    installed[:] = [make(threads)] if threads is not None and threads > 1 else []
+    return installed[0] if installed else None
+
+
 def split_products(threads: int | None) -> None:
     """Every large product of every NumPy model in this process split across `threads` threads, and a
     prompt's attention with them (`split_attention`); 1 or None: the lesson's own, no pool."""
-    for old in SPLIT:
-        old.close()
-    SPLIT.clear()
-    functional.linear = PLAIN_LINEAR
-    if threads is not None and threads > 1:
-        SPLIT.append(RowSplit(threads))
-        functional.linear = SPLIT[0].linear
+    split = reinstall(SPLIT, threads, RowSplit)
+    functional.linear = PLAIN_LINEAR if split is None else split.linear
     split_attention(threads)
 
 
 def split_attention(threads: int | None) -> None:
     """A prompt's attention in every NumPy model in this process as `PromptAttention` across `threads`
     threads (1 or None: the lesson's own, no pool). On by default: `kvports.threads.use_threads` calls it."""
-    for old in ATTENTION:
-        old.close()
-    ATTENTION.clear()
-    functional.scaled_dot_product_attention = PLAIN_ATTENTION
-    if threads is not None and threads > 1:
-        ATTENTION.append(PromptAttention(threads))
-        functional.scaled_dot_product_attention = ATTENTION[0].attention
+    split = reinstall(ATTENTION, threads, PromptAttention)
+    functional.scaled_dot_product_attention = PLAIN_ATTENTION if split is None else split.attention
 
 
 def split_threads() -> int:
