@@ -178,6 +178,37 @@ def test_prompt_attention_keeps_a_prompts_tokens_and_logits(name, splitting, dty
     np.testing.assert_allclose(split_logits, logits, rtol=0, atol=100 * PROMPT_TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("name", ["numpy"])
+def test_prompt_attention_runs_openblas_at_one_thread_from_any_thread(name, splitting, monkeypatch):
+    """The blocks run OpenBLAS at one thread (two levels of threads would wait for each other), also
+    where the model runs on a thread of its own (the server's engine) while the main thread set the count."""
+    from threadpoolctl import threadpool_limits
+
+    from kvports.numpy_impl import functional
+
+    with threadpool_limits(2, user_api="blas"):  # on the main thread: threadpoolctl's controlling thread
+        splitting.split_attention(2)
+        softmax, counts = functional.softmax, []
+
+        def counted(*args, **kwargs):
+            counts.append({get() for get, _ in splitting.ATTENTION[0].blas})
+            return softmax(*args, **kwargs)
+
+        monkeypatch.setattr(functional, "softmax", counted)
+        rng = np.random.default_rng(0)
+        mask = prompt_mask("causal", 40)  # [1, 1, T, T]
+        query = rng.standard_normal((1, 4, 40, 8)).astype("float32")  # [B, H, T, Dh]
+        key, value = rng.standard_normal((2, 1, 2, 40, 8)).astype("float32")  # [B, Hkv, S, Dh] each
+        worker = threading.Thread(
+            target=functional.scaled_dot_product_attention, args=(query, key, value, mask, True, None)
+        )
+        worker.start()
+        worker.join()
+        after = {get() for get, _ in splitting.ATTENTION[0].blas}
+    assert counts and all(count == {1} for count in counts)
+    assert after == {2}  # given back after
+
+
 @SPLIT_PORTS
 def test_one_thread_splits_nothing(name, splitting, monkeypatch):
     rng = np.random.default_rng(0)

@@ -121,7 +121,10 @@ class PromptAttention:
     def __init__(self, threads: int):
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvports-numpy") if threads > 1 else None
-        self.blas = list(ThreadpoolController().select(user_api="blas").lib_controllers)  # NumPy's BLAS
+        # NumPy's BLAS, its count set directly: threadpoolctl's set_num_threads obeys only the thread that
+        # first limited OpenBLAS (use_threads, on the main thread), and the server's engine runs on another
+        blas = ThreadpoolController().select(user_api="blas").lib_controllers
+        self.blas = [(c.get_num_threads, getattr(c, "_real_set_num_threads", c.set_num_threads)) for c in blas]
 
     def attention(
         self,
@@ -166,17 +169,17 @@ class PromptAttention:
                 np.matmul(probs, value[b, h, :end], out=out[b, h * G : (h + 1) * G, a:z])  # [G, z - a, Dh]
 
         shares = balanced(blocks, self.threads, lambda block: (block[3] - block[2]) * block[4])
-        before = [blas.get_num_threads() for blas in self.blas]
-        for blas in self.blas:
-            blas.set_num_threads(1)
+        before = [get() for get, _ in self.blas]
+        for _, set_threads in self.blas:
+            set_threads(1)
         try:
             pending = [self.pool.submit(attend, share) for share in shares[1:]] if self.pool else []
             attend(shares[0])
             for piece in pending:
                 piece.result()
         finally:
-            for blas, count in zip(self.blas, before, strict=True):
-                blas.set_num_threads(count)
+            for (_, set_threads), count in zip(self.blas, before, strict=True):
+                set_threads(count)
         return out  # [B, H, T, Dh]
 
     def close(self) -> None:
