@@ -47,6 +47,7 @@ work cut by a third (docs/BENCH.md, "NumPy's prompt attention by causal blocks")
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -121,6 +122,7 @@ class PromptAttention:
     def __init__(self, threads: int):
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvports-numpy") if threads > 1 else None
+        self.lock = threading.Lock()
         # NumPy's BLAS, its count set directly: threadpoolctl's set_num_threads obeys only the thread that
         # first limited OpenBLAS (use_threads, on the main thread), and the server's engine runs on another
         blas = ThreadpoolController().select(user_api="blas").lib_controllers
@@ -169,17 +171,18 @@ class PromptAttention:
                 np.matmul(probs, value[b, h, :end], out=out[b, h * G : (h + 1) * G, a:z])  # [G, z - a, Dh]
 
         shares = balanced(blocks, self.threads, lambda block: (block[3] - block[2]) * block[4])
-        before = [get() for get, _ in self.blas]
-        for _, set_threads in self.blas:
-            set_threads(1)
-        try:
-            pending = [self.pool.submit(attend, share) for share in shares[1:]] if self.pool else []
-            attend(shares[0])
-            for piece in pending:
-                piece.result()
-        finally:
-            for (_, set_threads), count in zip(self.blas, before, strict=True):
-                set_threads(count)
+        with self.lock:  # OpenBLAS's count is the process's: two prompts at once would keep each other's 1
+            before = [get() for get, _ in self.blas]
+            for _, set_threads in self.blas:
+                set_threads(1)
+            try:
+                pending = [self.pool.submit(attend, share) for share in shares[1:]] if self.pool else []
+                attend(shares[0])
+                for piece in pending:
+                    piece.result()
+            finally:
+                for (_, set_threads), count in zip(self.blas, before, strict=True):
+                    set_threads(count)
         return out  # [B, H, T, Dh]
 
     def close(self) -> None:
