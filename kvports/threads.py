@@ -9,8 +9,10 @@ other: torch ran 10-90x slower than with one thread. Each library takes the coun
   which changes a loaded BLAS's count. OPENBLAS/MKL/OMP_NUM_THREADS reach child processes.
 - torch's decode products are split by output rows across torch's own thread count
   (torch_impl/fast/cores.py, one torch.bmm a product): MKL runs a one-row product on one thread.
-  NumPy's split (a pool of Python threads) is not used: on an idle machine OpenBLAS's own
-  threads decoded faster (docs/BENCH.md).
+  NumPy's product split (a pool of Python threads) is not used: on an idle machine OpenBLAS's own
+  threads decoded faster (docs/BENCH.md). NumPy's prompt attention is switched here, once the
+  NumPy port is loaded (numpy_impl/fast/cores.py's split_attention): at 2 threads or more a float32
+  prompt's attention runs by causal query blocks, skipping the keys a block never sees, on every thread.
 - JAX: its CPU client sizes its intra-op pool from NPROC when it starts (XLA's
   DefaultThreadPoolSize; XLA_FLAGS' `intra_op_parallelism_threads` is TensorFlow's option and
   changes nothing here). Measured in jax 0.10.2 on 2 CPUs: NPROC=1 gives the process 15 threads,
@@ -27,6 +29,7 @@ from typing import Any
 from kvports.shared.checks import COMMAND_LINE, Names, check_range
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NPROC")
+NUMPY_PORT = "kvports.numpy_impl.port"  # registry.MODULES' NumPy port
 OVERSUBSCRIBE = 4  # more threads than CPUs only wait for each other; past a few times that is a typo
 
 
@@ -70,6 +73,10 @@ def use_threads(threads: int | None) -> None:
             torch.set_num_interop_threads(threads)
         except RuntimeError:  # torch has already run parallel work: its inter-op pool is fixed
             pass
+    if NUMPY_PORT in sys.modules:  # imported only with the port: its functional.py loads SciPy
+        from kvports.numpy_impl.fast.cores import split_attention
+
+        split_attention(threads)
 
 
 def settle_threads() -> None:

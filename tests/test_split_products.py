@@ -119,26 +119,94 @@ def test_split_generation_keeps_tokens_and_logits(name, splitting, dtype, monkey
     assert np.array_equal(logits, split_logits)
 
 
-@pytest.mark.parametrize("name", ["numpy"])  # the one port whose attention the split divides (by k/v heads)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("scale", [None, 0.3])  # Gemma 3's query_pre_attn_scalar gives its own scale
-def test_split_prompt_attention_is_bit_identical(name, splitting, dtype, scale):
-    from kvports.numpy_impl import functional
+def prompt_mask(kind: str, T: int):
+    """[B, 1, T, S] masks the NumPy model builds for a prompt: a causal prompt, a left-padded batch,
+    a sliding window, and a chunk after 7 cached tokens (S = T + 7)."""
     from kvports.numpy_impl.model import attention_mask, token_positions
 
+    if kind == "cached chunk":
+        return attention_mask(token_positions(7, T, None), token_positions(0, T + 7, None), None)  # [1, 1, T, T + 7]
+    pad = np.array([0, 3]) if kind == "left-padded" else None  # the second row left-padded
+    positions = token_positions(0, T, pad)  # [B, T]
+    return attention_mask(positions, positions, 5 if kind == "window" else None)  # [B, 1, T, T]
+
+
+# float64: the lesson's own, bit for bit; float32: blocks that sum in another order, within 1e-6 of it
+PROMPT_TOLERANCE = {"float64": 0.0, "float32": 1e-6}
+
+
+@pytest.mark.parametrize("name", ["numpy"])  # the one port whose prompt attention fast/ replaces
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("scale", [None, 0.3])  # Gemma 3's query_pre_attn_scalar gives its own scale
+@pytest.mark.parametrize("kind", ["causal", "left-padded", "window", "cached chunk"])
+def test_split_prompt_attention_matches_the_lessons(name, splitting, dtype, scale, kind, monkeypatch):
+    from kvports.numpy_impl import functional
+
+    monkeypatch.setattr(splitting, "QUERY_BLOCK", 32)  # 150 queries: blocks of 32, each seeing fewer keys
     rng = np.random.default_rng(0)
-    B, H, Hkv, T, Dh = 2, 9, 3, 20, 16  # SmolLM2's 9 query heads over 3 k/v heads
+    mask = prompt_mask(kind, 150)  # [B, 1, T, S]
+    (B, _, T, S), H, Hkv, Dh = mask.shape, 9, 3, 16  # SmolLM2's 9 query heads over 3 k/v heads
     query = rng.standard_normal((B, H, T, Dh)).astype(dtype)  # [B, H, T, Dh]
-    key, value = rng.standard_normal((2, B, Hkv, T, Dh)).astype(dtype)  # [B, Hkv, T, Dh] each
-    positions = token_positions(0, T, np.array([0, 3]))  # [B, T]: the second row left-padded
-    mask = attention_mask(positions, positions, None)  # [B, 1, T, T]
+    key, value = rng.standard_normal((2, B, Hkv, S, Dh)).astype(dtype)  # [B, Hkv, S, Dh] each
 
     def attend():
         return functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True, scale=scale)
 
     unsplit, split = unsplit_and_split(splitting, attend)
-    assert functional.scaled_dot_product_attention != splitting.PLAIN_ATTENTION  # the split one ran
-    assert np.array_equal(unsplit, split)
+    assert functional.scaled_dot_product_attention != splitting.PLAIN_ATTENTION  # the prompt attention ran
+    np.testing.assert_allclose(split, unsplit, rtol=0, atol=PROMPT_TOLERANCE[dtype])  # float64: equal
+
+
+@pytest.mark.parametrize("name", ["numpy"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_prompt_attention_keeps_a_prompts_tokens_and_logits(name, splitting, dtype, monkeypatch):
+    """A whole generation from a 70-token prompt (blocks of 64 and 6 queries) with the prompt attention
+    that `--threads 2` installs, against the lesson's: the same tokens, float64's logits bit for bit."""
+    port = port_or_skip(name)
+    config = llama_like(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=96)
+    model = port.load_model(config, random_weights(config), dtype)
+    prompts = random_prompts(config.vocab_size, 2, 70)  # [2, 70]
+
+    def generate():
+        return port.generate(model, prompts, 4, "cached", return_logits=True)
+
+    splitting.split_attention(1)
+    tokens, logits = generate()
+    splitting.split_attention(2)
+    split_tokens, split_logits = generate()
+    assert np.array_equal(tokens, split_tokens)
+    np.testing.assert_allclose(split_logits, logits, rtol=0, atol=100 * PROMPT_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("name", ["numpy"])
+def test_prompt_attention_runs_openblas_at_one_thread_from_any_thread(name, splitting, monkeypatch):
+    """The blocks run OpenBLAS at one thread (two levels of threads would wait for each other), also
+    where the model runs on a thread of its own (the server's engine) while the main thread set the count."""
+    from threadpoolctl import threadpool_limits
+
+    from kvports.numpy_impl import functional
+
+    with threadpool_limits(2, user_api="blas"):  # on the main thread: threadpoolctl's controlling thread
+        splitting.split_attention(2)
+        softmax, counts = functional.softmax, []
+
+        def counted(*args, **kwargs):
+            counts.append({get() for get, _ in splitting.ATTENTION[0].blas})
+            return softmax(*args, **kwargs)
+
+        monkeypatch.setattr(functional, "softmax", counted)
+        rng = np.random.default_rng(0)
+        mask = prompt_mask("causal", 40)  # [1, 1, T, T]
+        query = rng.standard_normal((1, 4, 40, 8)).astype("float32")  # [B, H, T, Dh]
+        key, value = rng.standard_normal((2, 1, 2, 40, 8)).astype("float32")  # [B, Hkv, S, Dh] each
+        worker = threading.Thread(
+            target=functional.scaled_dot_product_attention, args=(query, key, value, mask, True, None)
+        )
+        worker.start()
+        worker.join()
+        after = {get() for get, _ in splitting.ATTENTION[0].blas}
+    assert counts and all(count == {1} for count in counts)
+    assert after == {2}  # given back after
 
 
 @SPLIT_PORTS

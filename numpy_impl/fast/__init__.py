@@ -3,5 +3,6 @@ and port.load_model applies these to the model it has loaded.
 
 - layout.py: each matrix's bytes in the memory order OpenBLAS streams fastest at batch 1
 - cores.py: each large product's output rows split across the threads the process is given
-  (installed by kvports.threads.use_threads, the count being the process's)
+  (off by default), and a float32 prompt's attention by causal query blocks across them
+  (installed by kvports.threads.use_threads at 2 threads or more, the count being the process's)
 """

@@ -25,15 +25,16 @@ def no_threads_change(monkeypatch):
 # What each framework reports as its thread count, after `kvports generate --threads 2` in the same process.
 REPORTED = {
     "torch": "import torch; print(torch.get_num_threads(), torch.get_num_interop_threads())",
-    # the threads its products are split across (numpy_impl/fast/cores.py: none, by default), and its BLAS's
-    "numpy": "import threadpoolctl; from kvports.numpy_impl.fast.cores import split_threads; "
-    "print(split_threads(), *sorted({p['num_threads'] for p in threadpoolctl.threadpool_info() "
+    # the threads its products are split across (numpy_impl/fast/cores.py: none, by default), its prompt
+    # attention's (every thread given) and its BLAS's
+    "numpy": "import threadpoolctl; from kvports.numpy_impl.fast.cores import attention_threads, split_threads; "
+    "print(split_threads(), attention_threads(), *sorted({p['num_threads'] for p in threadpoolctl.threadpool_info() "
     "if p['user_api'] == 'blas'}))",
     "jax": "import os; print(os.environ['NPROC'], os.environ['NPROC'])",  # read by XLA's CPU client as it starts
 }
 
 
-EXPECTED = {"torch": "2 2", "numpy": "1 2", "jax": "2 2"}
+EXPECTED = {"torch": "2 2", "numpy": "1 2 2", "jax": "2 2"}
 
 
 def test_threads_reach_the_framework(port):
