@@ -22,8 +22,8 @@ from tests.helpers.hf_reference import FAMILY_CASES, Case, hf_generate, save_hf
 from tests.helpers.llama_cpp_converter import convert, converter_root, write_tokenizer
 from tests.helpers.models import random_prompts
 
-# Six conversions, each a process importing torch and transformers (about a minute; the first run
-# also fetches the converter, about another).
+# Six conversions in one process importing torch and transformers (the first run also fetches the
+# converter, about a minute).
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 8
 # One model a family, as llama.cpp runs it: Llama 3 (its rope_freqs.weight), Qwen2, Qwen3, Gemma 3
@@ -50,23 +50,32 @@ def converter():
         pytest.skip(f"llama.cpp's converter could not be fetched from llama-cpp-python's sdist on PyPI ({exc})")
 
 
-def converted(converter, name: str, case: Case, tmp_path_factory) -> tuple:
-    """The case's transformers model, its file as llama.cpp's converter writes it (config, tensors, path) and
-    its prompts."""
-    model = case.build(torch.float32)
-    directory = save_hf(model, tmp_path_factory.mktemp(name))
-    write_tokenizer(directory, model.config.vocab_size, model.config.model_type)
-    path = convert(converter, directory, directory.parent / f"{name}.gguf")
-    config, tensors = load_weights(path)
-    return model, config, tensors, random_prompts(config.vocab_size, *case.prompt, seed=case.prompt[1]), path
+@pytest.fixture(scope="module")
+def converted(converter, tmp_path_factory) -> dict[str, tuple]:
+    """Case name -> its transformers model, its file as llama.cpp's converter writes it (config, tensors, path)
+    and its prompts: GGUF_CASES' and PHI3_NO_WINDOW's, every file converted by one process."""
+    cases = {name: FAMILY_CASES[name] for name in GGUF_CASES.values()} | {"phi3-no-window": PHI3_NO_WINDOW}
+    models, jobs = {}, []
+    for name, case in cases.items():
+        models[name] = case.build(torch.float32)
+        directory = save_hf(models[name], tmp_path_factory.mktemp(name))
+        write_tokenizer(directory, models[name].config.vocab_size, models[name].config.model_type)
+        jobs.append((directory, directory.parent / f"{name}.gguf"))
+    convert(converter, jobs)
+    made = {}
+    for (name, case), (_, path) in zip(cases.items(), jobs, strict=True):
+        config, tensors = load_weights(path)
+        prompts = random_prompts(config.vocab_size, *case.prompt, seed=case.prompt[1])
+        made[name] = (models[name], config, tensors, prompts, path)
+    return made
 
 
 @pytest.fixture(scope="module")
-def families(converter, tmp_path_factory):
+def families(converted):
     """arch -> (the file's config and tensors, prompts, transformers' tokens and step logits by dtype, the file)."""
     made = {}
     for arch, name in GGUF_CASES.items():
-        model, config, tensors, prompts, path = converted(converter, name, FAMILY_CASES[name], tmp_path_factory)
+        model, config, tensors, prompts, path = converted[name]
         float32 = hf_generate(model, prompts, NEW_TOKENS)
         # The file's F32 weights, computed in float64 by transformers as by the ports.
         made[arch] = (
@@ -109,9 +118,9 @@ def test_a_family_file_written_back_reads_as_the_same_model(families, arch, tmp_
 
 
 @pytest.fixture(scope="module")
-def phi3_no_window(converter, tmp_path_factory):
+def phi3_no_window(converted):
     """A Phi-3 with no sliding window: its converter writes phi3.attention.sliding_window = 0."""
-    model, config, tensors, prompts, path = converted(converter, "phi3-no-window", PHI3_NO_WINDOW, tmp_path_factory)
+    model, config, tensors, prompts, path = converted["phi3-no-window"]
     return config, tensors, prompts, hf_generate(model, prompts, NEW_TOKENS)[0], path
 
 

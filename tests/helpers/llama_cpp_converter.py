@@ -16,14 +16,17 @@ from kvports.hub import home
 
 # The converter as it ships, with one patch: its BPE pre-tokenizer check (a hash of a fixed text's
 # token ids, which no tiny test vocabulary matches) answers "default". Tensors and metadata are untouched.
+# It runs once per (model folder, file) pair of its arguments, all in one interpreter: each process
+# of its own imported torch and transformers again (seconds each).
 RUNNER = """
 import runpy, sys
-root = sys.argv[1]
+root, jobs = sys.argv[1], sys.argv[2:]
 sys.path[:0] = [root, root + "/gguf-py"]
-sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
 import conversion.base
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
+for directory, out in zip(jobs[::2], jobs[1::2]):
+    sys.argv = ["convert_hf_to_gguf.py", directory, "--outfile", out, "--outtype", "f32"]
+    runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 WANTED = ("/vendor/llama.cpp/convert_hf_to_gguf.py", "/vendor/llama.cpp/conversion/", "/vendor/llama.cpp/gguf-py/")
 
@@ -74,8 +77,8 @@ def write_tokenizer(directory: Path, vocab_size: int, model_type: str) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": kind}))
 
 
-def convert(root: Path, directory: Path, out: Path) -> Path:
-    """directory (a saved transformers model with its tokenizer) -> out, a float32 GGUF file."""
-    command = [sys.executable, "-c", RUNNER, str(root), str(directory), "--outfile", str(out), "--outtype", "f32"]
+def convert(root: Path, jobs: list[tuple[Path, Path]]) -> None:
+    """Each (directory, out) of jobs: directory (a saved transformers model with its tokenizer) -> out, a
+    float32 GGUF file; one process converts them all."""
+    command = [sys.executable, "-c", RUNNER, str(root), *(str(path) for job in jobs for path in job)]
     subprocess.run(command, check=True, capture_output=True, timeout=600)
-    return out
