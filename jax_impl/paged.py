@@ -247,8 +247,8 @@ def step_shape(max_batch: int, B: int, T: int, every_position: bool = False) -> 
 
 
 # A decode step reads every weight once whatever its rows, then gathers each row's blocks and
-# attends over them: at SmolLM2's serve defaults (16 rows of 64 blocks of 16 slots) one step took
-# 235 ms, 69 ms over 8 blocks a row and 26 ms for one row over 8 (docs/SERVING.md). So a decode step
+# attends over them: at SmolLM2's serve defaults (16 rows of 64 blocks of 16 slots) one step's forward
+# took 235 ms, 69 ms over 8 blocks a row and 26 ms for one row over 8 (2 cores). So a decode step
 # runs in the fewest rows, and blocks a row, of a ladder that grows 4x a rung: a few programs, none
 # more than 4x the work the step needs.
 DECODE_RUNG = 4
@@ -256,11 +256,16 @@ DECODE_MIN_BLOCKS = 8  # the fewest blocks a row a decode step reads: 128 slots 
 
 
 def step_blocks(max_blocks: int, M: int, T: int, every_position: bool = False) -> int:
-    """The blocks a row a step of T tokens a row runs over, its longest row having M: a decode
-    step's rung of decode_sizes; a prefill chunk's, every row's max_blocks."""
+    """The blocks a row a step of T tokens a row runs over, its longest row having M."""
+    return _rung(M, block_rungs(max_blocks, T, every_position))
+
+
+def block_rungs(max_blocks: int, T: int, every_position: bool = False) -> list[int]:
+    """Every count of blocks a row a step of T tokens a row can run over (compile_paged_steps compiles
+    each): a decode step's rungs of decode_sizes; a prefill chunk's, every row's max_blocks."""
     if T == 1 and not every_position:
-        return _rung(M, decode_sizes(max_blocks, DECODE_MIN_BLOCKS))
-    return max_blocks
+        return decode_sizes(max_blocks, DECODE_MIN_BLOCKS)
+    return [max_blocks]
 
 
 def decode_sizes(largest: int, smallest: int) -> list[int]:

@@ -359,9 +359,7 @@ def compile_paged_steps(
                 if B > 1 and B * T > max_step_tokens:
                     break
                 rows, widths = paged.step_shape(pool.max_batch, B, T, every_position)
-                # A decode step's blocks a row follow its longest row: every rung; a prefill's, max_blocks.
-                decode = T == 1 and not every_position
-                rungs = paged.decode_sizes(pool.max_blocks, paged.DECODE_MIN_BLOCKS) if decode else [pool.max_blocks]
+                rungs = paged.block_rungs(pool.max_blocks, T, every_position)
                 forwards.update((rows, width, blocks, every_position) for width in widths for blocks in rungs)
                 row_counts.add(rows)
     on_device = _on_device(model)
