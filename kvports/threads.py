@@ -11,8 +11,9 @@ other: torch ran 10-90x slower than with one thread. Each library takes the coun
   (torch_impl/fast/cores.py, one torch.bmm a product): MKL runs a one-row product on one thread.
   NumPy's product split (a pool of Python threads) is not used: on an idle machine OpenBLAS's own
   threads decoded faster (docs/BENCH.md). NumPy's prompt attention is switched here, once the
-  NumPy port is loaded (numpy_impl/fast/cores.py's split_attention): at 2 threads or more a float32
-  prompt's attention runs by causal query blocks, skipping the keys a block never sees, on every thread.
+  NumPy port is loaded (numpy_impl/fast/cores.py's split_attention): at any count given, one included,
+  a float32 prompt's attention runs by causal query blocks, skipping the keys a block never sees, on
+  every thread (without --threads, the lesson's attention).
 - JAX: its CPU client sizes its intra-op pool from NPROC when it starts (XLA's
   DefaultThreadPoolSize; XLA_FLAGS' `intra_op_parallelism_threads` is TensorFlow's option and
   changes nothing here). Measured in jax 0.10.2 on 2 CPUs: NPROC=1 gives the process 15 threads,

@@ -119,6 +119,13 @@ def test_split_generation_keeps_tokens_and_logits(name, splitting, dtype, monkey
     assert np.array_equal(logits, split_logits)
 
 
+def functional_attention():
+    """The attention every NumPy block calls now (functional.py's name, which the splits replace)."""
+    from kvports.numpy_impl import functional
+
+    return functional.scaled_dot_product_attention
+
+
 def prompt_mask(kind: str, T: int):
     """[B, 1, T, S] masks the NumPy model builds for a prompt: a causal prompt, a left-padded batch,
     a sliding window, and a chunk after 7 cached tokens (S = T + 7)."""
@@ -158,10 +165,12 @@ def test_split_prompt_attention_matches_the_lessons(name, splitting, dtype, scal
 
 
 @pytest.mark.parametrize("name", ["numpy"])
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_prompt_attention_keeps_a_prompts_tokens_and_logits(name, splitting, dtype, monkeypatch):
+def test_prompt_attention_keeps_a_prompts_tokens_and_logits(name, splitting, dtype, threads, monkeypatch):
     """A whole generation from a 70-token prompt (blocks of 64 and 6 queries) with the prompt attention
-    that `--threads 2` installs, against the lesson's: the same tokens, float64's logits bit for bit."""
+    that `--threads 1` and `--threads 2` install, against the lesson's: the same tokens, float64's logits
+    bit for bit."""
     port = port_or_skip(name)
     config = llama_like(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=96)
     model = port.load_model(config, random_weights(config), dtype)
@@ -170,9 +179,10 @@ def test_prompt_attention_keeps_a_prompts_tokens_and_logits(name, splitting, dty
     def generate():
         return port.generate(model, prompts, 4, "cached", return_logits=True)
 
-    splitting.split_attention(1)
+    splitting.split_attention(None)
     tokens, logits = generate()
-    splitting.split_attention(2)
+    splitting.split_attention(threads)
+    assert functional_attention() != splitting.PLAIN_ATTENTION  # installed: the blocks ran
     split_tokens, split_logits = generate()
     assert np.array_equal(tokens, split_tokens)
     np.testing.assert_allclose(split_logits, logits, rtol=0, atol=100 * PROMPT_TOLERANCE[dtype])
@@ -207,6 +217,17 @@ def test_prompt_attention_runs_openblas_at_one_thread_from_any_thread(name, spli
         after = {get() for get, _ in splitting.ATTENTION[0].blas}
     assert counts and all(count == {1} for count in counts)
     assert after == {2}  # given back after
+
+
+@pytest.mark.parametrize("name", ["numpy"])
+def test_one_thread_runs_the_prompt_attention_on_the_calling_thread(name, splitting):
+    """`--threads 1` gives NumPy's prompt attention its causal blocks (the masked half skipped) with no
+    pool of threads; no count, the lesson's attention."""
+    splitting.split_attention(1)
+    assert functional_attention() == splitting.ATTENTION[0].attention
+    assert splitting.attention_threads() == 1 and splitting.ATTENTION[0].pool is None
+    splitting.split_attention(None)
+    assert functional_attention() == splitting.PLAIN_ATTENTION and splitting.attention_threads() == 0
 
 
 @SPLIT_PORTS

@@ -4,5 +4,5 @@ and port.load_model applies these to the model it has loaded.
 - layout.py: each matrix's bytes in the memory order OpenBLAS streams fastest at batch 1
 - cores.py: each large product's output rows split across the threads the process is given
   (off by default), and a float32 prompt's attention by causal query blocks across them
-  (installed by kvports.threads.use_threads at 2 threads or more, the count being the process's)
+  (installed by kvports.threads.use_threads at any count --threads gives, the count being the process's)
 """

@@ -30,7 +30,7 @@ ufunc's call per row cost what it saved. A decode step's attention (one query ro
 
 The splits are installed as `functional.linear` and `functional.scaled_dot_product_attention`, the
 calls every Linear, the tied head and every block make, so the model and nn.py stay the lesson;
-with one thread nothing is installed and no pool exists.
+with one thread no product is split and no pool exists.
 
 The product split is not on by default (`kvports.threads.use_threads` leaves the products to
 OpenBLAS): measured on an idle 2-core machine (SmolLM2 float32, 2 threads, median of 3 interleaved;
@@ -39,9 +39,11 @@ docs/BENCH.md, "Every thread a decode step is given"), it decoded at 34.7 ms a t
 330 tokens/s): a handoff to a pool thread and back at each of a step's ~150 products costs more than
 OpenBLAS's threads lose. It won only on a machine oversubscribed several times over, where OpenBLAS's
 threads spin for busy cores. `split_products(n)` turns it on (tools/profile_cores.py and
-tests/test_split_products.py do). The prompt attention is on at 2 threads or more
-(`kvports.threads.use_threads` calls `split_attention`): one handoff a layer, and the attention's
-work cut by a third (docs/BENCH.md, "NumPy's prompt attention by causal blocks").
+tests/test_split_products.py do). The prompt attention is on at any count `--threads` gives, one
+included (`kvports.threads.use_threads` calls `split_attention`): one handoff a layer at 2 threads,
+and at every count the attention's work cut by a third (docs/BENCH.md, "NumPy's prompt attention by
+causal blocks"; a 512-token SmolLM2 prefill went from 313 to 516 tokens/s at 2 threads, and from 313
+to 341 at 1). Without --threads NumPy runs the lesson's attention.
 """
 
 from __future__ import annotations
@@ -206,26 +208,27 @@ SPLIT: list[RowSplit] = []  # the installed split, if any (one per process: the 
 ATTENTION: list[PromptAttention] = []  # the installed prompt attention, if any
 
 
-def reinstall(installed: list[Any], threads: int | None, make: Callable[[int], Any]) -> Any:
-    """`installed`'s split closed and replaced by `make(threads)` where threads > 1; None where not."""
+def reinstall(installed: list[Any], threads: int | None, make: Callable[[int], Any], fewest: int = 2) -> Any:
+    """`installed`'s split closed and replaced by `make(threads)` where threads >= fewest; None where not."""
     for old in installed:
         old.close()
-    installed[:] = [make(threads)] if threads is not None and threads > 1 else []
+    installed[:] = [make(threads)] if threads is not None and threads >= fewest else []
     return installed[0] if installed else None
 
 
 def split_products(threads: int | None) -> None:
     """Every large product of every NumPy model in this process split across `threads` threads, and a
-    prompt's attention with them (`split_attention`); 1 or None: the lesson's own, no pool."""
+    prompt's attention with them (`split_attention`); 1 or None: the lesson's own for both, no pool."""
     split = reinstall(SPLIT, threads, RowSplit)
     functional.linear = PLAIN_LINEAR if split is None else split.linear
-    split_attention(threads)
+    split_attention(None if split is None else threads)
 
 
 def split_attention(threads: int | None) -> None:
     """A prompt's attention in every NumPy model in this process as `PromptAttention` across `threads`
-    threads (1 or None: the lesson's own, no pool). On by default: `kvports.threads.use_threads` calls it."""
-    split = reinstall(ATTENTION, threads, PromptAttention)
+    threads (1: its causal blocks on the calling thread, no pool; None: the lesson's own).
+    `kvports.threads.use_threads` calls it with the count --threads gives."""
+    split = reinstall(ATTENTION, threads, PromptAttention, fewest=1)
     functional.scaled_dot_product_attention = PLAIN_ATTENTION if split is None else split.attention
 
 
@@ -235,5 +238,5 @@ def split_threads() -> int:
 
 
 def attention_threads() -> int:
-    """The threads a prompt's attention runs on (1: the lesson's)."""
-    return ATTENTION[0].threads if ATTENTION else 1
+    """The threads a prompt's attention runs on (0: the lesson's attention)."""
+    return ATTENTION[0].threads if ATTENTION else 0

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.helpers.commands import run_cli
+from tests.helpers.ports import port_or_skip
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def no_threads_change(monkeypatch):
 REPORTED = {
     "torch": "import torch; print(torch.get_num_threads(), torch.get_num_interop_threads())",
     # the threads its products are split across (numpy_impl/fast/cores.py: none, by default), its prompt
-    # attention's (every thread given) and its BLAS's
+    # attention's (every thread given; 0: the lesson's) and its BLAS's
     "numpy": "import threadpoolctl; from kvports.numpy_impl.fast.cores import attention_threads, split_threads; "
     "print(split_threads(), attention_threads(), *sorted({p['num_threads'] for p in threadpoolctl.threadpool_info() "
     "if p['user_api'] == 'blas'}))",
@@ -47,6 +48,19 @@ def test_threads_reach_the_framework(port):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == EXPECTED[name]
+
+
+def test_one_thread_gives_numpy_its_prompt_attention_on_that_thread():
+    """--threads 1: no product split, the prompt attention's causal blocks on the one thread, OpenBLAS at 1."""
+    port_or_skip("numpy")
+    script = (
+        "from kvports.cli import main; "
+        "assert main(['generate', '--framework', 'numpy', '--mode', 'cached', '--new-tokens', '2', '--threads', '1'])"
+        f" == 0; {REPORTED['numpy']}"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "1 1 1"
 
 
 def test_generate_json_and_compare_title_show_the_thread_count(capsys, no_threads_change):
