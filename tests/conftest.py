@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 
 # Set before anything imports numpy, torch or jax; a user's own settings win.
@@ -74,10 +75,38 @@ os.environ["KVPORTS_HOME"] = str(_test_home())
 import pytest  # noqa: E402
 
 from kvports import registry  # noqa: E402
+from kvports import threads as process_threads  # noqa: E402
 from kvports.formats.weights import load_weights  # noqa: E402
 from kvports.registry import PORTS  # noqa: E402
 from tests.helpers.gguf_files import write_gguf  # noqa: E402
 from tests.helpers.ports import port_or_skip  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def suite_threads():
+    """A command run in this process with --threads sets the process's counts (use_threads: BLAS,
+    torch, NumPy's prompt attention) for good, as a command's process should; here the next test on
+    the worker must run as it would alone, so the suite's counts (the variables above) come back."""
+    variables = {name: os.environ.get(name) for name in process_threads.THREAD_VARIABLES}
+    yield
+    if not process_threads.REQUESTED:
+        return
+    for name, value in variables.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    process_threads.REQUESTED.clear()
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=int(os.environ["OPENBLAS_NUM_THREADS"]))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if process_threads.NUMPY_PORT in sys.modules:
+        from kvports.numpy_impl.fast.cores import split_attention
+
+        split_attention(None)
 
 
 @pytest.fixture(params=PORTS)

@@ -127,8 +127,9 @@ def functional_attention():
 
 
 def prompt_mask(kind: str, T: int):
-    """[B, 1, T, S] masks the NumPy model builds for a prompt: a causal prompt, a left-padded batch,
-    a sliding window, and a chunk after 7 cached tokens (S = T + 7)."""
+    """The masks the NumPy model builds for a batch's prompt: causal, a sliding window and a chunk after
+    7 cached tokens (S = T + 7) as one row every prompt shares ([1, 1, T, S]), a left-padded batch's
+    a row a prompt ([2, 1, T, T])."""
     from kvports.numpy_impl.model import attention_mask, token_positions
 
     if kind == "cached chunk":
@@ -151,8 +152,8 @@ def test_split_prompt_attention_matches_the_lessons(name, splitting, dtype, scal
 
     monkeypatch.setattr(splitting, "QUERY_BLOCK", 32)  # 150 queries: blocks of 32, each seeing fewer keys
     rng = np.random.default_rng(0)
-    mask = prompt_mask(kind, 150)  # [B, 1, T, S]
-    (B, _, T, S), H, Hkv, Dh = mask.shape, 9, 3, 16  # SmolLM2's 9 query heads over 3 k/v heads
+    mask = prompt_mask(kind, 150)  # [B or 1, 1, T, S]
+    (_, _, T, S), B, H, Hkv, Dh = mask.shape, 2, 9, 3, 16  # two prompts; SmolLM2's 9 query heads over 3 k/v heads
     query = rng.standard_normal((B, H, T, Dh)).astype(dtype)  # [B, H, T, Dh]
     key, value = rng.standard_normal((2, B, Hkv, S, Dh)).astype(dtype)  # [B, Hkv, S, Dh] each
 
@@ -165,19 +166,20 @@ def test_split_prompt_attention_matches_the_lessons(name, splitting, dtype, scal
 
 
 @pytest.mark.parametrize("name", ["numpy"])
+@pytest.mark.parametrize("mode", ["naive", "cached", "speculative"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_prompt_attention_keeps_a_prompts_tokens_and_logits(name, splitting, dtype, threads, monkeypatch):
-    """A whole generation from a 70-token prompt (blocks of 64 and 6 queries) with the prompt attention
-    that `--threads 1` and `--threads 2` install, against the lesson's: the same tokens, float64's logits
-    bit for bit."""
+def test_prompt_attention_keeps_a_prompts_tokens_and_logits(name, splitting, dtype, threads, mode, monkeypatch):
+    """A whole generation from two 70-token prompts (blocks of 64 and 6 queries; one mask row both
+    share) in each mode with the prompt attention that `--threads 1` and `--threads 2` install, against
+    the lesson's: the same tokens, float64's logits bit for bit."""
     port = port_or_skip(name)
     config = llama_like(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=96)
     model = port.load_model(config, random_weights(config), dtype)
     prompts = random_prompts(config.vocab_size, 2, 70)  # [2, 70]
 
     def generate():
-        return port.generate(model, prompts, 4, "cached", return_logits=True)
+        return port.generate(model, prompts, 4, mode, return_logits=True)
 
     splitting.split_attention(None)
     tokens, logits = generate()

@@ -139,7 +139,7 @@ class PromptAttention:
         enable_gqa: bool = False,
         scale: float | None = None,
     ) -> np.ndarray:
-        """query [B, H, T, Dh] over key and value [B, Hkv, S, Dh] -> [B, H, T, Dh]; attn_mask [B, 1, T, S]."""
+        """query [B, H, T, Dh] over key and value [B, Hkv, S, Dh] -> [B, H, T, Dh]; attn_mask [B or 1, 1, T, S]."""
         B, H, T, Dh = query.shape
         Hkv, S = key.shape[1], key.shape[2]
         if (
@@ -152,6 +152,8 @@ class PromptAttention:
             return PLAIN_ATTENTION(query, key, value, attn_mask, enable_gqa, scale)
         G = H // Hkv
         scale = 1.0 / math.sqrt(Dh) if scale is None else scale
+        # [B, 1, T, S]: a batch with no padding shares one mask row ([1, 1, T, S]) that the lesson broadcasts
+        attn_mask = np.broadcast_to(attn_mask, (B, 1, T, S))
         ends = S - np.argmax(attn_mask[:, 0, :, ::-1], axis=-1)  # [B, T]: 1 + each query's last visible key
         blocks = [
             (b, h, a, min(a + QUERY_BLOCK, T), int(ends[b, a : a + QUERY_BLOCK].max()))
