@@ -4,6 +4,7 @@ The same names in every port (the contract: docs/PORTS.md); only the framework c
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
@@ -47,6 +48,54 @@ def exact(function: Callable[Params, Result]) -> Callable[Params, Result]:
             return function(*args, **kwargs)
 
     return scoped
+
+
+# XLA:CPU links each compiled kernel into pages of its own: three memory mappings a kernel, about
+# 1,500 for one SmolLM2 prompt length (its prefill and decode loop, a program each), and JAX's
+# in-memory cache keeps every program for good. Linux refuses a process more mappings than
+# vm.max_map_count (65,530 by default): a process that had generated from ~40 prompt lengths died
+# (LLVM's "Cannot allocate memory", then a segfault). Once a call finds the process past half the
+# limit it drops every compiled program first; the next calls load theirs again from the disk cache
+# (~1.5 s for SmolLM2's two). Counting the mappings reads /proc/self/maps (~1 ms a thousand), so a
+# call counts them only when a program was compiled or loaded since the last count.
+COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
+PROGRAMS_SINCE_COUNT = [0]
+PROGRAMS_LOCK = threading.Lock()
+
+
+def _count_programs(event: str, duration: float, **kwargs: Any) -> None:
+    if event in COMPILE_EVENTS:
+        PROGRAMS_SINCE_COUNT[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_programs)
+
+
+def map_limit() -> int | None:
+    """The most memory mappings Linux allows a process (None: not Linux, or not readable)."""
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as limit:
+            return int(limit.read(32))
+    except (OSError, ValueError):
+        return None
+
+
+def mappings() -> int:
+    with open("/proc/self/maps", "rb") as maps:
+        return maps.read().count(b"\n")
+
+
+def make_room_for_programs() -> bool:
+    """Drop every compiled program if the process holds more than half the mappings it may; True if so."""
+    with PROGRAMS_LOCK:
+        if not PROGRAMS_SINCE_COUNT[0]:
+            return False
+        PROGRAMS_SINCE_COUNT[0] = 0
+        limit = map_limit()
+        if limit is None or mappings() <= limit // 2:
+            return False
+        jax.clear_caches()
+        return True
 
 
 def versions() -> dict[str, str]:
@@ -203,6 +252,7 @@ def generate(
     """prompts [B, P] (PAD on the left of shorter rows) -> tokens [B, P + N] (PAD after a row
     stops) and step logits [B, steps, V]; on_token(token [B]) as each token reaches the host.
     generation: a GenerationConfig, or a number of greedy tokens."""
+    make_room_for_programs()
     prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), _inputs_sharding(model))  # [B, P]
     to_host = None if on_token is None else (lambda token: on_token(token.astype(np.int64)))
     with jax.default_device(_model_device(model)):
@@ -226,6 +276,7 @@ def generate_speculative(
 ) -> tuple[np.ndarray, dict[str, int]]:
     """The target's own tokens [B, P + N] from draft-and-verify rounds, and their counts. draft:
     a model loaded with load_model (same vocabulary), or None for prompt lookup of n-grams."""
+    make_room_for_programs()
     prompt = jax.device_put(np.asarray(prompts, dtype=np.int32), _inputs_sharding(model))  # [B, P]
     to_host = None if on_token is None else (lambda token: on_token(token.astype(np.int64)))
     with jax.default_device(_model_device(model)):
@@ -239,6 +290,7 @@ def generate_speculative(
 def forward_chunks(model: TinyModel, tokens: np.ndarray, chunk_sizes: Sequence[int]) -> np.ndarray:
     """Feed tokens [B, T] into one cache in chunks of the given sizes; the logits [B, T, V]."""
     chunk_sizes = check_chunk_sizes(chunk_sizes, np.shape(tokens)[1])
+    make_room_for_programs()
     tokens = jax.device_put(np.asarray(tokens, dtype=np.int32), _inputs_sharding(model))  # [B, T]
     model.eval()
     with jax.default_device(_model_device(model)):

@@ -109,3 +109,26 @@ def test_the_batching_engine_compiles_once_whatever_the_requests_sampling_values
     with counting_traces() as traces:
         run([0.9, 1.1, 1.3, 1.7])  # new values, the same shapes: no new compile
     assert traces == []
+
+
+def test_a_process_past_half_its_memory_mappings_drops_its_programs_and_answers_the_same(seed_model, monkeypatch):
+    """XLA:CPU maps pages of their own for each compiled kernel, and JAX keeps every program: a
+    process that had generated from ~40 SmolLM2 prompt lengths passed vm.max_map_count and died.
+    Past half the limit, a call drops every program first, then compiles its own again."""
+    prompts = np.zeros((1, 4), dtype=np.int64)
+    expected, _ = jax_port.generate(seed_model, prompts, 5, "cached")  # compiles: the next call counts
+    monkeypatch.setattr(jax_port, "map_limit", lambda: jax_port.mappings())  # the process is past half of it
+    with counting_traces() as traces:
+        tokens, _ = jax_port.generate(seed_model, prompts, 5, "cached")
+    assert traces  # its programs were dropped: the same shapes traced again
+    assert tokens.tolist() == expected.tolist()
+
+
+def test_the_mappings_are_counted_only_after_a_program_was_compiled(seed_model, monkeypatch):
+    prompts = np.zeros((1, 4), dtype=np.int64)
+    jax_port.generate(seed_model, prompts, 5, "cached")  # compiles (or loads from the disk cache)
+    counted = []
+    monkeypatch.setattr(jax_port, "mappings", lambda: counted.append(1) or 0)
+    jax_port.generate(seed_model, prompts, 5, "cached")  # counts once: the first call compiled
+    jax_port.generate(seed_model, prompts, 5, "cached")  # nothing compiled since: no count
+    assert counted == [1]
