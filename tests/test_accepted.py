@@ -123,6 +123,39 @@ def test_every_refused_format_is_one_line_before_anything_loads(
     assert str(raised.value) == refusal(framework, dtype, quant, (), API)
 
 
+# 40 tokens: past the 16 queries from which NumPy's prompt attention runs by blocks at any --threads
+LONG_PROMPTS = {
+    "equal": [[(7 * i) % 250 + 3 for i in range(40)], [(11 * i) % 250 + 3 for i in range(40)]],  # one mask row
+    "ragged": [[(13 * i) % 250 + 3 for i in range(40)], [(17 * i) % 250 + 3 for i in range(20)]],
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("framework", PORTS)
+def test_every_thread_count_answers_each_mode_and_batch_with_the_defaults_tokens(framework, threads, tiny_gguf):
+    """`threads=N` sets every framework's count and swaps kernels in (NumPy's prompt attention by
+    blocks, at any N): at 1 and 2 threads every mode answers two equal prompts (one mask row they
+    share) and a ragged pair with the tokens the frameworks' own counts give. (The products too small
+    to split here: tests/test_split_products.py.)"""
+    port_or_skip(framework)
+
+    def tokens(model: kvports.Model) -> dict[tuple[str, str], list[list[int]]]:
+        return {
+            (mode, shape): model.generate(
+                prompts,
+                new_tokens=NEW_TOKENS,
+                stop_ids=[],
+                mode=mode,
+                **({"draft": "ngram"} if mode == "speculative" else {}),
+            ).tokens
+            for mode in MODES
+            for shape, prompts in LONG_PROMPTS.items()
+        }
+
+    expected = tokens(kvports.load(framework, tiny_gguf))
+    assert tokens(kvports.load(framework, tiny_gguf, threads=threads)) == expected
+
+
 def batch_formats() -> list:
     return [
         pytest.param(framework, dtype, quant, id=f"{framework}-{dtype}-{quant}")
