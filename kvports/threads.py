@@ -13,7 +13,9 @@ other: torch ran 10-90x slower than with one thread. Each library takes the coun
   threads decoded faster (docs/BENCH.md). NumPy's prompt attention is switched here, once the
   NumPy port is loaded (numpy_impl/fast/cores.py's split_attention): at any count given, one included,
   a float32 prompt's attention runs by causal query blocks, skipping the keys a block never sees, on
-  every thread (without --threads, the lesson's attention).
+  every thread (without --threads, the lesson's attention). So is its one-row float32 product, where
+  numba is installed (numpy_impl/fast/row_loop.py): a compiled loop over the weight's rows, dealt across
+  the count given (without --threads, or without numba, OpenBLAS's).
 - JAX: its CPU client sizes its intra-op pool from NPROC when it starts (XLA's
   DefaultThreadPoolSize; XLA_FLAGS' `intra_op_parallelism_threads` is TensorFlow's option and
   changes nothing here). Measured in jax 0.10.2 on 2 CPUs: NPROC=1 gives the process 15 threads,
@@ -76,8 +78,10 @@ def use_threads(threads: int | None) -> None:
             pass
     if NUMPY_PORT in sys.modules:  # imported only with the port: its functional.py loads SciPy
         from kvports.numpy_impl.fast.cores import split_attention
+        from kvports.numpy_impl.fast.row_loop import install_row_products
 
         split_attention(threads)
+        install_row_products(threads)
 
 
 def settle_threads() -> None:

@@ -10,6 +10,7 @@ import numpy as np
 
 from kvports.numpy_impl import bandwidth, paged, speculative
 from kvports.numpy_impl.fast.layout import lay_out
+from kvports.numpy_impl.fast.row_loop import row_threads
 from kvports.numpy_impl.generate import generate_cached, generate_naive, prefill
 from kvports.numpy_impl.model import TinyModel, init_cache
 from kvports.numpy_impl.paged import init_block_pool as init_block_pool  # the contract's, as paged.py makes it
@@ -57,7 +58,9 @@ def load_model(
 
 
 def linear_route(dtype: str, quant: str, device: str) -> str:
-    return "blas"  # np.matmul: the BLAS NumPy was built with picks its own kernel for the CPU
+    # np.matmul: the BLAS NumPy was built with picks its own kernel for the CPU; at --threads, a
+    # float32 decode step's one-row products run numba's compiled loop where numba is installed
+    return "numba+blas" if dtype == "float32" and row_threads() else "blas"
 
 
 def generate(

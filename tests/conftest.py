@@ -85,7 +85,7 @@ from tests.helpers.ports import port_or_skip  # noqa: E402
 @pytest.fixture(autouse=True)
 def suite_threads():
     """A command run in this process with --threads sets the process's counts (use_threads: BLAS,
-    torch, NumPy's prompt attention) for good, as a command's process should; here the next test on
+    torch, NumPy's prompt attention and one-row products) for good, as a command's process should; here the next test on
     the worker must run as it would alone, so the suite's counts (the variables above) come back."""
     variables = {name: os.environ.get(name) for name in process_threads.THREAD_VARIABLES}
     yield
@@ -105,8 +105,10 @@ def suite_threads():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if process_threads.NUMPY_PORT in sys.modules:
         from kvports.numpy_impl.fast.cores import split_attention
+        from kvports.numpy_impl.fast.row_loop import install_row_products
 
         split_attention(None)
+        install_row_products(None)
 
 
 @pytest.fixture(params=PORTS)

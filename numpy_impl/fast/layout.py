@@ -6,7 +6,9 @@ its shape (measured at batch 1, 1 thread, 30 weights per shape; tools/profile_nu
 least as many outputs as inputs, weight.T contiguous ("F": ~1.3-2x on SmolLM2's qkv and gate/up,
 ~1.8x on its tied head, 49152 x 576); with more inputs than outputs (the down projection) the
 (out, in) rows ("C": ~1.05-1.1x). The rule is shared.shapes.stored_transposed: the load cache
-writes its matrices in the same order, so a model loaded from it copies nothing here.
+writes its matrices in the same order, so a model loaded from it copies nothing here. While numba's
+one-row products are installed (--threads, row_loop.py), every float32 matrix is kept in (out, in) order
+instead: its loop streams rows; a model loaded from the cache then copies its "F" matrices once.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from typing import Literal, TypeVar
 import numpy as np
 
 from kvports.numpy_impl import nn
+from kvports.numpy_impl.fast.row_loop import row_threads
 from kvports.shared.shapes import stored_transposed
 
 M = TypeVar("M", bound=nn.Module)
 
 
 def memory_order(weight: np.ndarray) -> Literal["C", "F"]:
-    """ "F" (weight.T contiguous) or "C" (the (out, in) rows), by the matrix's shape."""
+    """ "F" (weight.T contiguous) or "C" (the (out, in) rows), by the matrix's shape; "C" for a float32
+    matrix while numba's one-row products are installed (row_loop.py: its loop reads each row contiguously)."""
+    if weight.dtype == np.float32 and row_threads():
+        return "C"
     return "F" if stored_transposed(weight.shape) else "C"
 
 

@@ -1,0 +1,130 @@
+"""A decode step's one-row float32 products as a loop numba compiles, the weight's output rows dealt
+across the threads --threads gives: llama.cpp's way of using a second core, in NumPy's ecosystem.
+
+A decode step at batch 1 is one-row products, bound by how fast the weights stream from memory.
+OpenBLAS's one-row kernel (gemv) streamed SmolLM2's weights at 15-32 GB/s at 2 threads, and ran the
+576 x 576 product on one thread; handing pieces of a product to Python threads cost more than it
+saved (a thread wakes in tens of microseconds here). A loop compiled by numba, `prange` over blocks
+of output rows, each row's dot product in vector registers, streamed the same weights at 48-71 GB/s
+on 2 threads, and its threads wait for the next product spinning, not sleeping (docs/BENCH.md,
+"NumPy's one-row products compiled by numba").
+
+Numerics: each output is one weight row's dot product with the input, summed in the loop's vector
+lanes (LLVM may reassociate the sum and fuse multiply-adds: `fastmath={"reassoc", "contract"}`,
+with no assumption that values are finite, so an overflow still reaches the logits as inf or nan).
+- float32 logits move from OpenBLAS's by rounding, ~1e-6 of their size; the tokens keep agreeing
+  with the reference's as compare checks them.
+- Every thread count gives the same bits: a row is never split between threads.
+- float64 keeps OpenBLAS's products, so the ports' float64 agreement stays bit for bit.
+
+Where: a float32 input of one row (a batch-1 decode step) against a float32 weight. Prompts,
+batches of rows and float64 run the lesson's product. The loop reads each weight row contiguously,
+so while it is installed layout.py keeps every float32 matrix in its (out, in) order.
+
+numba is optional (`pip install 'kvports[fast]'`; `kvports[all]` has it): without it, or with a
+numba that does not import beside this NumPy, nothing is installed and OpenBLAS runs every product.
+`kvports.threads.use_threads` installs it at any count --threads gives; without --threads NumPy
+runs the lesson's products.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from kvports.numpy_impl import functional
+
+INSTALLED: list[RowProducts] = []  # the installed kernel, if any (one per process: the thread count is the process's)
+KERNELS: list[Callable[..., None]] = []  # the compiled loop, once a process has compiled or loaded it
+
+
+def compiled_loop() -> Callable[..., None] | None:
+    """The loop, compiled on first use (or loaded from numba's cache beside this file); None without numba."""
+    if KERNELS:
+        return KERNELS[0]
+    try:
+        import numba
+    except Exception:  # not installed, or built against another NumPy: OpenBLAS runs the products
+        return None
+
+    # weight [out, in] C-contiguous, x [in], y [out]; rows_each: ceil(out / blocks)
+    @numba.njit(
+        "void(float32[:, ::1], float32[::1], float32[::1], int64)",
+        parallel=True,
+        fastmath={"reassoc", "contract"},
+        cache=True,
+        nogil=True,
+    )
+    def row_products(weight: np.ndarray, x: np.ndarray, y: np.ndarray, blocks: int) -> None:
+        rows, width = weight.shape
+        rows_each = -(-rows // blocks)
+        for block in numba.prange(blocks):
+            for row in range(block * rows_each, min(rows, (block + 1) * rows_each)):
+                total = np.float32(0.0)
+                for k in range(width):
+                    total += weight[row, k] * x[k]
+                y[row] = total
+
+    KERNELS.append(row_products)
+    return row_products
+
+
+class RowProducts:
+    """functional.linear with a float32 one-row product run by the compiled loop on `threads` threads."""
+
+    def __init__(self, threads: int, loop: Callable[..., None], plain: Callable[..., np.ndarray]):
+        import numba
+
+        self.threads = threads
+        self.loop = loop
+        self.plain = plain  # the linear in place before: the lesson's
+        self.numba_threads = min(threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]  # its pool never grows
+        self.set_threads = numba.set_num_threads
+        self.get_threads = numba.get_num_threads
+        # One call at a time: numba's fallback threading layer (workqueue, where neither OpenMP nor TBB
+        # loads) aborts the process when two threads launch parallel loops at once.
+        self.lock = threading.Lock()
+
+    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        if (
+            x.dtype != np.float32
+            or weight.dtype != np.float32
+            or x.size != x.shape[-1]
+            or not weight.flags.c_contiguous
+        ):
+            return self.plain(x, weight, bias)
+        y = np.empty(weight.shape[0], dtype=np.float32)  # [out]
+        row = np.ascontiguousarray(x.reshape(-1))  # [in]
+        with self.lock:
+            if self.get_threads() != self.numba_threads:  # numba's count is each calling thread's own
+                self.set_threads(self.numba_threads)
+            self.loop(weight, row, y, self.threads)
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])  # [..., out]
+
+
+def install_row_products(threads: int | None) -> RowProducts | None:
+    """The compiled loop as every NumPy model's one-row float32 product, across `threads` blocks of
+    rows (None, or no numba: the product in place before, and None)."""
+    from kvports.numpy_impl.fast.cores import PLAIN_LINEAR
+
+    INSTALLED.clear()
+    if functional.linear is not PLAIN_LINEAR and not isinstance(
+        getattr(functional.linear, "__self__", None), RowProducts
+    ):
+        return None  # another split (cores.split_products, a tool's or a test's) owns the products: left to it
+    loop = compiled_loop() if threads is not None else None
+    if threads is None or loop is None:
+        functional.linear = PLAIN_LINEAR
+        return None
+    INSTALLED.append(RowProducts(threads, loop, PLAIN_LINEAR))
+    functional.linear = INSTALLED[0].linear
+    return INSTALLED[0]
+
+
+def row_threads() -> int:
+    """The blocks of rows a one-row float32 product is dealt into (0: OpenBLAS runs it)."""
+    return INSTALLED[0].threads if INSTALLED and functional.linear == INSTALLED[0].linear else 0
