@@ -77,11 +77,9 @@ def use_threads(threads: int | None) -> None:
         except RuntimeError:  # torch has already run parallel work: its inter-op pool is fixed
             pass
     if NUMPY_PORT in sys.modules:  # imported only with the port: its functional.py loads SciPy
-        from kvports.numpy_impl.fast.cores import split_attention
-        from kvports.numpy_impl.fast.row_loop import install_row_products
+        from kvports.numpy_impl.fast.cores import use_numpy_threads
 
-        split_attention(threads)
-        install_row_products(threads)
+        use_numpy_threads(threads)
 
 
 def settle_threads() -> None:

@@ -104,11 +104,9 @@ def suite_threads():
     if torch is not None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if process_threads.NUMPY_PORT in sys.modules:
-        from kvports.numpy_impl.fast.cores import split_attention
-        from kvports.numpy_impl.fast.row_loop import install_row_products
+        from kvports.numpy_impl.fast.cores import use_numpy_threads
 
-        split_attention(None)
-        install_row_products(None)
+        use_numpy_threads(None)
 
 
 @pytest.fixture(params=PORTS)
