@@ -77,7 +77,7 @@ def use_threads(threads: int | None) -> None:
         except RuntimeError:  # torch has already run parallel work: its inter-op pool is fixed
             pass
     if NUMPY_PORT in sys.modules:  # imported only with the port: its functional.py loads SciPy
-        from kvports.numpy_impl.fast.cores import use_numpy_threads
+        from kvports.numpy_impl.fast.row_loop import use_numpy_threads
 
         use_numpy_threads(threads)
 

@@ -104,7 +104,7 @@ def suite_threads():
     if torch is not None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if process_threads.NUMPY_PORT in sys.modules:
-        from kvports.numpy_impl.fast.cores import use_numpy_threads
+        from kvports.numpy_impl.fast.row_loop import use_numpy_threads
 
         use_numpy_threads(None)
 

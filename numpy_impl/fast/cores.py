@@ -234,16 +234,6 @@ def split_attention(threads: int | None) -> None:
     functional.scaled_dot_product_attention = PLAIN_ATTENTION if split is None else split.attention
 
 
-def use_numpy_threads(threads: int | None) -> None:
-    """Everything --threads changes in the NumPy port, for every model in this process: a prompt's
-    attention by causal blocks (`split_attention`) and a float32 decode step's one-row products as
-    numba's loop (row_loop.py); None: the lesson's attention and OpenBLAS's products."""
-    from kvports.numpy_impl.fast.row_loop import install_row_products
-
-    split_attention(threads)
-    install_row_products(threads)
-
-
 def split_threads() -> int:
     """The threads the products are split across (1: unsplit)."""
     return SPLIT[0].threads if SPLIT else 1

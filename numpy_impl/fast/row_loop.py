@@ -128,3 +128,13 @@ def install_row_products(threads: int | None) -> RowProducts | None:
 def row_threads() -> int:
     """The blocks of rows a one-row float32 product is dealt into (0: OpenBLAS runs it)."""
     return INSTALLED[0].threads if INSTALLED and functional.linear == INSTALLED[0].linear else 0
+
+
+def use_numpy_threads(threads: int | None) -> None:
+    """Everything --threads changes in the NumPy port, for every model in this process: a prompt's
+    attention by causal blocks (cores.split_attention) and a float32 decode step's one-row products as
+    this loop; None: the lesson's attention and OpenBLAS's products."""
+    from kvports.numpy_impl.fast.cores import split_attention
+
+    split_attention(threads)
+    install_row_products(threads)
