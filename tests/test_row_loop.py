@@ -74,9 +74,9 @@ def test_a_bias_is_added_after_the_loop(row_loop):
 
 
 @pytest.mark.parametrize(
-    "case", ["float64", "two rows", "a prompt's rows", "weight stored transposed", "float64 weight"]
+    "case", ["float64", "a prompt longer than FEW_ROWS", "weight stored transposed", "float64 weight"]
 )
-def test_everything_but_a_float32_row_against_a_row_ordered_weight_runs_the_lessons_product(row_loop, case):
+def test_float64_long_prompts_and_transposed_weights_run_the_lessons_product(row_loop, case):
     from kvports.numpy_impl.fast.cores import PLAIN_LINEAR
 
     rng = np.random.default_rng(3)
@@ -84,15 +84,42 @@ def test_everything_but_a_float32_row_against_a_row_ordered_weight_runs_the_less
     x = rng.standard_normal((1, 64), dtype=np.float32)
     if case == "float64":
         x, weight = x.astype(np.float64), weight.astype(np.float64)
-    elif case == "two rows":
-        x = rng.standard_normal((2, 1, 64), dtype=np.float32)  # [B, 1, in]: a batch's decode step
-    elif case == "a prompt's rows":
-        x = rng.standard_normal((1, 9, 64), dtype=np.float32)  # [1, T, in]
+    elif case == "a prompt longer than FEW_ROWS":
+        x = rng.standard_normal((1, row_loop.FEW_ROWS + 1, 64), dtype=np.float32)  # [1, T, in]
     elif case == "weight stored transposed":
         weight = np.asfortranarray(weight)  # weight.T contiguous: OpenBLAS's order for this shape
     else:
         weight = weight.astype(np.float64)
     np.testing.assert_array_equal(installed_product(row_loop, 2)(x, weight), PLAIN_LINEAR(x, weight))
+
+
+# [B, T, in]: a batch's decode step, short prompts
+@pytest.mark.parametrize("shape", [(2, 1, 576), (1, 5, 576), (3, 1, 1536), (1, 8, 576)])
+def test_up_to_loop_rows_each_row_gets_its_own_one_row_products_bits(row_loop, shape):
+    rng = np.random.default_rng(6)
+    weight = rng.standard_normal((960, shape[-1]), dtype=np.float32)  # [out, in]
+    x = rng.standard_normal(shape, dtype=np.float32)
+    assert shape[0] * shape[1] <= row_loop.LOOP_ROWS
+    product = installed_product(row_loop, 2)
+    got = product(x, weight)  # [B, T, out]
+    alone = np.stack([product(row[None], weight)[0] for row in x.reshape(-1, shape[-1])])  # [B T, out], a row at a time
+    np.testing.assert_array_equal(got.reshape(-1, weight.shape[0]), alone)
+
+
+@pytest.mark.parametrize("rows", [9, 64])
+def test_a_few_rows_give_openblas_products_to_float32_rounding_in_row_order(row_loop, rows):
+    # Which operand order OpenBLAS gets is a matter of speed (docs/BENCH.md); the values stay its products.
+    from kvports.numpy_impl.fast.cores import PLAIN_LINEAR
+
+    rng = np.random.default_rng(7)
+    weight = rng.standard_normal((960, 576), dtype=np.float32)  # [out, in]
+    bias = rng.standard_normal(960, dtype=np.float32)
+    x = rng.standard_normal((1, rows, 576), dtype=np.float32)  # [1, T, in]: a short prompt
+    assert row_loop.LOOP_ROWS < rows <= row_loop.FEW_ROWS
+    got = installed_product(row_loop, 2)(x, weight, bias)
+    expected = PLAIN_LINEAR(x, weight, bias)  # [1, T, out]
+    assert got.shape == expected.shape and got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_allclose(got, expected, rtol=0, atol=4e-6 * np.sqrt(576))
 
 
 def test_an_overflow_still_reaches_the_output(row_loop):

@@ -17,9 +17,11 @@ with no assumption that values are finite, so an overflow still reaches the logi
 - Every thread count gives the same bits: a row is never split between threads.
 - float64 keeps OpenBLAS's products, so the ports' float64 agreement stays bit for bit.
 
-Where: a float32 input of one row (a batch-1 decode step) against a float32 weight. Prompts,
-batches of rows and float64 run the lesson's product. The loop reads each weight row contiguously,
-so while it is installed layout.py keeps every float32 matrix in its (out, in) order.
+Where: a float32 input of up to LOOP_ROWS rows (a decode step, a small batch's) against a float32
+weight. The loop reads each weight row contiguously, so while it is installed layout.py keeps every
+float32 matrix in its (out, in) order. Up to FEW_ROWS rows (a short prompt) then run as OpenBLAS's
+weight @ x.T, the order it is fast in for weights laid out so; longer prompts and float64 run the
+lesson's product.
 
 numba is optional (`pip install 'kvports[fast]'`; `kvports[all]` has it): without it, or with a
 numba that does not import beside this NumPy, nothing is installed and OpenBLAS runs every product.
@@ -29,6 +31,7 @@ runs the lesson's products.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 
@@ -38,6 +41,17 @@ from kvports.numpy_impl import functional
 
 INSTALLED: list[RowProducts] = []  # the installed kernel, if any (one per process: the thread count is the process's)
 KERNELS: list[Callable[..., None]] = []  # the compiled loop, once a process has compiled or loaded it
+# Rows of input a product runs in the loop: each weight row, once read, meets every input row while it
+# is in cache. Each product alone, at 1 and 2 threads, the loop took 0.3-1.1x OpenBLAS's time up to 5
+# rows and 0.7-1.4x at 8. In a run it did better than that: a 5-token prompt's first token took 47-49 ms
+# at 1 thread and 35 ms at 2 with 8 rows here, 77-80 and 58-62 with 4 (81-88 and 50-53 on OpenBLAS
+# alone, numba hidden; docs/BENCH.md). Presumably OpenBLAS's threads, run right after a decode step,
+# wait on the loop's threads, still spinning: one pool for a short prompt avoids that.
+LOOP_ROWS = 8
+# Up to this many rows against a weight laid out by rows run as OpenBLAS's weight @ x.T, measured faster
+# than the lesson's x @ weight.T there; a longer prompt's products took the same either way, and the
+# transposed result's copy would cost more than the order saves.
+FEW_ROWS = 64
 
 
 def compiled_loop() -> Callable[..., None] | None:
@@ -49,9 +63,9 @@ def compiled_loop() -> Callable[..., None] | None:
     except Exception:  # not installed, or built against another NumPy: OpenBLAS runs the products
         return None
 
-    # weight [out, in] C-contiguous, x [in], y [out]; rows_each: ceil(out / blocks)
+    # weight [out, in] C-contiguous, x [R, in], y [R, out]; rows_each: ceil(out / blocks)
     @numba.njit(
-        "void(float32[:, ::1], float32[::1], float32[::1], int64)",
+        "void(float32[:, ::1], float32[:, ::1], float32[:, ::1], int64)",
         parallel=True,
         fastmath={"reassoc", "contract"},
         cache=True,
@@ -62,17 +76,18 @@ def compiled_loop() -> Callable[..., None] | None:
         rows_each = -(-rows // blocks)
         for block in numba.prange(blocks):
             for row in range(block * rows_each, min(rows, (block + 1) * rows_each)):
-                total = np.float32(0.0)
-                for k in range(width):
-                    total += weight[row, k] * x[k]
-                y[row] = total
+                for r in range(x.shape[0]):  # every input row against this weight row, read once from memory
+                    total = np.float32(0.0)
+                    for k in range(width):
+                        total += weight[row, k] * x[r, k]
+                    y[r, row] = total
 
     KERNELS.append(row_products)
     return row_products
 
 
 class RowProducts:
-    """functional.linear with a float32 one-row product run by the compiled loop on `threads` threads."""
+    """functional.linear with a float32 product of up to LOOP_ROWS rows run by the loop on `threads` threads."""
 
     def __init__(self, threads: int, loop: Callable[..., None], plain: Callable[..., np.ndarray]):
         import numba
@@ -88,19 +103,28 @@ class RowProducts:
         self.lock = threading.Lock()
 
     def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        if (
-            x.dtype != np.float32
-            or weight.dtype != np.float32
-            or x.size != x.shape[-1]
-            or not weight.flags.c_contiguous
-        ):
+        count = math.prod(x.shape[:-1])  # R: the rows of input
+        if x.dtype != np.float32 or weight.dtype != np.float32 or not weight.flags.c_contiguous or count > FEW_ROWS:
             return self.plain(x, weight, bias)
-        y = np.empty(weight.shape[0], dtype=np.float32)  # [out]
-        row = np.ascontiguousarray(x.reshape(-1))  # [in]
+        if count > LOOP_ROWS:
+            return self.few_rows(x, weight, bias)
+        y = np.empty((count, weight.shape[0]), dtype=np.float32)  # [R, out]
+        rows = np.ascontiguousarray(x.reshape(count, x.shape[-1]))  # [R, in]
         with self.lock:
             if self.get_threads() != self.numba_threads:  # numba's count is each calling thread's own
                 self.set_threads(self.numba_threads)
-            self.loop(weight, row, y, self.threads)
+            self.loop(weight, rows, y, self.threads)
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])  # [..., out]
+
+    def few_rows(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        """A short prompt's rows against a weight laid out by rows: OpenBLAS's product with the
+        weight as the left operand, weight [out, in] @ x.T [in, R]. The lesson's x @ weight.T over
+        these rows took up to 1.3x as long at 2-16 rows on SmolLM2's shapes (OpenBLAS's kernel for
+        a transposed right operand at few rows; docs/BENCH.md)."""
+        rows = x.reshape(-1, x.shape[-1])  # [R, in]
+        y = np.ascontiguousarray((weight @ rows.T).T)  # [R, out]: the copy is R x out, small at R <= FEW_ROWS
         if bias is not None:
             y += bias
         return y.reshape(*x.shape[:-1], weight.shape[0])  # [..., out]
