@@ -42,9 +42,9 @@ from kvports.numpy_impl import functional
 INSTALLED: list[RowProducts] = []  # the installed kernel, if any (one per process: the thread count is the process's)
 KERNELS: list[Callable[..., None]] = []  # the compiled loop, once a process has compiled or loaded it
 # Rows of input a product runs in the loop: each weight row, once read, meets every input row while it
-# is in cache. Each product alone, at 1 and 2 threads, the loop took 0.3-1.1x OpenBLAS's time up to 5
-# rows and 0.7-1.4x at 8. In a run it did better than that: a 5-token prompt's first token took 47-49 ms
-# at 1 thread and 35 ms at 2 with 8 rows here, 77-80 and 58-62 with 4 (81-88 and 50-53 on OpenBLAS
+# is in cache. Each product alone, at 1 and 2 threads, the loop took 0.3-1.2x OpenBLAS's time up to 5
+# rows and 0.9-1.3x at 8. In a run it did better than that: a 5-token prompt's first token took 47-49 ms
+# at 1 thread and 35 ms at 2 with 8 rows here, 77-81 and 56-62 with 4 (75-88 and 47-53 on OpenBLAS
 # alone, numba hidden; docs/BENCH.md). Presumably OpenBLAS's threads, run right after a decode step,
 # wait on the loop's threads, still spinning: one pool for a short prompt avoids that.
 LOOP_ROWS = 8
