@@ -5,6 +5,7 @@ OpenBLAS's products without numba."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -203,3 +204,27 @@ def test_without_numba_openblas_runs_every_product(monkeypatch):
         assert numpy_port.linear_route("float32", "none", "cpu") == "blas"
     finally:
         row_loop.install_row_products(None)
+
+
+def test_an_avx2_only_cpu_gets_a_loop_compiled_for_avx2(tmp_path):
+    # KVPORTS_CPU=avx2 stands for an AVX2 machine (shared/cpu.py): the loop must not use AVX-512's registers there.
+    port_or_skip("numpy")
+    pytest.importorskip("numba")
+    import platform
+    import subprocess
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("AVX2 is an x86-64 instruction set")
+    script = (
+        "from kvports.numpy_impl.fast import row_loop\n"
+        "loop = row_loop.compiled_loop()\n"
+        "import numba\n"
+        "print(numba.config.CPU_NAME)\n"
+        "print('zmm' in loop.inspect_asm(loop.signatures[0]))\n"
+    )
+    env = {**os.environ, "KVPORTS_CPU": "avx2", "NUMBA_CACHE_DIR": str(tmp_path)}
+    env.pop("NUMBA_CPU_NAME", None)
+    env.pop("NUMBA_CPU_FEATURES", None)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["haswell", "False"]

@@ -32,12 +32,16 @@ runs the lesson's products.
 from __future__ import annotations
 
 import math
+import os
+import platform
+import sys
 import threading
 from collections.abc import Callable
 
 import numpy as np
 
 from kvports.numpy_impl import functional
+from kvports.shared import cpu
 
 INSTALLED: list[RowProducts] = []  # the installed kernel, if any (one per process: the thread count is the process's)
 KERNELS: list[Callable[..., None]] = []  # the compiled loop, once a process has compiled or loaded it
@@ -52,12 +56,22 @@ LOOP_ROWS = 8
 # than the lesson's x @ weight.T there; a longer prompt's products took the same either way, and the
 # transposed result's copy would cost more than the order saves.
 FEW_ROWS = 64
+NUMBA_CPU_VARIABLE = "NUMBA_CPU_NAME"  # the CPU numba compiles for (unset: this one)
+NUMBA_FEATURES_VARIABLE = "NUMBA_CPU_FEATURES"  # instructions added to that CPU's (unset: this CPU's own)
+AVX2_CPU = "haswell"  # LLVM's name for the first x86-64 CPU with AVX2 and FMA, and no AVX-512
+X86 = ("x86_64", "amd64")  # platform.machine(), lowered, where that name means anything
 
 
 def compiled_loop() -> Callable[..., None] | None:
     """The loop, compiled on first use (or loaded from numba's cache beside this file); None without numba."""
     if KERNELS:
         return KERNELS[0]
+    if cpu.forced() == "avx2" and platform.machine().lower() in X86 and "numba" not in sys.modules:
+        # numba compiles for this CPU's own instructions; an AVX2-only CPU's loop (KVPORTS_CPU, shared/cpu.py)
+        # is compiled for Haswell's alone, read when numba is imported (its cache keeps each target apart).
+        # Without the empty feature list, numba adds this CPU's own features (AVX-512) to the name's.
+        os.environ.setdefault(NUMBA_CPU_VARIABLE, AVX2_CPU)
+        os.environ.setdefault(NUMBA_FEATURES_VARIABLE, "")
     try:
         import numba
     except Exception:  # not installed, or built against another NumPy: OpenBLAS runs the products
