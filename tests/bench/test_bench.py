@@ -941,3 +941,18 @@ def test_a_terminated_thread_list_leaves_no_child_running():
         for child in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("threads", "tg", "met"), [(1, 1.1, False), (None, 1.1, False), (2, 1.1, True), (2, 1.2, False)]
+)
+def test_float32_tg_may_take_1_15x_the_peers_time_at_two_threads_or_more(threads, tg, met):
+    # issue 46: given a second core, within 1.15x of llama.cpp F32's time per token; at one thread, at or below it
+    rows = [
+        peer_row("numpy", "float32", threads, 100.0 / tg, 400.0),
+        peer_row("llama.cpp", "F32", threads, 100.0, 400.0),
+    ]
+    add_peer_ratios(rows)
+    (found,) = [t for t in peer_targets(rows) if t["target"].startswith("numpy float32 tg")]
+    assert found["value"] == pytest.approx(tg) and found["met"] is met
+    assert found["threshold"] == (1.15 if threads == 2 else 1.0)
