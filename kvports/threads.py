@@ -13,7 +13,7 @@ other: torch ran 10-90x slower than with one thread. Each library takes the coun
   threads decoded faster (docs/BENCH.md). NumPy's prompt attention is switched here, once the
   NumPy port is loaded (numpy_impl/fast/cores.py's split_attention): at any count given, one included,
   a float32 prompt's attention runs by causal query blocks, skipping the keys a block never sees, on
-  every thread (without --threads, the lesson's attention). So is its one-row float32 product, where
+  every thread (without --threads, the lesson's attention). So are its float32 decode products, where
   numba is installed (numpy_impl/fast/row_loop.py): a compiled loop over the weight's rows, dealt across
   the count given (without --threads, or without numba, OpenBLAS's).
 - JAX: its CPU client sizes its intra-op pool from NPROC when it starts (XLA's

@@ -1,4 +1,4 @@
-"""NumPy's one-row float32 products as numba's compiled loop (numpy_impl/fast/row_loop.py): OpenBLAS's
+"""NumPy's float32 decode products as numba's compiled loop (numpy_impl/fast/row_loop.py): OpenBLAS's
 products to float32 rounding at every shape, the same bits at every thread count, the lesson's own
 product for everything else, installed by --threads with every float32 weight laid out by rows, and
 OpenBLAS's products without numba."""

@@ -1,4 +1,4 @@
-"""A decode step's one-row float32 products as a loop numba compiles, the weight's output rows dealt
+"""A decode step's float32 products as a loop numba compiles, the weight's output rows dealt
 across the threads --threads gives: llama.cpp's way of using a second core, in NumPy's ecosystem.
 
 A decode step at batch 1 is one-row products, bound by how fast the weights stream from memory.
@@ -120,33 +120,32 @@ class RowProducts:
         count = math.prod(x.shape[:-1])  # R: the rows of input
         if x.dtype != np.float32 or weight.dtype != np.float32 or not weight.flags.c_contiguous or count > FEW_ROWS:
             return self.plain(x, weight, bias)
-        if count > LOOP_ROWS:
-            return self.few_rows(x, weight, bias)
-        y = np.empty((count, weight.shape[0]), dtype=np.float32)  # [R, out]
-        rows = np.ascontiguousarray(x.reshape(count, x.shape[-1]))  # [R, in]
+        rows = x.reshape(count, x.shape[-1])  # [R, in]
+        y = self.in_loop(rows, weight) if count <= LOOP_ROWS else self.weight_first(rows, weight)  # [R, out]
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])  # [..., out]
+
+    def in_loop(self, rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """rows [R, in] against weight [out, in] by the compiled loop -> [R, out]."""
+        y = np.empty((rows.shape[0], weight.shape[0]), dtype=np.float32)  # [R, out]
         with self.lock:
             if self.get_threads() != self.numba_threads:  # numba's count is each calling thread's own
                 self.set_threads(self.numba_threads)
-            self.loop(weight, rows, y, self.threads)
-        if bias is not None:
-            y += bias
-        return y.reshape(*x.shape[:-1], weight.shape[0])  # [..., out]
+            self.loop(weight, np.ascontiguousarray(rows), y, self.threads)
+        return y
 
-    def few_rows(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-        """A short prompt's rows against a weight laid out by rows: OpenBLAS's product with the
-        weight as the left operand, weight [out, in] @ x.T [in, R]. The lesson's x @ weight.T over
-        these rows took up to 1.3x as long at 2-16 rows on SmolLM2's shapes (OpenBLAS's kernel for
-        a transposed right operand at few rows; docs/BENCH.md)."""
-        rows = x.reshape(-1, x.shape[-1])  # [R, in]
-        y = np.ascontiguousarray((weight @ rows.T).T)  # [R, out]: the copy is R x out, small at R <= FEW_ROWS
-        if bias is not None:
-            y += bias
-        return y.reshape(*x.shape[:-1], weight.shape[0])  # [..., out]
+    def weight_first(self, rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """A short prompt's rows [R, in] against a weight laid out by rows, as OpenBLAS's product with
+        the weight on the left, weight [out, in] @ rows.T [in, R] -> [R, out]. The lesson's
+        x @ weight.T over these rows took up to 1.3x as long at 2-16 rows on SmolLM2's shapes
+        (OpenBLAS's kernel for a transposed right operand at few rows; docs/BENCH.md)."""
+        return np.ascontiguousarray((weight @ rows.T).T)  # [R, out]: the copy is R x out, small at R <= FEW_ROWS
 
 
 def install_row_products(threads: int | None) -> RowProducts | None:
-    """The compiled loop as every NumPy model's one-row float32 product, across `threads` blocks of
-    rows (None, or no numba: the product in place before, and None)."""
+    """The compiled loop as every NumPy model's float32 product of up to FEW_ROWS rows, across `threads`
+    blocks of rows (None, or no numba: the product in place before, and None)."""
     from kvports.numpy_impl.fast.cores import PLAIN_LINEAR
 
     INSTALLED.clear()
@@ -164,14 +163,14 @@ def install_row_products(threads: int | None) -> RowProducts | None:
 
 
 def row_threads() -> int:
-    """The blocks of rows a one-row float32 product is dealt into (0: OpenBLAS runs it)."""
+    """The blocks of rows a float32 decode step's product is dealt into (0: OpenBLAS runs it)."""
     return INSTALLED[0].threads if INSTALLED and functional.linear == INSTALLED[0].linear else 0
 
 
 def use_numpy_threads(threads: int | None) -> None:
     """Everything --threads changes in the NumPy port, for every model in this process: a prompt's
-    attention by causal blocks (cores.split_attention) and a float32 decode step's one-row products as
-    this loop; None: the lesson's attention and OpenBLAS's products."""
+    attention by causal blocks (cores.split_attention) and a float32 decode step's products as this
+    loop; None: the lesson's attention and OpenBLAS's products."""
     from kvports.numpy_impl.fast.cores import split_attention
 
     split_attention(threads)
