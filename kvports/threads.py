@@ -7,8 +7,10 @@ other: torch ran 10-90x slower than with one thread. Each library takes the coun
   OMP_NUM_THREADS for a torch not yet imported.
 - NumPy: its BLAS (OpenBLAS, loaded with NumPy, long before any flag is read) through threadpoolctl,
   which changes a loaded BLAS's count. OPENBLAS/MKL/OMP_NUM_THREADS reach child processes.
-- torch's decode products are split by output rows across torch's own thread count
-  (torch_impl/fast/cores.py, one torch.bmm a product): MKL runs a one-row product on one thread.
+- torch's decode products: MKL runs a one-row product on one thread. At any count --threads gives, once
+  the torch port is loaded, a float32 product of up to 8 rows runs a C++ loop over the weight's rows on
+  torch's OpenMP threads (torch_impl/fast/row_loop.py, where it builds); otherwise a large one is split
+  by output rows across torch's own thread count (torch_impl/fast/cores.py, one torch.bmm a product).
   NumPy's product split (a pool of Python threads) is not used: on an idle machine OpenBLAS's own
   threads decoded faster (docs/BENCH.md). NumPy's prompt attention is switched here, once the
   NumPy port is loaded (numpy_impl/fast/cores.py's split_attention): at any count given, one included,
@@ -33,6 +35,7 @@ from kvports.shared.checks import COMMAND_LINE, Names, check_range
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NPROC")
 NUMPY_PORT = "kvports.numpy_impl.port"  # registry.MODULES' NumPy port
+TORCH_PORT = "kvports.torch_impl.port"  # and its torch port
 OVERSUBSCRIBE = 4  # more threads than CPUs only wait for each other; past a few times that is a typo
 
 
@@ -76,6 +79,10 @@ def use_threads(threads: int | None) -> None:
             torch.set_num_interop_threads(threads)
         except RuntimeError:  # torch has already run parallel work: its inter-op pool is fixed
             pass
+    if TORCH_PORT in sys.modules:  # a torch model loaded after this keeps its float32 rows for the loop
+        from kvports.torch_impl.fast.row_loop import install_row_products
+
+        install_row_products(threads)
     if NUMPY_PORT in sys.modules:  # imported only with the port: its functional.py loads SciPy
         from kvports.numpy_impl.fast.row_loop import use_numpy_threads
 

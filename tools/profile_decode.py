@@ -79,13 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16, help="decode steps per round (default 16)")
     parser.add_argument("--torch-profile", action="store_true", help="also torch.profiler's table for each mode")
     parser.add_argument("--modules", action="store_true", help="also each kind of module's ms a step, by hooks")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="as kvports --threads: the count, and float32's row loop (default: none)",
+    )
     args = parser.parse_args(argv)
+    from kvports.threads import settle_threads, use_threads
+
+    use_threads(args.threads)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from kvports.formats.weights import open_weights
     from kvports.hub import model_path
     from kvports.torch_impl import port
+
+    settle_threads()  # with --threads, the row loop is installed now that the port is loaded
 
     modes = [tuple(mode.split(":")) for mode in args.modes.split(",")]
     with open_weights(model_path("smollm2")) as file:

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from kvports.shared import cpu
 from kvports.shared.shapes import stored_transposed
-from kvports.torch_impl.fast import cores, untie_head
+from kvports.torch_impl.fast import row_loop, untie_head
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _onednn_linear = torch.ops.mkldnn._linear_pointwise if ONEDNN else None
@@ -57,19 +57,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     eager_cpu = x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
     if packs and _onednn_linear is not None and eager_cpu and x.dtype == torch.bfloat16:
         return _onednn_linear(x, packed(weight), bias, "none", [], "")  # [..., out]: no fused activation
-    # float32: MKL's sgemm, in either layout without a copy; a large one-row product split across torch's threads
-    return cores.linear(x, weight, bias)  # [..., out]
+    # float32: the row loop where --threads installed it (row_loop.py); else MKL's sgemm, in either layout
+    # without a copy, a large one-row product split across torch's threads (cores.py)
+    return row_loop.linear(x, weight, bias)  # [..., out]
 
 
 def transpose_weights(model: nn.Module) -> nn.Module:
     """Each Linear's float32 weight in the layout MKL streams faster (`stored_transposed`): the same
     [out, in] tensor, laid out [in, out] or kept as its rows; a copy only where the loaded layout is
     the other one (none from the load cache, which stores them so). A head over the embedding's
-    weight is laid out with it: the lookup then reads a strided row, one token's cost."""
+    weight is laid out with it: the lookup then reads a strided row, one token's cost. While the row
+    loop is installed (--threads, row_loop.py), every float32 matrix keeps its rows: the loop streams them."""
+    by_rows = row_loop.row_threads() > 0
     for module in model.modules():
         weight = module.weight if isinstance(module, nn.Linear) else None
         if weight is not None and weight.dtype == torch.float32 and weight.is_cpu:
-            if stored_transposed(tuple(weight.shape)):
+            if stored_transposed(tuple(weight.shape)) and not by_rows:
                 weight.data = weight.data.t().contiguous().t()  # [out, in], laid out [in, out]
             else:
                 weight.data = weight.data.contiguous()  # [out, in] rows
@@ -111,4 +114,6 @@ def linear_route(dtype: str, quant: str, device: str) -> str:
         return {"int8": "int8pack", "q4": "int4pack"}[quant]  # fast/quant.py's kernels (any x86 CPU)
     if dtype == "bfloat16":
         return "onednn" if packed_bfloat16() else "plain"  # plain: F.linear's own bfloat16 loop
-    return "mkl" if torch.backends.mkl.is_available() else "blas"  # F.linear's gemm
+    blas = "mkl" if torch.backends.mkl.is_available() else "blas"  # F.linear's gemm
+    # at --threads, a float32 decode step's products run row_loop.py's loop
+    return f"loop+{blas}" if dtype == "float32" and row_loop.row_threads() else blas

@@ -1,0 +1,164 @@
+"""A decode step's float32 products as a C++ loop over the weight's rows, on torch's own threads:
+llama.cpp's way of using a second core, in torch's idiom (a C++ extension that torch's cpp_extension
+builds, run on torch's OpenMP pool). The NumPy port's row_loop.py is the same loop, compiled by numba.
+
+A decode step at batch 1 is one-row products, bound by how fast the weights stream from memory.
+MKL's one-row sgemm ran each product on one thread, and the bmm split (cores.py) streamed SmolLM2's
+weights at 11-30 GB/s on 2 threads. This loop (row_loop.cpp) deals each weight's output rows across
+the threads in contiguous blocks, each row's dot product whole, in vector registers: on the same
+shapes at 2 threads it took 0.3-0.7x the split's time (docs/BENCH.md, "torch's products as a C++
+loop"). It is built once per CPU into torch's extensions directory (TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions) in under a second, and needs a C++ compiler with OpenMP and ninja (the
+`fast` extra installs ninja): without them, or where the build fails, nothing is installed and the
+products run as before.
+
+Numerics: float32 outputs move from MKL's by rounding, ~1e-6 of their size (the sum is reassociated
+in vector lanes); every thread count gives the same bits, since a row is never split between threads.
+float64 keeps MKL's products, so the ports' float64 agreement stays bit for bit.
+
+Where: an eager float32 input of up to LOOP_ROWS rows (a decode step, a small batch's, a very short
+prompt) against a float32 weight laid out by rows. While the loop is installed onednn.transpose_weights
+lays every float32 matrix out so; longer prompts run MKL's product from that layout (cores.linear).
+`kvports.threads.use_threads` installs it at any count --threads gives, as it does the NumPy port's
+loop; without --threads the products run MKL's and the bmm split, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvports.shared import cpu
+from kvports.torch_impl.fast import cores
+
+INSTALLED: list[RowProducts] = []  # the installed loop, if any (one per process: the thread count is the process's)
+KERNELS: list[Callable[..., None]] = []  # the built loop, once a process has built or loaded it
+FAILED: list[str] = []  # why the build failed, once it has: not tried again in this process
+SOURCE = Path(__file__).with_name("row_loop.cpp")
+# Rows of input a product runs in the loop: each weight row, once read, meets every input row while it is in
+# cache. NumPy's loop took 0.3-1.2x OpenBLAS's time up to 5 rows and 0.9-1.3x at 8 (docs/BENCH.md); the same count here.
+LOOP_ROWS = 8
+AVX2_CPU = "haswell"  # GCC's name for the first x86-64 CPU with AVX2 and FMA, and no AVX-512
+X86 = ("x86_64", "amd64")  # platform.machine(), lowered, where -march names a CPU
+
+
+def build_target() -> tuple[str, list[str]]:
+    """The build's name and the flags naming its CPU. A build for this CPU's own instructions is named
+    by them, so that a home directory shared by machines with other CPUs never loads another's; under
+    KVPORTS_CPU=avx2 (shared/cpu.py) an x86-64 build is for Haswell's instructions alone."""
+    x86 = platform.machine().lower() in X86
+    if x86 and cpu.forced() == "avx2":
+        return AVX2_CPU, [f"-march={AVX2_CPU}"]
+    flags = hashlib.sha256(" ".join(sorted(cpu.native_flags())).encode()).hexdigest()[:12]
+    return f"native_{flags}", ["-march=native" if x86 else "-mcpu=native"]
+
+
+def compiled_loop() -> Callable[..., None] | None:
+    """The loop, built on first use (or loaded from an earlier build); None where it cannot be built."""
+    if KERNELS:
+        return KERNELS[0]
+    if FAILED:
+        return None
+    target, march = build_target()
+    path_before = os.environ.get("PATH", "")
+    try:
+        from torch.utils.cpp_extension import load
+
+        try:  # pip's ninja (the `fast` extra): its binary is on PATH only in an activated virtualenv
+            import ninja
+
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path_before])
+        except ImportError:  # a ninja of the system's, if any
+            pass
+        with warnings.catch_warnings():  # cpp_extension's notes on the compiler's version are not the user's concern
+            warnings.simplefilter("ignore")
+            path = load(
+                name=f"kvports_row_loop_{target}",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", *march, "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+        function = ctypes.CDLL(str(path)).row_products
+    except Exception as error:  # no compiler, no ninja, no OpenMP, no setuptools: the products stay MKL's
+        FAILED.append(f"{type(error).__name__}: {error}".splitlines()[0])
+        return None
+    finally:
+        os.environ["PATH"] = path_before
+    function.restype = None
+    # weight, x, y pointers; rows, width, count, blocks
+    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+    KERNELS.append(function)
+    return function
+
+
+class RowProducts:
+    """onednn.linear's float32 product of up to LOOP_ROWS rows run by the loop on `threads` threads."""
+
+    def __init__(self, threads: int, loop: Callable[..., None]):
+        self.threads = threads
+        self.loop = loop
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        count = x.numel() // max(1, x.shape[-1])  # R: the rows of input
+        plain = (
+            x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or not (x.is_cpu and weight.is_cpu)
+            or weight.dim() != 2
+            or weight.shape[1] != x.shape[-1]  # F.linear names the mismatch; the loop would read past the weight
+            or not weight.is_contiguous()
+            or count > LOOP_ROWS
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+        )
+        if plain:
+            return cores.linear(x, weight, bias)  # [..., out]
+        y = self.in_loop(x.reshape(count, x.shape[-1]), weight)  # [R, out]
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])  # [..., out]
+
+    def in_loop(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """rows [R, in] against weight [out, in] by the loop -> [R, out]."""
+        rows = rows.contiguous()
+        y = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)  # [R, out]
+        self.loop(
+            weight.data_ptr(),
+            rows.data_ptr(),
+            y.data_ptr(),
+            weight.shape[0],
+            weight.shape[1],
+            rows.shape[0],
+            self.threads,
+        )
+        return y
+
+
+def install_row_products(threads: int | None) -> RowProducts | None:
+    """The loop as every torch model's eager float32 product of up to LOOP_ROWS rows, across `threads`
+    blocks of rows (None, or no loop built: the products in place before, and None)."""
+    INSTALLED.clear()
+    loop = compiled_loop() if threads is not None else None
+    if threads is None or loop is None:
+        return None
+    INSTALLED.append(RowProducts(threads, loop))
+    return INSTALLED[0]
+
+
+def row_threads() -> int:
+    """The blocks of rows a float32 decode step's product is dealt into (0: MKL and the bmm split run it)."""
+    return INSTALLED[0].threads if INSTALLED else 0
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for float32: x [..., in], weight [out, in] -> [..., out], by the loop where installed."""
+    return INSTALLED[0].linear(x, weight, bias) if INSTALLED else cores.linear(x, weight, bias)
