@@ -315,6 +315,8 @@ def test_an_avx2_only_cpu_gets_torchs_loop_built_for_avx2(tmp_path, monkeypatch)
     x86_only()
     from kvports.torch_impl.fast import row_loop
 
+    if row_loop.compiled_loop() is None:
+        pytest.skip(f"torch's row loop was not built here: {row_loop.FAILED[:1]}")
     monkeypatch.setenv("KVPORTS_CPU", "avx2")
     assert row_loop.build_target() == ("haswell", ["-march=haswell"])
     monkeypatch.delenv("KVPORTS_CPU")
