@@ -67,14 +67,14 @@ def compiled_loop() -> Callable[..., None] | None:
     if FAILED:
         return None
     target, march = build_target()
-    path_before = os.environ.get("PATH", "")
+    path_before = os.environ.get("PATH")
     try:
         from torch.utils.cpp_extension import load
 
         try:  # pip's ninja (the `fast` extra): its binary is on PATH only in an activated virtualenv
             import ninja
 
-            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path_before])
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path_before or os.defpath])
         except ImportError:  # a ninja of the system's, if any
             pass
         with warnings.catch_warnings():  # cpp_extension's notes on the compiler's version are not the user's concern
@@ -91,8 +91,11 @@ def compiled_loop() -> Callable[..., None] | None:
     except Exception as error:  # no compiler, no ninja, no OpenMP, no setuptools: the products stay MKL's
         FAILED.append(f"{type(error).__name__}: {error}".splitlines()[0])
         return None
-    finally:
-        os.environ["PATH"] = path_before
+    finally:  # PATH as it was, unset if it was
+        if path_before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path_before
     function.restype = None
     # weight, x, y pointers; rows, width, count, blocks
     function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
