@@ -18,6 +18,7 @@ from flax import nnx
 from kvports.jax_impl import bandwidth, paged, speculative
 from kvports.jax_impl.fast.layout import lay_out
 from kvports.jax_impl.fast.quant import quantize_model
+from kvports.jax_impl.fast.row_loop import by_rows, row_threads
 from kvports.jax_impl.generate import generate_cached, generate_naive
 from kvports.jax_impl.generate import prefill as prefill_step
 from kvports.jax_impl.model import TinyModel, init_cache
@@ -214,19 +215,23 @@ def load_model(
         variable.set_value(jax.device_put(np.ascontiguousarray(array, dtype=JAX_DTYPES[dtype]), placement(name)))
     n_params = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n_params == len(slots), f"model has {n_params} parameters, the file fills {len(slots)}"
-    # The Linear layers swapped: quantized (fast/quant.py), or bfloat16 in the layout XLA's CPU dot is fast in
-    # (fast/layout.py). Not under tensor parallelism, whose shardings name nnx's kernels (quant is refused there).
+    # The Linear layers swapped: quantized (fast/quant.py), bfloat16 in the layout XLA's CPU dot is fast in
+    # (fast/layout.py), or float32 by rows for the row loop at --threads (fast/row_loop.py). Not under tensor
+    # parallelism, whose shardings name nnx's kernels (quant is refused there).
     with jax.default_device(target):
         if quant != "none":
             model = quantize_model(model, tensors, quant, JAX_DTYPES[dtype])
         elif dtype == "bfloat16" and tensor_parallel == 1:
             model = lay_out(model, tensors, JAX_DTYPES[dtype])
+        elif dtype == "float32" and tensor_parallel == 1 and target.platform == "cpu" and row_threads():
+            model = by_rows(model, tensors)  # --threads: a decode step's products run the row loop
     model.eval()  # nnx's eval() sets dropout off in place and returns None
     return model
 
 
 def linear_route(dtype: str, quant: str, device: str) -> str:
-    return "xla"  # XLA compiles every dot for the CPU (or GPU) it finds: no route to choose here
+    # XLA compiles every dot for the CPU (or GPU) it finds; at --threads a float32 decode step's run row_loop.py's loop
+    return "loop+xla" if dtype == "float32" and quant == "none" and device == "cpu" and row_threads() else "xla"
 
 
 def _model_device(model: TinyModel) -> jax.Device:

@@ -21,7 +21,10 @@ other: torch ran 10-90x slower than with one thread. Each library takes the coun
 - JAX: its CPU client sizes its intra-op pool from NPROC when it starts (XLA's
   DefaultThreadPoolSize; XLA_FLAGS' `intra_op_parallelism_threads` is TensorFlow's option and
   changes nothing here). Measured in jax 0.10.2 on 2 CPUs: NPROC=1 gives the process 15 threads,
-  the default 17, NPROC=8 29. A JAX that has already started keeps its pool.
+  the default 17, NPROC=8 29. A JAX that has already started keeps its pool. At any count given, once
+  the JAX port is loaded, a float32 CPU model loaded after that runs its products of up to 8 rows in a
+  C++ loop over the weight's rows, an XLA custom call on that pool (jax_impl/fast/row_loop.py, where it
+  builds); otherwise XLA's dot.
 - The bench's peers (llama.cpp, CTranslate2) read OMP_NUM_THREADS (`bench.measure.peer_threads`).
 """
 
@@ -35,7 +38,8 @@ from kvports.shared.checks import COMMAND_LINE, Names, check_range
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NPROC")
 NUMPY_PORT = "kvports.numpy_impl.port"  # registry.MODULES' NumPy port
-TORCH_PORT = "kvports.torch_impl.port"  # and its torch port
+TORCH_PORT = "kvports.torch_impl.port"  # its torch port
+JAX_PORT = "kvports.jax_impl.port"  # and its JAX port
 OVERSUBSCRIBE = 4  # more threads than CPUs only wait for each other; past a few times that is a typo
 
 
@@ -83,6 +87,10 @@ def use_threads(threads: int | None) -> None:
         from kvports.torch_impl.fast.row_loop import install_row_products
 
         install_row_products(threads)
+    if JAX_PORT in sys.modules:  # a float32 JAX model loaded after this runs its decode products in the loop
+        from kvports.jax_impl.fast.row_loop import install_row_products as install_jax_loop
+
+        install_jax_loop(threads)
     if NUMPY_PORT in sys.modules:  # imported only with the port: its functional.py loads SciPy
         from kvports.numpy_impl.fast.row_loop import use_numpy_threads
 

@@ -85,7 +85,7 @@ from tests.helpers.ports import port_or_skip  # noqa: E402
 @pytest.fixture(autouse=True)
 def suite_threads():
     """A command run in this process with --threads sets the process's counts (use_threads: BLAS,
-    torch, NumPy's prompt attention, both ports' row loops) for good, as a command's process should;
+    torch, NumPy's prompt attention, every port's row loop) for good, as a command's process should;
     here the next test on the worker must run as it would alone, so the suite's counts (the variables
     above) come back."""
     variables = {name: os.environ.get(name) for name in process_threads.THREAD_VARIABLES}
@@ -108,6 +108,10 @@ def suite_threads():
         from kvports.torch_impl.fast.row_loop import install_row_products
 
         install_row_products(None)
+    if process_threads.JAX_PORT in sys.modules:
+        from kvports.jax_impl.fast.row_loop import install_row_products as install_jax_loop
+
+        install_jax_loop(None)
     if process_threads.NUMPY_PORT in sys.modules:
         from kvports.numpy_impl.fast.row_loop import use_numpy_threads
 

@@ -1,5 +1,6 @@
 """Each port's float32 decode products as a loop over the weight's rows (numpy_impl/fast/row_loop.py,
-compiled by numba; torch_impl/fast/row_loop.py, C++ built by torch's cpp_extension): the BLAS's products
+compiled by numba; torch_impl/fast/row_loop.py, C++ built by torch's cpp_extension; jax_impl/fast/row_loop.py,
+C++ run as an XLA custom call): the BLAS's (or XLA's dot's) products
 to float32 rounding at every shape, the same bits at every thread count, the product in place before
 for everything else, installed by --threads with every float32 weight laid out by rows, and the BLAS's
 products where the loop cannot be built."""
@@ -24,7 +25,7 @@ from tests.helpers.ports import port_or_skip
 
 # SmolLM2-135M's proj, qkv, gate/up and down (out, in), and rows no thread count divides
 SHAPES = [(576, 576), (960, 576), (3072, 576), (576, 1536), (4999, 576), (7, 5)]
-LOOP_PORTS = ["numpy", "torch"]  # the ports with a row loop; JAX's products stay XLA's (docs/BENCH.md)
+LOOP_PORTS = ["numpy", "torch", "jax"]  # every port has a row loop
 
 
 @dataclass
@@ -73,11 +74,36 @@ def torch_loop() -> Loop:
     return Loop("torch", row_loop, install, through(cores.linear), "loop+mkl", row_loop.LOOP_ROWS)
 
 
+def jax_loop() -> Loop:
+    import jax
+    import jax.numpy as jnp
+
+    from kvports.jax_impl import functional
+    from kvports.jax_impl.fast import row_loop
+
+    def through(linear: Callable[..., Any]) -> Callable[..., np.ndarray]:
+        def product(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+            with jax.enable_x64(True):  # the port's calls run so (port.exact): float64 stays float64
+                given = None if bias is None else jnp.asarray(bias)
+                return np.asarray(linear(jnp.asarray(x), jnp.asarray(weight), given))
+
+        return product
+
+    def install(threads: int) -> Callable[..., np.ndarray]:
+        assert row_loop.install_row_products(threads) is not None
+        return through(row_loop.linear)
+
+    return Loop("jax", row_loop, install, through(functional.linear), "loop+xla", row_loop.LOOP_ROWS)
+
+
+LOOPS = {"numpy": numpy_loop, "torch": torch_loop, "jax": jax_loop}
+
+
 @pytest.fixture(params=LOOP_PORTS)
 def loop(request):
     """The port's loop, built (numba, or a C++ compiler, required), and the products in place before put back after."""
     port_or_skip(request.param)
-    made = numpy_loop() if request.param == "numpy" else torch_loop()
+    made = LOOPS[request.param]()
     if made.module.compiled_loop() is None:
         pytest.skip(f"{request.param}'s row loop was not built here: {getattr(made.module, 'FAILED', [''])[:1]}")
     yield made
@@ -129,6 +155,8 @@ def test_float64_long_prompts_and_transposed_weights_run_the_product_in_place_be
         weight = np.asfortranarray(weight)  # weight.T contiguous: the BLAS's order for this shape
     else:
         weight = weight.astype(np.float64)
+    if loop.name == "jax" and case == "weight stored transposed":
+        pytest.skip("a JAX array has no strides: every float32 weight reaches the loop by rows")
     product = loop.install(2)
     if loop.name == "torch" and case == "float64 weight":  # torch multiplies no mixed dtypes, in the loop or not
         for linear in (product, loop.plain):
@@ -209,6 +237,18 @@ def loaded_matrices(port: Any, config: Any, tensors: dict, dtype: str) -> list[t
     model = port.load_model(config, tensors, dtype)
     if port.NAME == "torch":
         return [(tuple(p.shape), p.is_contiguous()) for p in model.parameters() if p.dim() == 2]
+    if port.NAME == "jax":  # nnx.Linear keeps its kernel [in, out]; the layouts' modules a weight [out, in]
+        from flax import nnx
+
+        matrices = []
+        for _, module in nnx.iter_modules(model):
+            if isinstance(module, nnx.Linear):
+                matrices.append((tuple(module.kernel.shape[::-1]), False))
+            elif isinstance(getattr(module, "weight", None), nnx.Param) and module.weight.ndim == 2:
+                matrices.append((tuple(module.weight.shape), True))
+            elif isinstance(module, nnx.Embed):
+                matrices.append((tuple(module.embedding.shape), True))
+        return matrices
     arrays = [getattr(owner, attr) for _, owner, attr in model.named_parameters()]
     return [(array.shape, array.flags.c_contiguous) for array in arrays if array.ndim == 2]
 
@@ -285,6 +325,24 @@ def test_without_a_build_mkl_runs_every_product(monkeypatch):
         row_loop.install_row_products(None)
 
 
+def test_without_a_compiler_xlas_dot_runs_every_product(monkeypatch, tmp_path):
+    jax_port = port_or_skip("jax")
+    from kvports.jax_impl.fast import row_loop
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(row_loop.EXTENSIONS_VARIABLE, str(tmp_path / "extensions"))  # no earlier build to find
+    monkeypatch.setattr(row_loop, "KERNELS", [])
+    monkeypatch.setattr(row_loop, "FAILED", [])
+    try:
+        assert row_loop.install_row_products(2) is None
+        assert row_loop.row_threads() == 0
+        assert row_loop.FAILED and "no-such-compiler" in row_loop.FAILED[0]  # why, kept for the skip's reason
+        assert jax_port.linear_route("float32", "none", "cpu") == "xla"
+    finally:
+        row_loop.install_row_products(None)
+    assert not list((tmp_path / "extensions").glob("*"))  # no half-built library left behind
+
+
 def x86_only() -> None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("AVX2 is an x86-64 instruction set")
@@ -326,5 +384,25 @@ def test_an_avx2_only_cpu_gets_torchs_loop_built_for_avx2(tmp_path, monkeypatch)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     [library] = tmp_path.glob("kvports_row_loop_haswell/*.so")
+    assembly = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, timeout=60).stdout
+    assert "ymm" in assembly and "zmm" not in assembly
+
+
+def test_an_avx2_only_cpu_gets_jaxs_loop_built_for_avx2(tmp_path, monkeypatch):
+    port_or_skip("jax")
+    x86_only()
+    from kvports.jax_impl.fast import row_loop
+
+    if row_loop.compiled_loop() is None:
+        pytest.skip(f"JAX's row loop was not built here: {row_loop.FAILED[:1]}")
+    monkeypatch.setenv("KVPORTS_CPU", "avx2")
+    assert row_loop.build_target() == ("haswell", ["-march=haswell"])
+    monkeypatch.delenv("KVPORTS_CPU")
+    assert row_loop.build_target()[0].startswith("native_")
+    script = "from kvports.jax_impl.fast import row_loop\nassert row_loop.compiled_loop(), row_loop.FAILED\n"
+    env = {**os.environ, "KVPORTS_CPU": "avx2", row_loop.EXTENSIONS_VARIABLE: str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    [library] = tmp_path.glob("kvports_jax_row_loop_haswell_*.so")
     assembly = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, timeout=60).stdout
     assert "ymm" in assembly and "zmm" not in assembly

@@ -9,6 +9,8 @@ the same either way and keeps nnx.Linear.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,11 +42,14 @@ def linear_layers(model: nnx.Module) -> list[tuple[str, nnx.Module, str]]:
     return layers
 
 
-def lay_out(model: nnx.Module, tensors: dict[str, np.ndarray], dtype: DTypeLike) -> nnx.Module:
-    """Every nnx.Linear of `model` swapped for a RowLinear over the file's weight [out, in] (tensors:
-    float32 by torch name). A tied head already reads the embedding [V, D] so (model.py)."""
+def lay_out(
+    model: nnx.Module, tensors: dict[str, np.ndarray], dtype: DTypeLike, linear: Callable[..., nnx.Module] = RowLinear
+) -> nnx.Module:
+    """Every nnx.Linear of `model` swapped for a RowLinear (or `linear`: row_loop.py's LoopLinear) over
+    the file's weight [out, in] (tensors: float32 by torch name). A tied head already reads the
+    embedding [V, D] so (model.py)."""
     for prefix, parent, attribute in linear_layers(model):
         bias = getattr(parent, attribute).bias
         weight = np.asarray(tensors[f"{prefix}.weight"], dtype=np.float32)  # [out, in]
-        setattr(parent, attribute, RowLinear(weight, None if bias is None else bias[...], dtype))
+        setattr(parent, attribute, linear(weight, None if bias is None else bias[...], dtype))
     return model
