@@ -406,3 +406,45 @@ def test_an_avx2_only_cpu_gets_jaxs_loop_built_for_avx2(tmp_path, monkeypatch):
     [library] = tmp_path.glob("kvports_jax_row_loop_haswell_*.so")
     assembly = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, timeout=60).stdout
     assert "ymm" in assembly and "zmm" not in assembly
+
+
+def test_huge_page_copies_equal_their_arrays_each_on_a_page_of_one_mapping():
+    from kvports.shared.pages import ALIGN, HUGE_PAGE, in_huge_pages
+
+    rng = np.random.default_rng(8)
+    arrays = {"a": rng.standard_normal((960, 576), dtype=np.float32), "b": np.arange(7, dtype=np.int64)}
+    arrays["c"] = np.asfortranarray(rng.standard_normal((5, 3)))  # float64, Fortran order: copied in C order
+    copies = in_huge_pages(arrays)
+    assert list(copies) == list(arrays)
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(copies[name], array)
+        assert copies[name].dtype == array.dtype and copies[name].flags.c_contiguous
+        assert copies[name].ctypes.data % ALIGN == 0
+    assert copies["a"].ctypes.data % HUGE_PAGE == 0  # the first starts on a 2 MB boundary
+    assert copies["a"].base is copies["b"].base is copies["c"].base  # one mapping holds them all
+
+
+def test_a_loop_models_weights_are_the_huge_page_copies_not_copies_of_them(monkeypatch):
+    port = port_or_skip("jax")
+    from flax import nnx
+
+    from kvports.jax_impl.fast import row_loop
+
+    if row_loop.install_row_products(2) is None:
+        pytest.skip(f"JAX's row loop was not built here: {row_loop.FAILED[:1]}")
+    made: dict[str, np.ndarray] = {}
+
+    def recorded(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        made.update(in_huge_pages(arrays))
+        return made
+
+    from kvports.shared.pages import in_huge_pages
+
+    monkeypatch.setattr(row_loop, "in_huge_pages", recorded)
+    config = llama_like(vocab_size=256, d_model=64, n_heads=4, n_layers=2, max_seq_len=32, tie_embeddings=True)
+    model = port.load_model(config, random_weights(config), "float32")
+    loops = [module for _, module in nnx.iter_modules(model) if isinstance(module, row_loop.LoopLinear)]
+    assert len(loops) == 4 * config.n_layers + 1  # qkv, proj, ffn.0, ffn.2 a layer, and the head
+    copies = {copy.ctypes.data for copy in made.values()}
+    assert len(made) == len(loops) and {module.weight[...].unsafe_buffer_pointer() for module in loops} == copies
+    assert model.emb.embedding[...].unsafe_buffer_pointer() == model.head.weight[...].unsafe_buffer_pointer()

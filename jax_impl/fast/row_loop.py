@@ -43,8 +43,9 @@ from flax import nnx
 
 import kvports.jax_impl.functional as F
 from kvports.jax_impl.fast import untie_head
-from kvports.jax_impl.fast.layout import RowLinear, lay_out
+from kvports.jax_impl.fast.layout import RowLinear, lay_out, linear_layers
 from kvports.shared import cpu
+from kvports.shared.pages import in_huge_pages
 
 INSTALLED: list[RowProducts] = []  # the installed loop, if any (one per process: the thread count is the process's)
 KERNELS: list[str] = []  # the custom call's name, once a process has built (or found) and registered the loop
@@ -176,7 +177,7 @@ class LoopLinear(RowLinear):
     """RowLinear (a weight [out, in]) whose products of a few rows run the loop on the threads it was loaded with."""
 
     def __init__(self, weight: np.ndarray, bias: jax.Array | None, dtype: jnp.dtype, threads: int):
-        super().__init__(weight, bias, dtype)
+        super().__init__(weight, bias, dtype)  # on the CPU, an aligned float32 weight is wrapped where it is, not copied
         self.threads = threads  # static: a program traced at one count is not reused at another
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -185,9 +186,15 @@ class LoopLinear(RowLinear):
 
 def by_rows(model: nnx.Module, tensors: dict[str, np.ndarray]) -> nnx.Module:
     """Every Linear of a float32 CPU model a LoopLinear over the file's weight [out, in], and a tied
-    head one over the embedding [V, D] (the same array, not a copy), while the loop is installed."""
+    head one over the embedding [V, D] (one array for both), while the loop is installed. The weights
+    are copied into one mapping of 2 MB pages first (shared/pages.py): the loop streams them faster."""
     threads = row_threads()
-    model = lay_out(model, tensors, jnp.float32, partial(LoopLinear, threads=threads))
+    names = [f"{prefix}.weight" for prefix, _, _ in linear_layers(model)]
+    names += ["emb.weight"] if model.config.tie_embeddings else []
+    weights = in_huge_pages({name: np.asarray(tensors[name], dtype=np.float32) for name in names})  # [out, in] each
+    model = lay_out(model, weights, jnp.float32, partial(LoopLinear, threads=threads))
     if model.config.tie_embeddings:
-        untie_head(model, LoopLinear(model.emb.embedding[...], None, jnp.float32, threads))
+        head = LoopLinear(weights["emb.weight"], None, jnp.float32, threads)  # [V, D]
+        model.emb.embedding.set_value(head.weight[...])  # the lookup reads the head's array: one copy
+        untie_head(model, head)
     return model
