@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from kvports.shared import cpu
+from kvports.shared.pages import in_huge_pages
 from kvports.shared.shapes import stored_transposed
 from kvports.torch_impl.fast import row_loop, untie_head
 
@@ -67,7 +68,8 @@ def transpose_weights(model: nn.Module) -> nn.Module:
     [out, in] tensor, laid out [in, out] or kept as its rows; a copy only where the loaded layout is
     the other one (none from the load cache, which stores them so). A head over the embedding's
     weight is laid out with it: the lookup then reads a strided row, one token's cost. While the row
-    loop is installed (--threads, row_loop.py), every float32 matrix keeps its rows: the loop streams them."""
+    loop is installed (--threads, row_loop.py), every float32 matrix keeps its rows, in 2 MB pages (in_pages):
+    the loop streams them."""
     by_rows = row_loop.row_threads() > 0
     for module in model.modules():
         weight = module.weight if isinstance(module, nn.Linear) else None
@@ -76,6 +78,20 @@ def transpose_weights(model: nn.Module) -> nn.Module:
                 weight.data = weight.data.t().contiguous().t()  # [out, in], laid out [in, out]
             else:
                 weight.data = weight.data.contiguous()  # [out, in] rows
+    return in_pages(model) if by_rows else model
+
+
+def in_pages(model: nn.Module) -> nn.Module:
+    """Every Linear's float32 CPU weight copied into one mapping of 2 MB pages (shared/pages.py), which
+    the loop streams faster than 4 KB pages: one copy of a weight two Linears share (a tied head)."""
+    weights = {}
+    for module in model.modules():
+        weight = module.weight if isinstance(module, nn.Linear) else None
+        if weight is not None and weight.dtype == torch.float32 and weight.is_cpu and weight.dim() == 2:
+            weights[str(id(weight))] = weight
+    copies = in_huge_pages({key: weight.detach().numpy() for key, weight in weights.items()})  # [out, in] rows
+    for key, weight in weights.items():
+        weight.data = torch.from_numpy(copies[key])  # the same Parameter, its storage in the mapping
     return model
 
 
