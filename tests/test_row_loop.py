@@ -368,42 +368,31 @@ def test_an_avx2_only_cpu_gets_numpys_loop_compiled_for_avx2(tmp_path):
     assert result.stdout.split() == ["haswell", "False"]
 
 
-def test_an_avx2_only_cpu_gets_torchs_loop_built_for_avx2(tmp_path, monkeypatch):
-    port_or_skip("torch")
+# each C++ loop's build directory variable, and where its AVX2 build lands under it
+CPP_BUILDS = {
+    "torch": ("TORCH_EXTENSIONS_DIR", "kvports_row_loop_haswell/*.so"),
+    "jax": ("KVPORTS_EXTENSIONS_DIR", "kvports_jax_row_loop_haswell_*.so"),
+}
+
+
+@pytest.mark.parametrize("name", list(CPP_BUILDS))
+def test_an_avx2_only_cpu_gets_the_cpp_loop_built_for_avx2(name, tmp_path, monkeypatch):
+    port_or_skip(name)
     x86_only()
-    from kvports.torch_impl.fast import row_loop
+    row_loop = LOOPS[name]().module
 
     if row_loop.compiled_loop() is None:
-        pytest.skip(f"torch's row loop was not built here: {row_loop.FAILED[:1]}")
+        pytest.skip(f"{name}'s row loop was not built here: {row_loop.FAILED[:1]}")
     monkeypatch.setenv("KVPORTS_CPU", "avx2")
     assert row_loop.build_target() == ("haswell", ["-march=haswell"])
     monkeypatch.delenv("KVPORTS_CPU")
     assert row_loop.build_target()[0].startswith("native_")
-    script = "from kvports.torch_impl.fast import row_loop\nassert row_loop.compiled_loop(), row_loop.FAILED\n"
-    env = {**os.environ, "KVPORTS_CPU": "avx2", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    [library] = tmp_path.glob("kvports_row_loop_haswell/*.so")
-    assembly = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, timeout=60).stdout
-    assert "ymm" in assembly and "zmm" not in assembly
-
-
-def test_an_avx2_only_cpu_gets_jaxs_loop_built_for_avx2(tmp_path, monkeypatch):
-    port_or_skip("jax")
-    x86_only()
-    from kvports.jax_impl.fast import row_loop
-
-    if row_loop.compiled_loop() is None:
-        pytest.skip(f"JAX's row loop was not built here: {row_loop.FAILED[:1]}")
-    monkeypatch.setenv("KVPORTS_CPU", "avx2")
-    assert row_loop.build_target() == ("haswell", ["-march=haswell"])
-    monkeypatch.delenv("KVPORTS_CPU")
-    assert row_loop.build_target()[0].startswith("native_")
-    script = "from kvports.jax_impl.fast import row_loop\nassert row_loop.compiled_loop(), row_loop.FAILED\n"
-    env = {**os.environ, "KVPORTS_CPU": "avx2", row_loop.EXTENSIONS_VARIABLE: str(tmp_path)}
+    variable, built = CPP_BUILDS[name]
+    script = f"from kvports.{name}_impl.fast import row_loop\nassert row_loop.compiled_loop(), row_loop.FAILED\n"
+    env = {**os.environ, "KVPORTS_CPU": "avx2", variable: str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    [library] = tmp_path.glob("kvports_jax_row_loop_haswell_*.so")
+    [library] = tmp_path.glob(built)
     assembly = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, timeout=60).stdout
     assert "ymm" in assembly and "zmm" not in assembly
 
