@@ -82,7 +82,8 @@ check-own-torch: setup
 # kvports and its test dependencies beside them (the constraints keep pip from upgrading a floor), then the
 # port tests there: every port's model and loops, sampling, speculative, quantization, bfloat16's routes
 # and every accepted combination. From the package index only; PyPI's torch for Linux x86-64 is a CUDA
-# build (about 3 GB with its nvidia-* libraries, which it links at import, GPU or not).
+# build (about 3 GB with its nvidia-* libraries, which it links at import, GPU or not), installed without
+# keeping a second copy in pip's cache.
 FLOORS_VENV ?= build/floors-venv
 FLOOR_TESTS ?= tests/test_generation.py tests/test_loops.py tests/test_sampling.py tests/test_speculative.py \
 	tests/test_pitfalls.py tests/test_quant.py tests/test_torch_linear.py tests/test_cpu_routes.py tests/test_accepted.py
@@ -91,7 +92,7 @@ check-floors:
 	rm -rf $(FLOORS_VENV)
 	$(PYTHON) -m venv $(FLOORS_VENV)
 	$(PYTHON) tools/floor_constraints.py > $(FLOORS_VENV)/constraints.txt
-	$(FLOORS_VENV)/bin/python -m pip install --quiet -c $(FLOORS_VENV)/constraints.txt torch jax flax -e '.[jax,serve,test]'
+	$(FLOORS_VENV)/bin/python -m pip install --quiet --no-cache-dir -c $(FLOORS_VENV)/constraints.txt torch jax flax -e '.[jax,serve,test]'
 	$(FLOORS_VENV)/bin/python -m pip list --format freeze | grep -iE '^(torch|jax|jaxlib|flax)=='
 	$(FLOORS_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile $(FLOOR_TESTS)
 
