@@ -453,3 +453,88 @@ def test_a_loop_models_weights_are_huge_page_copies_one_of_a_tied_head(loop, mon
     # qkv, proj, ffn.0, ffn.2 a layer, and the tied embedding, which is the head's weight: one copy each
     assert len(made) == 4 * config.n_layers + 1
     assert matrix_addresses(port, model) == {copy.ctypes.data for copy in made.values()}
+
+
+@pytest.fixture
+def torch_norms():
+    """torch's loop installed at 2 threads (its library carries the norm): the row_loop module."""
+    port_or_skip("torch")
+    from kvports.torch_impl.fast import row_loop
+
+    if row_loop.install_row_products(2) is None:
+        pytest.skip(f"torch's row loop was not built here: {row_loop.FAILED[:1]}")
+    yield row_loop
+    row_loop.install_row_products(None)
+
+
+def lesson_and_loop_norm(width: int, seed: int) -> tuple[Any, Any]:
+    """model.py's RMSNorm of `width` with random weights, and the same module's twin as a LoopNorm. Its
+    eps, 0.01, moves a unit input's norm by ~0.5%: a norm that dropped it would show."""
+    import copy
+
+    import torch
+
+    from kvports.torch_impl.fast.row_loop import LoopNorm
+    from kvports.torch_impl.model import RMSNorm
+
+    lesson = RMSNorm(width, 0.01)
+    with torch.no_grad():
+        lesson.weight.copy_(torch.from_numpy(np.random.default_rng(seed).standard_normal(width, dtype=np.float32)))
+    twin = copy.deepcopy(lesson)
+    twin.__class__ = LoopNorm
+    return lesson, twin
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (1, 8, 576), (3, 1, 64), (1, 1, 7)])
+def test_the_loop_norm_gives_the_lessons_rmsnorm_to_float32_rounding(torch_norms, shape):
+    import torch
+
+    lesson, twin = lesson_and_loop_norm(shape[-1], seed=7)
+    x = torch.from_numpy(np.random.default_rng(8).standard_normal(shape, dtype=np.float32))  # [B, T, D]
+    calls = []
+    kernel = torch_norms.INSTALLED[0].norm
+    torch_norms.INSTALLED[0].norm = lambda *args: calls.append(args) or kernel(*args)
+    with torch.inference_mode():
+        expected, got = lesson(x), twin(x)
+    assert calls and got.shape == expected.shape and got.dtype == torch.float32
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["float64", "9 rows", "not contiguous", "not installed", "grad"])
+def test_the_loop_norm_runs_the_lessons_own_norm_for_everything_else(torch_norms, case):
+    import torch
+
+    lesson, twin = lesson_and_loop_norm(64, seed=9)
+    rows, width = (9 if case == "9 rows" else 2), (128 if case == "not contiguous" else 64)
+    x = torch.from_numpy(np.random.default_rng(10).standard_normal((1, rows, width)))
+    x = x.double() if case == "float64" else x.float()  # [B, T, D]
+    if case == "float64":
+        lesson.double(), twin.double()
+    if case == "not contiguous":
+        x = x[..., ::2]  # [B, T, 64]: every other element of wider rows
+    if case == "not installed":
+        torch_norms.install_row_products(None)
+    calls: list[tuple[Any, ...]] = []
+    if torch_norms.INSTALLED:
+        torch_norms.INSTALLED[0].norm = lambda *args: calls.append(args)
+    with torch.inference_mode(case != "grad"):
+        expected, got = lesson(x), twin(x)
+    assert not calls  # the C++ norm was never asked
+    np.testing.assert_array_equal(got.detach().numpy(), expected.detach().numpy())
+
+
+def test_a_loop_models_float32_norms_are_loop_norms_and_float64s_the_lessons(torch_norms):
+    torch_port = port_or_skip("torch")
+    from kvports.torch_impl.model import RMSNorm
+
+    config = llama_like(vocab_size=256, d_model=64, n_heads=4, n_layers=2, max_seq_len=32)
+    tensors = random_weights(config)
+
+    def norms(dtype: str) -> list[str]:
+        model = torch_port.load_model(config, tensors, dtype)
+        return [type(module).__name__ for module in model.modules() if isinstance(module, RMSNorm)]
+
+    assert norms("float32") == ["LoopNorm"] * (2 * config.n_layers + 1)  # ln1 and ln2 a layer, and the last
+    assert norms("float64") == ["RMSNorm"] * (2 * config.n_layers + 1)
+    torch_norms.install_row_products(None)
+    assert norms("float32") == ["RMSNorm"] * (2 * config.n_layers + 1)
