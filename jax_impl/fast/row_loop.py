@@ -177,9 +177,8 @@ class LoopLinear(RowLinear):
     """RowLinear (a weight [out, in]) whose products of a few rows run the loop on the threads it was loaded with."""
 
     def __init__(self, weight: np.ndarray, bias: jax.Array | None, dtype: jnp.dtype, threads: int):
-        super().__init__(
-            weight, bias, dtype
-        )  # on the CPU, an aligned float32 weight is wrapped where it is, not copied
+        # on the CPU, an aligned float32 weight is wrapped where it is, not copied
+        super().__init__(weight, bias, dtype)
         self.threads = threads  # static: a program traced at one count is not reused at another
 
     def __call__(self, x: jax.Array) -> jax.Array:

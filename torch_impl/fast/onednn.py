@@ -69,7 +69,7 @@ def transpose_weights(model: nn.Module) -> nn.Module:
     the other one (none from the load cache, which stores them so). A head over the embedding's
     weight is laid out with it: the lookup then reads a strided row, one token's cost. While the row
     loop is installed (--threads, row_loop.py), every float32 matrix keeps its rows, in 2 MB pages (in_pages):
-    the loop streams them; and its norms take the loop's one call (row_loop.use_loop_norms)."""
+    the loop streams them."""
     by_rows = row_loop.row_threads() > 0
     for module in model.modules():
         weight = module.weight if isinstance(module, nn.Linear) else None
@@ -78,7 +78,7 @@ def transpose_weights(model: nn.Module) -> nn.Module:
                 weight.data = weight.data.t().contiguous().t()  # [out, in], laid out [in, out]
             else:
                 weight.data = weight.data.contiguous()  # [out, in] rows
-    return row_loop.use_loop_norms(in_pages(model)) if by_rows else model
+    return in_pages(model) if by_rows else model
 
 
 def in_pages(model: nn.Module) -> nn.Module:

@@ -24,8 +24,8 @@ loop; without --threads the products run MKL's and the bmm split, as before.
 
 The norms too: once the products stream at the memory's speed, what is left of an eager step is
 operator calls (~4.7 ms of a ~16 ms SmolLM2 step at 2 threads), and model.py's RMSNorm is six of them:
-16 us a norm of one row of 576, 61 norms a step. `LoopNorm`, swapped in by `use_loop_norms` while the
-loop is installed, runs the same float32 norm of up to LOOP_ROWS rows as one C++ call (row_loop.cpp's
+16 us a norm of one row of 576, 61 norms a step. `LoopNorm`, swapped in by `use_loop_norms` (port.load_model) while
+the loop is installed, runs the same float32 norm of up to LOOP_ROWS rows as one C++ call (row_loop.cpp's
 rms_norm), 5 us, to float32 rounding of the lesson's; anything else runs the lesson's own forward.
 """
 
@@ -116,6 +116,21 @@ def compiled_loop() -> Callable[..., None] | None:
     return function
 
 
+def in_reach(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the library may run an operation of x [..., D] with weight: both eager float32 CPU
+    tensors, x of up to LOOP_ROWS rows, nothing recording gradients, inductor not tracing."""
+    count = x.numel() // max(1, x.shape[-1])  # R: the rows of input
+    return (
+        x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.is_cpu
+        and weight.is_cpu
+        and count <= LOOP_ROWS
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
+
+
 class RowProducts:
     """onednn.linear's float32 product of up to LOOP_ROWS rows run by the loop on `threads` threads,
     and LoopNorm's norm by `norm`."""
@@ -126,17 +141,11 @@ class RowProducts:
         self.norm = norm
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        count = x.numel() // max(1, x.shape[-1])  # R: the rows of input
         plain = (
-            x.dtype != torch.float32
-            or weight.dtype != torch.float32
-            or not (x.is_cpu and weight.is_cpu)
+            not in_reach(x, weight)
             or weight.dim() != 2
             or weight.shape[1] != x.shape[-1]  # F.linear names the mismatch; the loop would read past the weight
             or not weight.is_contiguous()
-            or count > LOOP_ROWS
-            or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
         )
         if plain:
             return cores.linear(x, weight, bias)  # [..., out]
@@ -179,22 +188,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """model.py's RMSNorm of x [..., D] by weight [D] as one C++ call -> [..., D], where the loop is
     installed and x is an eager float32 CPU input of up to LOOP_ROWS rows; None where it is not."""
     width = x.shape[-1]
-    count = x.numel() // max(1, width)  # R: the rows of input
     plain = (
         not INSTALLED
-        or x.dtype != torch.float32
-        or weight.dtype != torch.float32
-        or not (x.is_cpu and weight.is_cpu)
+        or not in_reach(x, weight)
         or weight.shape != (width,)
         or not (x.is_contiguous() and weight.is_contiguous())
-        or count > LOOP_ROWS
-        or torch.is_grad_enabled()
-        or torch.compiler.is_compiling()
     )
     if plain:
         return None
     y = torch.empty_like(x)  # [..., D]
-    INSTALLED[0].norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), count, width, eps)
+    INSTALLED[0].norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // max(1, width), width, eps)
     return y
 
 
@@ -207,8 +210,10 @@ class LoopNorm(RMSNorm):
 
 
 def use_loop_norms(model: nn.Module) -> nn.Module:
-    """Every RMSNorm of a float32 model a LoopNorm while the loop is installed (row_threads() > 0)."""
+    """Every float32 CPU RMSNorm of a loaded model a LoopNorm, while the loop is installed (row_threads() > 0)."""
+    if not INSTALLED:
+        return model
     for module in model.modules():
-        if type(module) is RMSNorm and INSTALLED and module.weight.dtype == torch.float32:
+        if type(module) is RMSNorm and module.weight.dtype == torch.float32 and module.weight.is_cpu:
             module.__class__ = LoopNorm
     return model
