@@ -7,6 +7,7 @@ products where the loop cannot be built."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import subprocess
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.helpers.models import llama_like, random_prompts, random_weights
+from tests.helpers.models import LONG, TINY_FAMILIES, llama_like, random_prompts, random_weights
 from tests.helpers.ports import port_or_skip
 
 # SmolLM2-135M's proj, qkv, gate/up and down (out, in), and rows no thread count divides
@@ -538,3 +539,102 @@ def test_a_loop_models_float32_norms_are_loop_norms_and_float64s_the_lessons(tor
     assert norms("float64") == ["RMSNorm"] * (2 * config.n_layers + 1)
     torch_norms.install_row_products(None)
     assert norms("float32") == ["RMSNorm"] * (2 * config.n_layers + 1)
+
+
+def decode_steps(
+    config: Any, dtype: str, batch: int, steps: int, pad: Any = None, grad: bool = False, prompt_len: int = 5
+) -> Any:
+    """A model loaded at `dtype` (its blocks made LoopBlocks whatever the load made them) decoding `steps`
+    tokens after a prompt of `prompt_len`: each step run twice from the same cache, by LoopBlock and by
+    model.py's Block. Yields (LoopBlock's logits [B, 1, V], Block's, the caches after each)."""
+    import torch
+
+    from kvports.torch_impl.fast.row_loop import LoopBlock
+    from kvports.torch_impl.model import Block, init_cache
+
+    torch_port = port_or_skip("torch")
+    model = torch_port.load_model(config, random_weights(config), dtype)
+    prompt = torch.from_numpy(random_prompts(config.vocab_size, batch, prompt_len))  # [B, P]
+    with torch.enable_grad() if grad else torch.inference_mode():
+        cache = init_cache(config, batch, prompt_len + steps, model.emb.weight.dtype)
+        logits, cache = model(prompt, cache, pad, logits_to_keep=1)
+        token = logits[:, -1:].argmax(-1)  # [B, 1]
+        for _ in range(steps):
+            twin = dataclasses.replace(
+                cache, keys=cache.keys.clone(), values=cache.values.clone(), slot_positions=cache.slot_positions.clone()
+            )
+            for block in model.blocks:
+                block.__class__ = Block
+            expected, twin = model(token, twin, pad)  # [B, 1, V]
+            for block in model.blocks:
+                block.__class__ = LoopBlock
+            got, cache = model(token, cache, pad)  # [B, 1, V]
+            yield got, expected, cache, twin
+            token = got[:, -1:].argmax(-1)  # [B, 1]
+
+
+DECODE_FAMILIES = {
+    "gqa": TINY_FAMILIES["llama"],
+    "mqa, own scale": dataclasses.replace(TINY_FAMILIES["llama"], n_kv_heads=1, attn_scale=0.3),
+    "window ring": TINY_FAMILIES["mistral"],  # a ring of 4 slots, written round more than once
+    "learned positions, biases": TINY_FAMILIES["gpt2"],
+}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("family", list(DECODE_FAMILIES))
+def test_the_loop_blocks_decode_attention_gives_the_lessons_to_float32_rounding(torch_norms, family, batch):
+    calls = []
+    kernel = torch_norms.INSTALLED[0].attention
+    torch_norms.INSTALLED[0].attention = lambda *args: calls.append(args) or kernel(*args)
+    config = DECODE_FAMILIES[family]
+    for step, (got, expected, cache, twin) in enumerate(decode_steps(config, "float32", batch, steps=6)):
+        assert len(calls) == config.n_layers * (step + 1)  # the C++ call ran in every layer of every step
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+        # the new key and value written at their slot, the key rotated as the lesson rotates it (a later
+        # layer's input differs by the earlier layers' rounding)
+        np.testing.assert_allclose(cache.keys.numpy(), twin.keys.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(cache.values.numpy(), twin.values.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(cache.slot_positions.numpy(), twin.slot_positions.numpy())
+        assert cache.length == twin.length
+
+
+def test_a_long_caches_heads_dealt_across_the_threads_give_the_lessons_attention(torch_norms):
+    threads = []
+    kernel = torch_norms.INSTALLED[0].attention
+    torch_norms.INSTALLED[0].attention = lambda *args: threads.append(args[-1]) or kernel(*args)
+    # 4 heads over 2100 slots: past row_loop.cpp's 8192 head-slots, where its heads go to 2 threads
+    for got, expected, cache, twin in decode_steps(LONG, "float32", 1, steps=2, prompt_len=2100):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(cache.keys.numpy(), twin.keys.numpy(), rtol=1e-5, atol=1e-6)
+    assert threads and set(threads) == {2}
+
+
+@pytest.mark.parametrize("case", ["padded", "qk_norm", "float64", "not installed", "grad"])
+def test_the_loop_blocks_run_the_lessons_attention_for_everything_else(torch_norms, case):
+    import torch
+
+    calls: list[tuple[Any, ...]] = []
+    torch_norms.INSTALLED[0].attention = lambda *args: calls.append(args)
+    config = TINY_FAMILIES["qwen3" if case == "qk_norm" else "llama"]
+    pad = torch.tensor([0, 2]) if case == "padded" else None  # the second row's first two tokens are padding
+    if case == "not installed":
+        torch_norms.install_row_products(None)
+    dtype = "float64" if case == "float64" else "float32"
+    got, expected, _, _ = next(decode_steps(config, dtype, 2, steps=2, pad=pad, grad=case == "grad"))
+    assert not calls  # the C++ attention was never asked (a prompt's prefill never asks it either)
+    np.testing.assert_array_equal(got.detach().numpy(), expected.detach().numpy())
+
+
+def test_a_loop_models_float32_blocks_are_loop_blocks_and_float64s_the_lessons(torch_norms):
+    torch_port = port_or_skip("torch")
+    config = TINY_FAMILIES["llama"]
+    tensors = random_weights(config)
+
+    def blocks(dtype: str) -> list[str]:
+        return [type(block).__name__ for block in torch_port.load_model(config, tensors, dtype).blocks]
+
+    assert blocks("float32") == ["LoopBlock"] * config.n_layers
+    assert blocks("float64") == ["Block"] * config.n_layers
+    torch_norms.install_row_products(None)
+    assert blocks("float32") == ["Block"] * config.n_layers

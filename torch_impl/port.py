@@ -20,7 +20,7 @@ from kvports.torch_impl import bandwidth, paged, speculative
 from kvports.torch_impl.fast import onednn
 from kvports.torch_impl.fast.onednn import use_onednn
 from kvports.torch_impl.fast.quant import quantize_model
-from kvports.torch_impl.fast.row_loop import use_loop_norms
+from kvports.torch_impl.fast.row_loop import use_loop_layers
 from kvports.torch_impl.generate import generate_cached, generate_naive, prefill
 from kvports.torch_impl.model import TinyModel, init_cache
 from kvports.torch_impl.paged import init_block_pool as init_block_pool  # the contract's, as paged.py makes it
@@ -118,7 +118,8 @@ def load_model(
     model = model.to(device=resolve_device(device), dtype=TORCH_DTYPES[dtype]).eval()
     # Every linear through the CPU's fastest route at batch 1, float32 weights laid out [in, out] (fast/onednn.py)
     model = use_onednn(model)
-    return use_loop_norms(model)  # at --threads, each float32 norm as one C++ call (fast/row_loop.py)
+    # At --threads, each float32 norm and a decode step's attention as one C++ call (fast/row_loop.py)
+    return use_loop_layers(model)
 
 
 def linear_route(dtype: str, quant: str, device: str) -> str:
