@@ -80,11 +80,16 @@ def thunk_times(model: object, steps: int) -> dict[str, dict[str, tuple[float, f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default=MODES, help=f"comma-separated dtype:quant (default {MODES})")
-    parser.add_argument("--threads", type=int, default=None, help="JAX's thread pool (default: its own, NPROC)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="JAX's thread pool, and float32's row loop (default: its own pool, XLA's dots)",
+    )
     parser.add_argument("--steps", type=int, default=24, help="decode steps per generation (default 24)")
     parser.add_argument("--top", type=int, default=12, help="kinds of thunk listed per mode (default 12)")
     args = parser.parse_args(argv)
-    from kvports.threads import use_threads
+    from kvports.threads import settle_threads, use_threads
 
     use_threads(args.threads)  # before JAX starts: its pool is sized once
     import jax
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvports.hub import model_path
     from kvports.jax_impl import port
 
+    settle_threads()  # with --threads, the row loop is installed now that the port is loaded
     modes = [tuple(mode.split(":")) for mode in args.modes.split(",")]
     with open_weights(model_path("smollm2")) as file:
         config, tensors = file.config, file.read("float32", quant="q4")  # q4's blocks beside the floats
