@@ -638,3 +638,18 @@ def test_a_loop_models_float32_blocks_are_loop_blocks_and_float64s_the_lessons(t
     assert blocks("float64") == ["Block"] * config.n_layers
     torch_norms.install_row_products(None)
     assert blocks("float32") == ["Block"] * config.n_layers
+
+
+def test_a_cache_of_another_batch_gets_the_lessons_error_and_never_the_cpp_call(torch_norms):
+    import torch
+
+    from kvports.torch_impl.model import init_cache
+
+    torch_port = port_or_skip("torch")
+    config = TINY_FAMILIES["llama"]
+    model = torch_port.load_model(config, random_weights(config), "float32")
+    calls: list[tuple[Any, ...]] = []
+    torch_norms.INSTALLED[0].attention = lambda *args: calls.append(args)
+    with torch.inference_mode(), pytest.raises(RuntimeError):
+        model(torch.tensor([[3]]), init_cache(config, 2, 8, torch.float32))  # one row's step, a cache of two
+    assert not calls  # the C++ call, which trusts the shapes, was never made

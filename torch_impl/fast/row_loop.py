@@ -230,10 +230,13 @@ def decode_attention(
 ) -> torch.Tensor | None:
     """model.py's Block.attention of one new token a row, x [B, 1, D], with every filled slot visible
     (mask None) over a float32 KVCache: its two products, and between them one C++ call (row_loop.cpp's
-    decode_attention) -> [B, 1, D]. None where it does not run: a prompt, a mask, another cache, the
-    queries' and keys' own norms (qk_norm), float64, gradients, inductor's tracing, no loop installed."""
+    decode_attention) -> [B, 1, D]. None where it does not run: a prompt, more than LOOP_ROWS rows, a
+    mask, another cache or one of other shapes than this step's, the queries' and keys' own norms
+    (qk_norm), float64, gradients, inductor's tracing, no loop installed. The C++ reads and writes
+    through pointers, so every shape it relies on is checked here; the lesson's attention names a mismatch."""
     B, T, _ = x.shape
     config = block.config
+    H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
     plain = (
         not INSTALLED
         or T != 1
@@ -242,16 +245,19 @@ def decode_attention(
         or config.qk_norm
         or not in_reach(x, cache.keys)
         or not (cache.keys.is_contiguous() and cache.values.is_contiguous())
-        or (
-            rope is not None
-            and not all(t.dtype == torch.float32 and t.is_contiguous() and t.shape[0] == 1 for t in rope)
-        )
+        or cache.values.dtype != torch.float32
+        or cache.values.shape != cache.keys.shape
+        or not (0 <= layer < cache.keys.shape[0])
+        or (cache.keys.shape[1], cache.keys.shape[2], cache.keys.shape[4]) != (B, Hkv, Dh)
+        or (rope is not None and not all(t.dtype == torch.float32 and t.shape == (1, 1, 1, Dh) for t in rope))
+        or (rope is not None and not all(t.is_contiguous() for t in rope))
     )
     if plain:
         return None
     assert cache is not None
-    H, Hkv, Dh = config.n_heads, config.kv_heads, config.head_dim
     qkv = block.qkv(x).contiguous()  # [B, 1, (H + 2 Hkv) Dh]: q heads, k heads, v heads
+    if qkv.shape != (B, 1, (H + 2 * Hkv) * Dh) or qkv.dtype != torch.float32:
+        return None  # not this config's heads: the lesson's attention computes it again and names what is wrong
     # cos, sin [1, 1, 1, Dh]: no row is padded, so every row's position is the same
     cos, sin = (0, 0) if rope is None else (rope[0].data_ptr(), rope[1].data_ptr())
     slots = cache.keys.shape[3]
