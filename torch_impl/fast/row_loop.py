@@ -249,8 +249,7 @@ def decode_attention(
         or cache.values.shape != cache.keys.shape
         or not (0 <= layer < cache.keys.shape[0])
         or (cache.keys.shape[1], cache.keys.shape[2], cache.keys.shape[4]) != (B, Hkv, Dh)
-        or (rope is not None and not all(t.dtype == torch.float32 and t.shape == (1, 1, 1, Dh) for t in rope))
-        or (rope is not None and not all(t.is_contiguous() for t in rope))
+        or not all(t.dtype == torch.float32 and t.shape == (1, 1, 1, Dh) and t.is_contiguous() for t in rope or ())
     )
     if plain:
         return None
